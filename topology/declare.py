@@ -1,0 +1,48 @@
+"""Declare (or delete) a topology on a broker through a pika BlockingChannel."""
+
+from pika.exceptions import ChannelClosedByBroker
+
+from .model import Topology
+
+
+class TopologyConflict(RuntimeError):
+    """The broker holds an object of the same name declared with other arguments."""
+
+
+def declare(channel, topology: Topology) -> None:
+    """Idempotent: declaring the same topology again changes nothing."""
+    for what, name, call in _steps(channel, topology):
+        try:
+            call()
+        except ChannelClosedByBroker as exc:
+            if exc.reply_code == 406:
+                raise TopologyConflict(
+                    f"{what} {name!r} already exists with other arguments ({exc.reply_text}). "
+                    "Queue and exchange arguments cannot change once declared: keep the old "
+                    "settings, or use a new prefix and move over when the old chain is empty."
+                ) from exc
+            raise
+
+
+def _steps(channel, topology: Topology):
+    for e in topology.exchanges:
+        yield "exchange", e.name, lambda e=e: channel.exchange_declare(
+            e.name, e.type, durable=True, arguments=dict(e.arguments))
+    for q in topology.queues:
+        yield "queue", q.name, lambda q=q: channel.queue_declare(
+            q.name, durable=True, arguments=dict(q.arguments))
+    for b in topology.bindings:
+        if b.destination_type == "queue":
+            yield "binding", b.destination, lambda b=b: channel.queue_bind(
+                b.destination, b.source, routing_key=b.routing_key)
+        else:
+            yield "binding", b.destination, lambda b=b: channel.exchange_bind(
+                b.destination, b.source, routing_key=b.routing_key)
+
+
+def delete(channel, topology: Topology) -> None:
+    """Remove every queue and exchange of the topology, with the messages they hold."""
+    for q in topology.queues:
+        channel.queue_delete(q.name)
+    for e in topology.exchanges:
+        channel.exchange_delete(e.name)
