@@ -1,0 +1,92 @@
+"""The gateway's three consumers, as functions from a delivery to a Forward.
+
+check-in:    read the due time, pick meditation, a level of the chain, or the distributor.
+distributor: hold until due, restore the user's routing key and properties, publish to
+             pick-up.
+parking:     say why a message could not go on, and park it.
+"""
+
+from typing import Callable
+
+from topology import ChainSettings, Enter, Meditate, plan
+from topology.names import Names
+
+from . import envelope
+from .actions import Delivery, Forward
+
+Clock = Callable[[], int]
+
+
+def park(names: Names, d: Delivery, reason: str) -> Forward:
+    key = (d.properties.headers or {}).get(envelope.ROUTING_KEY, d.routing_key)
+    return Forward(names.parked, key if isinstance(key, str) else d.routing_key,
+                   envelope.internal(d.properties, d.routing_key, error=reason),
+                   d.body, "parked", reason=reason)
+
+
+class CheckIn:
+    def __init__(self, chain: ChainSettings, lead_ms: int, clock: Clock) -> None:
+        self.chain, self.lead_ms, self.clock = chain, lead_ms, clock
+
+    def __call__(self, d: Delivery) -> Forward:
+        names = self.chain.names
+        now = self.clock()
+        try:
+            due = envelope.due_at(d.properties.headers, now)
+        except envelope.Unreadable as exc:
+            return park(names, d, str(exc))
+        properties = envelope.internal(d.properties, d.routing_key, due_ms=due)
+        route = plan(due - now, self.chain, self.lead_ms)
+        if isinstance(route, Meditate):
+            return Forward(names.meditation, "", properties, d.body, "meditation")
+        if isinstance(route, Enter):
+            return Forward(names.level(route.level), route.key, properties, d.body, "chain")
+        return Forward(names.distributor, "", properties, d.body, "distributor")
+
+
+class Distributor:
+    def __init__(self, chain: ChainSettings, lead_ms: int, clock: Clock, max_hold_ms: int = 0) -> None:
+        self.names, self.clock = chain.names, clock
+        # A message should reach us at most one unit (plus the lead) before it is due. One
+        # much earlier (clocks far apart, or published here by hand) goes back to check-in
+        # instead of sitting in our memory.
+        self.max_hold_ms = max(max_hold_ms, 10 * (chain.resolution_ms + lead_ms), 60_000)
+
+    def __call__(self, d: Delivery) -> Forward:
+        now = self.clock()
+        headers = d.properties.headers or {}
+        try:
+            due = envelope.due_at({envelope.DUE_AT: headers[envelope.DUE_AT]}, now) \
+                if envelope.DUE_AT in headers else now
+        except envelope.Unreadable as exc:
+            return park(self.names, d, str(exc))
+        if due - now > self.max_hold_ms:
+            return Forward(self.names.check_in, d.routing_key, envelope.internal(d.properties, d.routing_key),
+                           d.body, "recheck")
+        key, properties = envelope.external(d.properties, d.routing_key)
+        return Forward(self.names.pick_up, key, properties, d.body, "delivered", not_before_ms=due)
+
+
+DEATH_REASONS = {
+    "delivery_limit": "redelivered too often (a consumer kept failing on it)",
+    "expired": "its own expiration ran out before the gateway read it",
+    "rejected": "rejected by a consumer",
+    "maxlen": "the queue was full",
+}
+
+
+def why_parked(d: Delivery) -> str:
+    deaths = (d.properties.headers or {}).get("x-death")
+    if isinstance(deaths, list) and deaths and isinstance(deaths[0], dict):
+        last = deaths[0]  # the broker puts the most recent death first
+        reason = str(last.get("reason", "?"))
+        return f"dead-lettered from queue {last.get('queue', '?')}: {DEATH_REASONS.get(reason, reason)}"
+    return f"unroutable: no queue bound to exchange {d.exchange!r} matches routing key {d.routing_key!r}"
+
+
+class Parking:
+    def __init__(self, names: Names) -> None:
+        self.names = names
+
+    def __call__(self, d: Delivery) -> Forward:
+        return park(self.names, d, why_parked(d))

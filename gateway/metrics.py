@@ -1,0 +1,25 @@
+"""Prometheus metrics of one gateway process."""
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+LATENESS_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.forwarded = Counter(
+            "delay_gateway_messages", "Messages forwarded, by consumer and outcome",
+            ["queue", "outcome"], registry=self.registry)
+        self.parked = Counter(
+            "delay_gateway_parked", "Messages parked, by the consumer that parked them",
+            ["queue"], registry=self.registry)
+        self.lateness = Histogram(
+            "delay_gateway_lateness_seconds", "How long after its due time a message was published to pick-up",
+            buckets=LATENESS_BUCKETS, registry=self.registry)
+        self.held = Gauge(
+            "delay_gateway_held_messages", "Messages the distributor holds until their due time",
+            registry=self.registry)
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
+        start_http_server(port, addr=addr, registry=self.registry)
