@@ -1,0 +1,55 @@
+import socket
+from urllib.parse import urlsplit
+
+import pytest
+
+from topology import ChainSettings
+
+from .support import GatewayProcess, broker_url, declared, remove, unique_prefix
+
+
+@pytest.fixture(scope="session")
+def broker() -> str:
+    """A reachable broker, or a failure that says how to get one (never a skip)."""
+    url = broker_url()
+    parts = urlsplit(url)
+    try:
+        socket.create_connection((parts.hostname, parts.port or 5672), timeout=3).close()
+    except OSError as exc:
+        pytest.fail(f"no RabbitMQ at {parts.hostname}:{parts.port or 5672} ({exc}); "
+                    "run scripts/ensure-rabbitmq or set DELAY_GATEWAY_URL", pytrace=False)
+    return url
+
+
+@pytest.fixture
+def make_chain(broker):
+    """Declare a fresh chain with a unique prefix; delete it after the test."""
+    made = []
+
+    def make(**settings) -> ChainSettings:
+        settings.setdefault("prefix", unique_prefix())
+        chain = declared(ChainSettings(**settings))
+        made.append(chain)
+        return chain
+
+    yield make
+    for chain in made:
+        remove(chain)
+
+
+@pytest.fixture
+def run_gateway():
+    """Start `delay-gateway run` processes; they are stopped after the test."""
+    started = []
+
+    def start(chain, *extra, pipes=None, **kwargs) -> GatewayProcess:
+        process = GatewayProcess(chain, *extra, **kwargs)
+        started.append(process)
+        role_pipes = {"check-in": 1, "distributor": 2}
+        role = extra[extra.index("--role") + 1] if "--role" in extra else "all"
+        return process.wait_consuming(pipes or role_pipes.get(role, 3))
+
+    yield start
+    for process in started:
+        if process.proc.poll() is None:
+            process.terminate()

@@ -1,0 +1,155 @@
+"""Helpers for tests that talk to a real broker and run the real gateway process."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import pika
+
+from gateway.settings import DEFAULT_URL
+from topology import ChainSettings, build
+from topology.declare import declare, delete
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def broker_url() -> str:
+    return os.environ.get("DELAY_GATEWAY_URL", DEFAULT_URL).split(",")[0]
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def unique_prefix() -> str:
+    return "t" + uuid.uuid4().hex[:10]
+
+
+def connect(url: Optional[str] = None) -> pika.BlockingConnection:
+    return pika.BlockingConnection(pika.URLParameters(url or broker_url()))
+
+
+def chain_args(chain: ChainSettings) -> List[str]:
+    return ["--prefix", chain.prefix, "--max-level", str(chain.max_level),
+            "--resolution-ms", str(chain.resolution_ms), "--queue-type", chain.queue_type,
+            "--zero-bits", chain.zero_bits]
+
+
+class GatewayProcess:
+    """`delay-gateway run` in a subprocess; its JSON log lines are collected."""
+
+    def __init__(self, chain: ChainSettings, *extra: str, url: Optional[str] = None,
+                 env: Optional[Dict[str, str]] = None) -> None:
+        self.chain = chain
+        self.lines: List[dict] = []
+        self.raw: List[str] = []
+        full_env = dict(os.environ, **(env or {}))
+        full_env["DELAY_GATEWAY_URL"] = url or broker_url()
+        full_env.setdefault("PYTHONUNBUFFERED", "1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "run", *chain_args(chain), "--log-format", "json", *extra],
+            cwd=ROOT, env=full_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.raw.append(line)
+            try:
+                self.lines.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+
+    def events(self, name: str) -> List[dict]:
+        return [entry for entry in list(self.lines) if entry.get("event") == name]
+
+    def wait_consuming(self, pipes: int = 3, timeout: float = 20) -> "GatewayProcess":
+        deadline = time.monotonic() + timeout
+        while len(self.events("consuming")) < pipes:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gateway exited with {self.proc.returncode}:\n{''.join(self.raw)}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"gateway not consuming after {timeout}s:\n{''.join(self.raw)}")
+            time.sleep(0.05)
+        return self
+
+    def terminate(self, timeout: float = 20) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self._reader.join(timeout=2)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+@dataclass
+class Received:
+    routing_key: str
+    properties: pika.BasicProperties
+    body: bytes
+    at_ms: int
+    exchange: str = ""
+
+
+@dataclass
+class Receiver:
+    """A queue bound to pick-up; collects what arrives, with arrival times."""
+
+    chain: ChainSettings
+    pattern: str = "#"
+    messages: List[Received] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.connection = connect()
+        self.channel = self.connection.channel()
+        self.queue = self.channel.queue_declare("", exclusive=True).method.queue
+        self.channel.queue_bind(self.queue, self.chain.names.pick_up, self.pattern)
+
+    def collect(self, count: int, timeout: float) -> List[Received]:
+        deadline = time.monotonic() + timeout
+        while len(self.messages) < count and time.monotonic() < deadline:
+            method, properties, body = self.channel.basic_get(self.queue, auto_ack=True)
+            if method is None:
+                self.connection.sleep(0.002)
+                continue
+            self.messages.append(Received(method.routing_key, properties, body, now_ms(), method.exchange))
+        return self.messages
+
+    def close(self) -> None:
+        if self.connection.is_open:
+            self.connection.close()
+
+
+def drain(channel, queue: str) -> List[tuple]:
+    out = []
+    while True:
+        method, properties, body = channel.basic_get(queue, auto_ack=True)
+        if method is None:
+            return out
+        out.append((method, properties, body))
+
+
+def declared(chain: ChainSettings) -> ChainSettings:
+    with connect() as connection:
+        declare(connection.channel(), build(chain))
+    return chain
+
+
+def remove(chain: ChainSettings) -> None:
+    try:
+        with connect() as connection:
+            delete(connection.channel(), build(chain))
+    except pika.exceptions.AMQPError:
+        pass
