@@ -16,7 +16,7 @@ from topology.declare import TopologyConflict, declare, delete
 from topology.definitions import render
 from topology.routing import trace
 
-from . import logs, worker
+from . import codec, logs, worker
 from .amqp import BrokerUnreachable, blocking_channel
 from .metrics import Metrics
 from .publish import Publisher, now_ms, parse_headers
@@ -72,6 +72,7 @@ def parser(environ) -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None, environ=None) -> int:
     environ = os.environ if environ is None else environ
     args = parser(environ).parse_args(argv)
+    codec.install()
     logs.configure(getattr(args, "log_level", "info"), getattr(args, "log_format", "auto"))
     log = structlog.get_logger("gateway")
     try:

@@ -6,12 +6,13 @@ redelivery (a possible duplicate), never a loss. Confirms arrive asynchronously 
 out in batches, so throughput is not bound by round trips.
 """
 
+import struct
 import time
 from typing import Callable, Dict, Optional, Set
 
 import structlog
 from pika import spec
-from pika.exceptions import AMQPError
+from pika.exceptions import AMQPError, ProtocolSyntaxError
 
 from .actions import Delivery, Forward
 from .metrics import Metrics
@@ -134,6 +135,14 @@ class Pipe:
         try:
             self._channel.basic_publish(action.exchange, action.routing_key, action.body,
                                         action.properties)
+        except (ProtocolSyntaxError, struct.error, TypeError, ValueError) as exc:
+            # Its properties cannot be written back. Parking would write them too, so
+            # reject it: the broker dead-letters it to parking, and from there to parked,
+            # without anyone re-encoding it.
+            self._log.error("cannot re-encode message; rejecting to parking", error=repr(exc))
+            self._outstanding.pop(tag, None)
+            self._channel.basic_nack(tag, requeue=False)
+            return
         except AMQPError as exc:  # channel gone: the delivery comes back on reconnect
             self._log.warning("publish failed", error=str(exc))
             return

@@ -53,3 +53,10 @@ def run_gateway():
     for process in started:
         if process.proc.poll() is None:
             process.terminate()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _pika_encodes_floats():
+    """Test publishers send double headers as other clients do (the gateway installs this in main)."""
+    from gateway import codec
+    codec.install()

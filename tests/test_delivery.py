@@ -1,0 +1,157 @@
+"""End to end through the real gateway and broker, in every queue-type x zero-bits mode."""
+
+import urllib.request
+
+import pika
+import pytest
+
+from .support import Receiver, connect, drain, now_ms
+
+MODES = [("quorum", "queue"), ("quorum", "exchange"), ("classic", "queue"), ("classic", "exchange")]
+# A small chain so that long delays need meditation: 3 levels x 100 ms = 700 ms at most.
+SMALL = dict(max_level=3, resolution_ms=100)
+
+
+@pytest.fixture(params=MODES, ids=["-".join(m) for m in MODES])
+def chain(request, make_chain):
+    queue_type, zero_bits = request.param
+    return make_chain(queue_type=queue_type, zero_bits=zero_bits, **SMALL)
+
+
+def publish(chain, messages):
+    """messages: (routing_key, body, BasicProperties) tuples; returns confirm time per body."""
+    sent = {}
+    with connect() as c:
+        ch = c.channel()
+        ch.confirm_delivery()
+        for key, body, properties in messages:
+            ch.basic_publish(chain.names.check_in, key, body, properties, mandatory=True)
+            sent[body] = now_ms()
+    return sent
+
+
+def delayed(ms, **properties):
+    return pika.BasicProperties(headers={"x-delay": ms}, **properties)
+
+
+def test_every_kind_of_delay_arrives_in_due_order_never_early(chain, run_gateway):
+    run_gateway(chain)
+    receiver = Receiver(chain)
+    # 0; below one unit; exactly one level; between levels; the chain's maximum; and
+    # long enough for three meditation cycles (2,600 ms against a 700 ms chain).
+    delays = [0, 60, 250, 430, 720, 1210, 2600]
+    sent = publish(chain, [(f"k.{d}", str(d).encode(), delayed(d)) for d in reversed(delays)])
+    got = receiver.collect(len(delays), timeout=20)
+    assert [m.body for m in got] == [str(d).encode() for d in delays]  # in due order
+    for m in got:
+        assert m.at_ms >= sent[m.body] + int(m.body)  # never early
+        assert m.routing_key == f"k.{int(m.body)}"
+
+
+def test_a_burst_published_in_reverse_comes_out_in_due_order(chain, run_gateway):
+    run_gateway(chain)
+    receiver = Receiver(chain)
+    # 100 ms apart: wider than the lateness jitter of a loaded 2-core machine, so any
+    # inversion is a real ordering fault (lateness itself is measured by the benchmark).
+    start = now_ms() + 400
+    due = [start + 100 * i for i in range(30)]
+    sent = publish(chain, [("burst", str(t).encode(), pika.BasicProperties(headers={"x-deliver-at": t}))
+                           for t in reversed(due)])
+    got = receiver.collect(len(due), timeout=30)
+    assert [int(m.body) for m in got] == due
+    assert all(m.at_ms >= int(m.body) for m in got)
+    assert len(sent) == len(got)
+
+
+def test_what_the_user_sent_survives_exactly(chain, run_gateway):
+    run_gateway(chain)
+    receiver = Receiver(chain)
+    body = bytes(range(256)) * 3
+    headers = {"x-delay": 900, "tenant": "acme", "n": -7, "big": 2**40, "f": 1.5, "list": [1, "two", b"3"],
+               "table": {"deep": {"er": True}}, "raw": b"\x00\xff", "none": None}
+    properties = dict(content_type="application/octet-stream", content_encoding="identity",
+                      correlation_id="corr-1", reply_to="replies", message_id="id-1", timestamp=1_700_000_000,
+                      type="t", app_id="tests", priority=3, delivery_mode=1, expiration="250")
+    keys = ["orders.eu.created", "", "ключ.ü.✓", "a" * 255]
+    publish(chain, [(key, body, pika.BasicProperties(headers=headers, **properties)) for key in keys])
+    got = receiver.collect(len(keys), timeout=15)
+    assert sorted(m.routing_key for m in got) == sorted(keys)
+    for m in got:
+        assert m.body == body
+        assert m.properties.headers == headers  # no x-gateway-*, x-death, x-delivery-count
+        for name, value in properties.items():
+            assert getattr(m.properties, name) == value, name
+
+
+def test_a_short_expiration_does_not_cut_the_delay_short(chain, run_gateway):
+    run_gateway(chain)
+    receiver = Receiver(chain)
+    sent = publish(chain, [("e", b"e", delayed(1500, expiration="200"))])
+    [m] = receiver.collect(1, timeout=10)
+    assert m.at_ms - sent[b"e"] >= 1500
+    assert m.properties.expiration == "200"
+
+
+def test_no_header_means_now(chain, run_gateway):
+    run_gateway(chain)
+    receiver = Receiver(chain)
+    publish(chain, [("now", b"a", pika.BasicProperties()), ("now", b"b", delayed(-3000))])
+    assert sorted(m.body for m in receiver.collect(2, timeout=10)) == [b"a", b"b"]
+
+
+def test_unreadable_delays_are_parked_with_a_reason(chain, run_gateway):
+    gateway = run_gateway(chain, "--metrics-port", "0")
+    publish(chain, [("bad.1", b"1", delayed("soon")),
+                    ("bad.2", b"2", pika.BasicProperties(headers={"x-deliver-at": 1_700_000_000})),
+                    ("bad.3", b"3", pika.BasicProperties(headers={"x-delay": 10, "x-deliver-at": now_ms() + 9**9}))])
+    parked = wait_parked(chain, 3)
+    reasons = {body: p.headers["x-gateway-error"] for _, p, body in parked}
+    assert "not a number" in reasons[b"1"]
+    assert "epoch seconds" in reasons[b"2"]
+    assert "disagree" in reasons[b"3"]
+    assert {m.routing_key for m, _, _ in parked} == {"bad.1", "bad.2", "bad.3"}
+    assert len(gateway.events("parked")) == 3
+
+
+def test_a_due_message_nobody_is_bound_for_is_parked(chain, run_gateway):
+    run_gateway(chain)
+    receiver = Receiver(chain, pattern="bound.#")
+    publish(chain, [("unbound.key", b"lost?", delayed(300)), ("bound.key", b"fine", delayed(400))])
+    assert [m.body for m in receiver.collect(1, timeout=10)] == [b"fine"]
+    [(method, properties, body)] = wait_parked(chain, 1)
+    assert body == b"lost?" and method.routing_key == "unbound.key"
+    assert "no queue bound" in properties.headers["x-gateway-error"]
+    assert chain.names.pick_up in properties.headers["x-gateway-error"]
+
+
+def wait_parked(chain, count, timeout=10.0):
+    with connect() as c:
+        ch = c.channel()
+        got = []
+        deadline = now_ms() + timeout * 1000
+        while len(got) < count and now_ms() < deadline:
+            got += drain(ch, chain.names.parked)
+            c.sleep(0.05)
+        return got
+
+
+def test_competing_gateways_deliver_each_message_once(make_chain, run_gateway):
+    chain = make_chain(**SMALL)
+    run_gateway(chain)
+    run_gateway(chain)
+    receiver = Receiver(chain)
+    n = 300
+    publish(chain, [("c", str(i).encode(), delayed(i * 7 % 1500)) for i in range(n)])
+    got = receiver.collect(n, timeout=20)
+    receiver.collect(n + 1, timeout=1)  # nothing more may come
+    assert sorted(int(m.body) for m in receiver.messages) == list(range(n))
+
+
+def test_parks_are_counted_in_the_metrics(make_chain, run_gateway):
+    chain = make_chain(**SMALL)
+    port = 19000 + now_ms() % 1000
+    run_gateway(chain, "--metrics-port", str(port))
+    publish(chain, [("m", b"x", delayed("later"))])
+    wait_parked(chain, 1)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert f'delay_gateway_parked_total{{queue="{chain.names.check_in}"}} 1.0' in text
