@@ -1,0 +1,65 @@
+"""`delay-gateway demo`: start the gateway, publish a few delayed messages, show them arrive."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from topology import build
+from topology.declare import declare
+
+from .amqp import blocking_channel
+from .publish import Publisher, now_ms
+from .settings import chain_from, urls_from
+
+
+def demo(args) -> int:
+    chain, url = chain_from(args), urls_from(args)[0]
+    delays = [int(d) for d in args.delays.split(",")]
+    with blocking_channel(url, "delay-gateway demo") as channel:
+        declare(channel, build(chain))
+        queue = channel.queue_declare("", exclusive=True).method.queue
+        channel.queue_bind(queue, chain.names.pick_up, "demo.#")
+        gateway = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "run", "--url", url, "--prefix", chain.prefix,
+             "--max-level", str(chain.max_level), "--resolution-ms", str(chain.resolution_ms),
+             "--queue-type", chain.queue_type, "--zero-bits", chain.zero_bits, "--log-level", "warning"],
+            env=dict(os.environ, DELAY_GATEWAY_URL=url))
+        try:
+            time.sleep(1.0)  # let the consumers attach (messages would wait for them anyway)
+            publisher = Publisher(channel, chain)
+            print(f"publishing {len(delays)} messages to {chain.names.check_in}; "
+                  f"receiving from {chain.names.pick_up} (binding demo.#)\n")
+            sent = {}
+            for i, delay in enumerate(delays):
+                key = f"demo.{i}"
+                publisher.send(f"message {i}".encode(), key, delay_ms=delay, message_id=key)
+                sent[key] = (now_ms(), delay)
+            print(f"{'routing key':<12} {'x-delay':>9} {'arrived after':>14} {'late by':>8}")
+            late, order = [], []
+            for method, properties, body in channel.consume(queue, auto_ack=True, inactivity_timeout=1):
+                if method is None:
+                    if gateway.poll() is not None:
+                        print("the gateway exited early", file=sys.stderr)
+                        return 1
+                    if now_ms() - max(t + d for t, d in sent.values()) > 30_000:
+                        print("timed out waiting for messages", file=sys.stderr)
+                        return 1
+                    continue
+                at, delay = sent[method.routing_key]
+                waited = now_ms() - at
+                late.append(waited - delay)
+                order.append(delay)
+                print(f"{method.routing_key:<12} {delay:>7} ms {waited:>11} ms {waited - delay:>5} ms")
+                if len(late) == len(sent):
+                    break
+            channel.cancel()
+            in_order = order == sorted(order)
+            early = sum(1 for x in late if x < 0)
+            print(f"\n{len(late)} delivered, {'in' if in_order else 'NOT in'} due order, {early} early; "
+                  f"lateness {min(late)} to {max(late)} ms (from the publisher's confirm)")
+            return 0 if in_order and not early else 1
+        finally:
+            gateway.send_signal(signal.SIGTERM)
+            gateway.wait(30)
