@@ -89,6 +89,12 @@ def due_at(headers: Optional[dict], now_ms: int) -> int:
     return max(due, default=now_ms)
 
 
+def fixed_due_at(headers: Optional[dict], now_ms: int) -> int:
+    """The due time check-in fixed; now if there is none (published past check-in by hand)."""
+    headers = headers or {}
+    return _as_ms(DUE_AT, headers[DUE_AT]) if DUE_AT in headers else now_ms
+
+
 def is_broker_header(name: str) -> bool:
     """Headers the broker adds: dead-letter history, and quorum queues' delivery count."""
     return name in ("x-death", "x-delivery-count") or name.startswith(("x-first-death-", "x-last-death-"))

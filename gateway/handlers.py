@@ -45,19 +45,17 @@ class CheckIn:
 
 
 class Distributor:
-    def __init__(self, chain: ChainSettings, lead_ms: int, clock: Clock, max_hold_ms: int = 0) -> None:
+    def __init__(self, chain: ChainSettings, lead_ms: int, clock: Clock) -> None:
         self.names, self.clock = chain.names, clock
         # A message should reach us at most one unit (plus the lead) before it is due. One
         # much earlier (clocks far apart, or published here by hand) goes back to check-in
         # instead of sitting in our memory.
-        self.max_hold_ms = max(max_hold_ms, 10 * (chain.resolution_ms + lead_ms), 60_000)
+        self.max_hold_ms = max(10 * (chain.resolution_ms + lead_ms), 60_000)
 
     def __call__(self, d: Delivery) -> Forward:
         now = self.clock()
-        headers = d.properties.headers or {}
         try:
-            due = envelope.due_at({envelope.DUE_AT: headers[envelope.DUE_AT]}, now) \
-                if envelope.DUE_AT in headers else now
+            due = envelope.fixed_due_at(d.properties.headers, now)
         except envelope.Unreadable as exc:
             return park(self.names, d, str(exc))
         if due - now > self.max_hold_ms:

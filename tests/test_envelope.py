@@ -109,3 +109,11 @@ def test_external_restores_what_internal_set_aside(key, headers, expiration, mod
     for name in ("content_type", "content_encoding", "priority", "correlation_id", "reply_to",
                  "message_id", "timestamp", "type", "app_id"):
         assert getattr(restored, name) == getattr(expected, name), name
+
+
+def test_the_distributor_reads_only_the_due_time_check_in_fixed():
+    from gateway.envelope import fixed_due_at
+    assert fixed_due_at({"x-gateway-due-at": NOW + 5, "x-delay": 10**6}, NOW) == NOW + 5
+    assert fixed_due_at({"x-delay": 10**6}, NOW) == NOW
+    with pytest.raises(Unreadable):
+        fixed_due_at({"x-gateway-due-at": "later"}, NOW)
