@@ -110,9 +110,10 @@ class Receiver:
     chain: ChainSettings
     pattern: str = "#"
     messages: List[Received] = field(default_factory=list)
+    url: Optional[str] = None  # another broker than the main one
 
     def __post_init__(self) -> None:
-        self.connection = connect()
+        self.connection = connect(self.url)
         self.channel = self.connection.channel()
         self.queue = self.channel.queue_declare("", exclusive=True).method.queue
         self.channel.queue_bind(self.queue, self.chain.names.pick_up, self.pattern)
@@ -141,15 +142,15 @@ def drain(channel, queue: str) -> List[tuple]:
         out.append((method, properties, body))
 
 
-def declared(chain: ChainSettings) -> ChainSettings:
-    with connect() as connection:
+def declared(chain: ChainSettings, url: Optional[str] = None) -> ChainSettings:
+    with connect(url) as connection:
         declare(connection.channel(), build(chain))
     return chain
 
 
-def remove(chain: ChainSettings) -> None:
+def remove(chain: ChainSettings, url: Optional[str] = None) -> None:
     try:
-        with connect() as connection:
+        with connect(url) as connection:
             delete(connection.channel(), build(chain))
     except pika.exceptions.AMQPError:
         pass

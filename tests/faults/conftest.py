@@ -1,0 +1,108 @@
+"""Fixtures for the fault tests: private broker nodes, chains on them, and a figures report.
+
+Every fault test reports its figures (sent, faults, lost, early, duplicates) through
+`fault_report`; they are printed in pytest's terminal summary whether or not -s is given,
+and attached to the test as a property (for JUnit XML).
+"""
+
+import os
+import tempfile
+from typing import List
+
+import pytest
+
+from topology import ChainSettings
+
+from ..support import declared, remove, unique_prefix
+from .load import Figures
+from .nodes import Cluster, NodeError, unique_names
+
+_FIGURES: List[str] = []
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _FIGURES:
+        terminalreporter.section("fault figures")
+        for line in _FIGURES:
+            terminalreporter.write_line(line)
+
+
+@pytest.fixture
+def fault_report(record_property):
+    def report(figures: Figures) -> Figures:
+        line = figures.line()
+        _FIGURES.append(line)
+        print(line)
+        record_property("fault_figures", line)
+        return figures
+    return report
+
+
+@pytest.fixture(scope="session")
+def tls_files():
+    """A CA, a server certificate for localhost and a client certificate, made by trustme."""
+    import trustme
+    directory = tempfile.mkdtemp(prefix="delay-gateway-tls-")
+    ca = trustme.CA()
+    server = ca.issue_cert("localhost", "127.0.0.1")
+    client = ca.issue_cert("delay-gateway-client")
+    files = {"ca": os.path.join(directory, "ca.pem"), "cert": os.path.join(directory, "server.pem"),
+             "key": os.path.join(directory, "server.key"), "client": os.path.join(directory, "client.pem")}
+    ca.cert_pem.write_to_path(files["ca"])
+    server.cert_chain_pems[0].write_to_path(files["cert"])
+    server.private_key_pem.write_to_path(files["key"])
+    client.private_key_and_cert_chain_pem.write_to_path(files["client"])
+    for path in files.values():
+        os.chmod(path, 0o644)
+    return files
+
+
+@pytest.fixture(scope="session")
+def own_cluster(tls_files):
+    """One private node (AMQP and a TLS listener) for the tests that disturb a broker."""
+    from .nodes import free_port
+    tls_port = free_port()
+    cluster = Cluster(unique_names(1), extra_config=[
+        f"listeners.ssl.default = 127.0.0.1:{tls_port}",
+        f"ssl_options.cacertfile = {tls_files['ca']}",
+        f"ssl_options.certfile = {tls_files['cert']}",
+        f"ssl_options.keyfile = {tls_files['key']}",
+        "ssl_options.verify = verify_peer",
+        "ssl_options.fail_if_no_peer_cert = false",
+    ])
+    cluster.tls_port = tls_port
+    try:
+        cluster.start()
+    except NodeError as exc:
+        cluster.close()
+        pytest.fail(f"cannot start a private RabbitMQ node: {exc}", pytrace=False)
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture
+def own_node(own_cluster):
+    """The private node, running and without alarms, whatever the test before did to it."""
+    node = own_cluster.nodes[0]
+    if node.process is None or node.process.poll() is not None:
+        node.start()
+    node.ctl("set_vm_memory_high_watermark", "0.9", check=False)
+    node.tls_port = own_cluster.tls_port
+    return node
+
+
+@pytest.fixture
+def node_chain(own_node):
+    """Declare a chain with a unique prefix on the private node; delete it after."""
+    made = []
+
+    def make(**settings) -> ChainSettings:
+        settings.setdefault("prefix", unique_prefix())
+        chain = declared(ChainSettings(**settings), own_node.url)
+        made.append(chain)
+        return chain
+
+    yield make
+    if own_node.process is not None and own_node.process.poll() is None:
+        for chain in made:
+            remove(chain, own_node.url)

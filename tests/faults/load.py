@@ -1,0 +1,162 @@
+"""Publish many delayed messages, collect them at pick-up across faults, and count.
+
+Every message carries its own id and the earliest moment it may arrive (the publisher's
+clock read before the publish, plus the delay: the gateway's due time can only be later).
+A message that arrives before that moment is early; one never received is lost.
+"""
+
+import random
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import pika
+from pika.exceptions import AMQPError
+
+from topology import ChainSettings
+
+from ..support import now_ms
+
+SENT_AT = "x-test-sent-at"
+
+
+def connect_any(urls: Sequence[str], attempts: int = 200, pause: float = 0.25) -> pika.BlockingConnection:
+    """The first of `urls` that answers, retrying while brokers come back."""
+    last = None
+    for i in range(attempts):
+        url = urls[i % len(urls)]
+        try:
+            params = pika.URLParameters(url)
+            params.connection_attempts, params.socket_timeout = 1, 2
+            return pika.BlockingConnection(params)
+        except AMQPError as exc:
+            last = exc
+            time.sleep(pause)
+    raise RuntimeError(f"no broker answered at {urls}: {last!r}")
+
+
+@dataclass
+class Sent:
+    message_id: str
+    not_before_ms: int
+    delay_ms: int
+
+
+def publish(urls: Sequence[str], chain: ChainSettings, delays: Sequence[int], routing_key: str = "load",
+            body: bytes = b"x") -> List[Sent]:
+    """Publish with confirms; a message counts as sent once the broker confirmed it."""
+    sent: List[Sent] = []
+    connection = connect_any(urls)
+    channel = connection.channel()
+    channel.confirm_delivery()
+    for delay in delays:
+        message_id = uuid.uuid4().hex
+        before = now_ms()
+        channel.basic_publish(chain.names.check_in, routing_key, body, pika.BasicProperties(
+            message_id=message_id, delivery_mode=2, headers={"x-delay": delay, SENT_AT: before}),
+            mandatory=True)
+        sent.append(Sent(message_id, before + max(delay, 0), delay))
+    connection.close()
+    return sent
+
+
+def mixed_delays(count: int, longest_ms: int, seed: int = 4) -> List[int]:
+    """Delays from 0 to `longest_ms`: a tenth immediate, the rest spread evenly."""
+    rng = random.Random(seed)
+    return [0 if rng.random() < 0.1 else rng.randint(1, longest_ms) for _ in range(count)]
+
+
+class Sink:
+    """A durable queue bound to pick-up, consumed with manual acks, reconnecting to any of
+    `urls` when its broker goes away (a redelivery then shows up as a duplicate, so the
+    duplicate figure is an upper bound on the gateway's own)."""
+
+    def __init__(self, urls: Sequence[str], chain: ChainSettings, pattern: str = "#",
+                 queue_type: str = "quorum") -> None:
+        self.urls, self.chain, self.pattern = list(urls), chain, pattern
+        self.queue = f"{chain.prefix}.test-sink"
+        self.arrivals: Dict[str, List[int]] = {}
+        self.total = 0
+        self.reconnects = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        with connect_any(self.urls) as connection:
+            channel = connection.channel()
+            channel.queue_declare(self.queue, durable=True, arguments={"x-queue-type": queue_type})
+            channel.queue_bind(self.queue, chain.names.pick_up, pattern)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                connection = connect_any(self.urls)
+                channel = connection.channel()
+                channel.basic_qos(prefetch_count=500)
+                channel.basic_consume(self.queue, self._on_message)
+                while not self._stop.is_set():
+                    connection.process_data_events(time_limit=0.05)
+                connection.close()
+            except (AMQPError, RuntimeError):
+                self.reconnects += 1
+                time.sleep(0.2)
+
+    def _on_message(self, channel, method, properties, body) -> None:
+        at = now_ms()
+        with self._lock:
+            self.total += 1
+            self.arrivals.setdefault(properties.message_id, []).append(at)
+        channel.basic_ack(method.delivery_tag)
+
+    def wait_for(self, ids: Sequence[str], timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        wanted = set(ids)
+        while time.monotonic() < deadline:
+            with self._lock:
+                if wanted <= self.arrivals.keys():
+                    return True
+            time.sleep(0.1)
+        return False
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def delete(self) -> None:
+        try:
+            with connect_any(self.urls, attempts=4) as connection:
+                connection.channel().queue_delete(self.queue)
+        except (AMQPError, RuntimeError):
+            pass
+
+
+@dataclass
+class Figures:
+    name: str
+    sent: int
+    faults: int
+    lost: int
+    early: int
+    duplicates: int
+    extra: Dict[str, object] = field(default_factory=dict)
+    lost_ids: List[str] = field(default_factory=list)
+    early_ids: List[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        more = "".join(f" {k}={v}" for k, v in self.extra.items())
+        return (f"FAULTS {self.name}: sent={self.sent} faults={self.faults} lost={self.lost} "
+                f"early={self.early} dup={self.duplicates}{more}")
+
+
+def count(name: str, sent: Sequence[Sent], sink: Sink, faults: int, **extra) -> Figures:
+    with sink._lock:
+        arrivals = {k: list(v) for k, v in sink.arrivals.items()}
+    lost = [s.message_id for s in sent if s.message_id not in arrivals]
+    early = [s.message_id for s in sent if s.message_id in arrivals
+             and min(arrivals[s.message_id]) < s.not_before_ms]
+    ids = {s.message_id for s in sent}
+    duplicates = sum(len(v) - 1 for k, v in arrivals.items() if k in ids)
+    return Figures(name, len(sent), faults, len(lost), len(early), duplicates, dict(extra),
+                   lost[:10], early[:10])
