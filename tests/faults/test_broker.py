@@ -1,0 +1,121 @@
+"""Faults of the broker itself, on a private node: a restart with messages waiting in
+every part of the chain, connections closed by the broker, a broker that is down when the
+gateway starts, and a memory alarm that blocks publishers."""
+
+import time
+
+import pytest
+
+from ..support import GatewayProcess
+from .load import Sink, count, mixed_delays, publish
+
+
+def queue_depths(node, prefix: str) -> dict:
+    out = node.ctl("list_queues", "-q", "--no-table-headers", "name", "messages").stdout
+    depths = {}
+    for line in out.splitlines():
+        name, _, messages = line.rpartition("\t")
+        if name.startswith(prefix + "."):
+            depths[name[len(prefix) + 1:]] = int(messages)
+    return depths
+
+
+def wait_until(condition, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not true after {timeout}s")
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("queue_type", ["quorum", "classic"])
+def test_broker_restart_with_messages_everywhere(own_node, node_chain, fault_report, queue_type):
+    # Levels of 0.2, 0.4, 0.8, 1.6 s; meditation 3 s. Delays up to 9 s put messages in
+    # every level, in meditation, and (held) in the distributor when the broker goes down.
+    chain = node_chain(max_level=4, resolution_ms=200, queue_type=queue_type)
+    sink = Sink([own_node.url], chain)
+    gateway = GatewayProcess(chain, url=own_node.url).wait_consuming()
+    try:
+        sent = publish([own_node.url], chain, mixed_delays(1500, 9000, seed=7))
+        deadline = time.monotonic() + 10
+        while True:
+            depths = queue_depths(own_node, chain.prefix)
+            waiting = [q for q in ["meditation", "distributor"] + [f"level.{k:02d}.delay" for k in range(4)]
+                       if depths.get(q, 0) == 0]
+            if not waiting or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert not waiting, f"no messages in {waiting} before the restart: {depths}"
+        own_node.restart()
+        delivered = sink.wait_for([s.message_id for s in sent], timeout=60)
+        reconnected = len(gateway.events("connected"))
+    finally:
+        code = gateway.terminate()
+        sink.close()
+        sink.delete()
+    figures = fault_report(count(f"broker-restart-{queue_type}", sent, sink, 1,
+                                 waiting_at_restart=sum(depths.values())))
+    assert code == 0 and reconnected >= 2
+    assert delivered and figures.lost == 0, figures.lost_ids
+    assert figures.early == 0, figures.early_ids
+
+
+def test_broker_down_at_start_and_connections_closed(own_node, node_chain, fault_report):
+    chain = node_chain(max_level=4, resolution_ms=100)
+    own_node.stop()
+    gateway = GatewayProcess(chain, url=own_node.url)
+    try:
+        deadline = time.monotonic() + 15
+        while len(gateway.events("broker unreachable; retrying")) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        retries = gateway.events("broker unreachable; retrying")
+        assert len(retries) >= 3 and gateway.proc.poll() is None, "".join(gateway.raw)
+        own_node.start()
+        gateway.wait_consuming(timeout=30)
+        sink = Sink([own_node.url], chain)
+        sent = publish([own_node.url], chain, mixed_delays(1500, 3000, seed=3))
+        closes = 0
+        for _ in range(3):
+            time.sleep(0.7)
+            # Close only once the gateway is back, so each close hits a live connection.
+            wait_until(lambda: len(gateway.events("connected")) >= 1 + closes, 20)
+            own_node.ctl("close_all_connections", "fault test")
+            closes += 1
+        delivered = sink.wait_for([s.message_id for s in sent], timeout=60)
+        wait_until(lambda: len(gateway.events("connected")) >= 1 + closes, 20)
+        connected = len(gateway.events("connected"))
+    finally:
+        code = gateway.terminate()
+        sink.close()
+        sink.delete()
+    figures = fault_report(count("down-at-start+close_all_connections", sent, sink, 1 + closes,
+                                 retries_while_down=len(retries)))
+    assert code == 0 and connected >= 1 + closes
+    assert delivered and figures.lost == 0, figures.lost_ids
+    assert figures.early == 0, figures.early_ids
+
+
+def test_memory_alarm_blocks_then_resumes(own_node, node_chain, fault_report):
+    chain = node_chain(max_level=4, resolution_ms=100)
+    sink = Sink([own_node.url], chain)
+    gateway = GatewayProcess(chain, url=own_node.url).wait_consuming()
+    try:
+        sent = publish([own_node.url], chain, mixed_delays(1000, 2500, seed=5))
+        own_node.ctl("set_vm_memory_high_watermark", "0.0001")
+        time.sleep(0.5)  # what was already on its way to the sink
+        before = sink.total
+        time.sleep(3)  # publishers blocked: the gateway cannot forward; it must only wait
+        during = sink.total - before
+        alive = gateway.proc.poll() is None
+        own_node.ctl("set_vm_memory_high_watermark", "0.9")
+        delivered = sink.wait_for([s.message_id for s in sent], timeout=60)
+    finally:
+        own_node.ctl("set_vm_memory_high_watermark", "0.9", check=False)
+        code = gateway.terminate()
+        sink.close()
+        sink.delete()
+    figures = fault_report(count("memory-alarm", sent, sink, 1, delivered_during_alarm=during))
+    assert during == 0, "the alarm did not block publishers: the test proved nothing"
+    assert alive and code == 0
+    assert delivered and figures.lost == 0, figures.lost_ids
+    assert figures.early == 0, figures.early_ids
