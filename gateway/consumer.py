@@ -20,6 +20,15 @@ from .metrics import Metrics
 Handler = Callable[[Delivery], Forward]
 ACK_FLUSH_S = 0.005
 ACK_BATCH = 500
+# A publish the broker refuses (basic.nack: a quorum queue without a leader during a
+# failover, a full queue) is retried after this long while we keep the delivery. Requeueing
+# it instead would spin: each requeue counts against the queue's delivery limit, which a
+# failover of a few seconds exhausts, and the message would be parked for nothing.
+RETRY_REFUSED_S = 1.0
+# After this many refusals of one message, start over on a new connection: in a cluster
+# failover a channel opened while a quorum queue's leader was moving can keep being refused
+# while a fresh channel is accepted (seen on 3.10.8 with a 3-node cluster).
+REFUSED_RECONNECT = 3
 
 
 def wall_ms() -> int:
@@ -39,6 +48,8 @@ class Pipe:
         self._outstanding: Dict[int, None] = {}  # delivery tags not yet acked, in order
         self._done: Set[int] = set()  # outstanding tags whose forward is confirmed
         self._held: Dict[int, object] = {}  # delivery tag -> timer that publishes it
+        self._forwards: Dict[int, Forward] = {}  # delivery tag -> what it became, until confirmed
+        self._refused: Dict[int, int] = {}  # delivery tag -> how often its publish was refused
         self._flush_timer = None
         self._on_stopped: Optional[Callable[[], None]] = None
 
@@ -148,6 +159,7 @@ class Pipe:
             return
         self._seq += 1
         self._unconfirmed[self._seq] = tag
+        self._forwards[tag] = action
         self._log.debug(action.outcome, exchange=action.exchange, routing_key=action.routing_key)
 
     def _on_confirm(self, frame) -> None:
@@ -161,17 +173,27 @@ class Pipe:
                 tags.append(self._unconfirmed.pop(seq))
         else:
             tags = [self._unconfirmed.pop(method.delivery_tag)]
+        forwards = [self._forwards.pop(tag, None) for tag in tags]
         if isinstance(method, spec.Basic.Ack):
+            for tag in tags:
+                self._refused.pop(tag, None)
             self._done.update(tags)
             if len(self._done) >= ACK_BATCH:
                 self._flush()
             elif self._flush_timer is None:
                 self._flush_timer = self._connection.ioloop.call_later(ACK_FLUSH_S, self._flush)
-        else:  # the broker could not take it (e.g. a full queue): try again later
-            self._log.warning("publish refused by broker; requeueing", count=len(tags))
+        else:  # the broker could not take it (e.g. no quorum leader yet): try again later
+            self._log.warning("publish refused by broker; retrying", count=len(tags), after_s=RETRY_REFUSED_S)
             for tag in tags:
-                self._outstanding.pop(tag, None)
-                self._channel.basic_nack(tag, requeue=True)
+                self._refused[tag] = self._refused.get(tag, 0) + 1
+            if max(self._refused[tag] for tag in tags) > REFUSED_RECONNECT and self._connection.is_open:
+                self._log.error("broker keeps refusing; reconnecting (unacked messages are redelivered)")
+                self._connection.close()
+                return
+            for tag, action in zip(tags, forwards):
+                self._held[tag] = self._connection.ioloop.call_later(
+                    RETRY_REFUSED_S, lambda tag=tag, action=action: self._release(tag, action))
+                self._metrics.held.inc()
         self._maybe_finished()
 
     def _flush(self) -> None:
