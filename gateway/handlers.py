@@ -6,7 +6,7 @@ distributor: hold until due, restore the user's routing key and properties, publ
 parking:     say why a message could not go on, and park it.
 """
 
-from typing import Callable
+from typing import Callable, Optional
 
 from topology import ChainSettings, Enter, Meditate, plan
 from topology.names import Names
@@ -17,10 +17,10 @@ from .actions import Delivery, Forward
 Clock = Callable[[], int]
 
 
-def park(names: Names, d: Delivery, reason: str) -> Forward:
+def park(names: Names, d: Delivery, reason: str, due_ms: Optional[int] = None) -> Forward:
     key = (d.properties.headers or {}).get(envelope.ROUTING_KEY, d.routing_key)
     return Forward(names.parked, key if isinstance(key, str) else d.routing_key,
-                   envelope.internal(d.properties, d.routing_key, error=reason),
+                   envelope.internal(d.properties, d.routing_key, due_ms=due_ms, error=reason),
                    d.body, "parked", reason=reason)
 
 
@@ -83,8 +83,12 @@ def why_parked(d: Delivery) -> str:
 
 
 class Parking:
-    def __init__(self, names: Names) -> None:
-        self.names = names
+    def __init__(self, names: Names, clock: Optional[Clock] = None) -> None:
+        self.names, self.clock = names, clock
 
     def __call__(self, d: Delivery) -> Forward:
-        return park(self.names, d, why_parked(d))
+        # Unroutable at pick-up means it was already due, and the distributor stripped the
+        # due time with the other internal headers. Mark it due now, so a replay through
+        # check-in delivers it at once instead of applying its x-delay a second time.
+        due = self.clock() if self.clock and d.exchange == self.names.pick_up else None
+        return park(self.names, d, why_parked(d), due_ms=due)

@@ -52,7 +52,7 @@ class Session:
         if s.role in ("all", "distributor"):
             self.pipes.append(Pipe(connection, names.distributor, Distributor(chain, s.lead_ms, wall_ms),
                                    s.distributor_prefetch, self.metrics))
-            self.pipes.append(Pipe(connection, names.parking, Parking(names), s.prefetch, self.metrics))
+            self.pipes.append(Pipe(connection, names.parking, Parking(names, wall_ms), s.prefetch, self.metrics))
         for pipe in self.pipes:
             pipe.open()
         self._watch_stop()
