@@ -16,7 +16,7 @@ from topology.declare import TopologyConflict, declare, delete
 from topology.definitions import render
 from topology.routing import trace
 
-from . import codec, logs, worker
+from . import codec, logs, parked, worker
 from .amqp import BrokerUnreachable, blocking_channel
 from .metrics import Metrics
 from .publish import Publisher, now_ms, parse_headers
@@ -62,6 +62,8 @@ def parser(environ) -> argparse.ArgumentParser:
     ex = command("explain", "show the route a delay takes through the chain", broker=False)
     ex.add_argument("delay_ms", type=int, metavar="DELAY_MS")
     ex.add_argument("--lead-ms", type=int, default=50)
+
+    parked.add_options(command("parked", "list parked messages, or replay them into check-in"))
 
     demo = command("demo", "start the gateway, publish a few delayed messages and watch them arrive")
     demo.add_argument("--delays", default="3000,0,1500,4500,750,2250",
@@ -165,10 +167,15 @@ def cmd_explain(args) -> int:
     return 0
 
 
+def cmd_parked(args) -> int:
+    return parked.command(args, lambda: blocking_channel(urls_from(args)[0], "delay-gateway parked"),
+                          chain_from(args))
+
+
 def cmd_demo(args) -> int:
     from .demo import demo
     return demo(args)
 
 
 COMMANDS = {"run": cmd_run, "declare": cmd_declare, "delete": cmd_delete, "definitions": cmd_definitions,
-            "publish": cmd_publish, "explain": cmd_explain, "demo": cmd_demo}
+            "publish": cmd_publish, "explain": cmd_explain, "demo": cmd_demo, "parked": cmd_parked}

@@ -1,0 +1,72 @@
+"""`delay-gateway parked list` and `parked replay`, against the real gateway and broker."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pika
+
+from ..support import ROOT, Receiver, broker_url, chain_args, connect, now_ms
+
+
+def cli(chain, *args) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-m", "gateway", "parked", *args, *chain_args(chain),
+                             "--url", broker_url()], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+def listed(chain) -> dict:
+    return json.loads(cli(chain, "list", "--json").stdout)
+
+
+def wait_parked(chain, count: int, timeout: float = 15) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        report = listed(chain)
+        if report["count"] >= count or time.monotonic() > deadline:
+            return report
+        time.sleep(0.2)
+
+
+def test_list_then_replay_after_the_cause_is_fixed(make_chain, run_gateway):
+    chain = make_chain(max_level=3, resolution_ms=100)
+    run_gateway(chain)
+    with connect() as connection:
+        channel = connection.channel()
+        channel.confirm_delivery()
+        for i in range(3):  # due in 2 s, but nobody is bound to "late.#" yet
+            channel.basic_publish(chain.names.check_in, f"late.{i}", b"late", pika.BasicProperties(
+                message_id=f"late-{i}", headers={"x-delay": 2000, "keep": i}), mandatory=True)
+        channel.basic_publish(chain.names.check_in, "bad.header", b"bad", pika.BasicProperties(
+            message_id="bad", headers={"x-delay": "tomorrow"}), mandatory=True)
+    report = wait_parked(chain, 4)
+    assert report["count"] == 4
+    assert sum(n for r, n in report["reasons"].items() if r.startswith("unroutable")) == 3
+    assert report["reasons"]["x-delay is 'tomorrow', not a number"] == 1
+    assert set(report["routing_keys"]) == {"late.0", "late.1", "late.2", "bad.header"}
+    assert {m["message_id"] for m in report["messages"]} == {"late-0", "late-1", "late-2", "bad"}
+    assert "4 parked message(s)" in cli(chain, "list").stdout
+    assert listed(chain)["count"] == 4  # listing moves nothing
+
+    dry = json.loads(cli(chain, "replay", "--reason", "unroutable", "--dry-run").stdout)
+    assert dry["would_replay"] == 3 and listed(chain)["count"] == 4
+
+    receiver = Receiver(chain, "late.#")  # the cause is fixed: someone is bound now
+    one = json.loads(cli(chain, "replay", "--routing-key", "late.*", "--limit", "1").stdout)
+    assert one["replayed"] == 1 and one["left_parked"] == 3
+    replayed_at = now_ms()
+    rest = json.loads(cli(chain, "replay", "--reason", "unroutable").stdout)
+    assert rest["replayed"] == 2
+    # Already due when parked: delivered at once, its 2 s x-delay not applied again.
+    got = receiver.collect(3, timeout=1.5)
+    receiver.close()
+    assert sorted(m.properties.message_id for m in got) == ["late-0", "late-1", "late-2"]
+    assert all(m.at_ms - replayed_at < 2000 for m in got)
+    assert all(m.properties.headers == {"x-delay": 2000, "keep": int(m.routing_key[-1])} for m in got)
+    # The unreadable header was not fixed: replaying it parks it again, with its reason.
+    assert json.loads(cli(chain, "replay").stdout)["replayed"] == 1
+    again = wait_parked(chain, 1)
+    assert again["count"] == 1 and again["messages"][0]["message_id"] == "bad"
+    assert again["messages"][0]["reason"] == "x-delay is 'tomorrow', not a number"
