@@ -2,18 +2,26 @@
 
 import contextlib
 import ssl
-from typing import Iterator
+from typing import Iterator, Optional
 
 import pika
 
-from .settings import redact
+from .settings import Tls, redact
 
 
-def parameters(url: str, name: str = "delay-gateway") -> pika.URLParameters:
+def parameters(url: str, name: str = "delay-gateway", tls: Optional[Tls] = None) -> pika.URLParameters:
     params = pika.URLParameters(url)
     params.client_properties = {"connection_name": name}
     if url.startswith("amqps://") and params.ssl_options is None:
-        params.ssl_options = pika.SSLOptions(ssl.create_default_context(), params.host)
+        tls = tls or Tls()
+        # Verifies the broker's certificate and host name, against tls.ca_file or the system's CAs.
+        try:
+            context = ssl.create_default_context(cafile=tls.ca_file)
+            if tls.cert_file:
+                context.load_cert_chain(tls.cert_file, tls.key_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"cannot load the TLS files: {exc}") from None
+        params.ssl_options = pika.SSLOptions(context, params.host)
     return params
 
 
@@ -22,9 +30,9 @@ class BrokerUnreachable(pika.exceptions.AMQPConnectionError):
 
 
 @contextlib.contextmanager
-def blocking_channel(url: str, name: str = "delay-gateway") -> Iterator:
+def blocking_channel(url: str, name: str = "delay-gateway", tls: Optional[Tls] = None) -> Iterator:
     try:
-        connection = pika.BlockingConnection(parameters(url, name))
+        connection = pika.BlockingConnection(parameters(url, name, tls))
     except pika.exceptions.AMQPConnectionError as exc:
         raise BrokerUnreachable(f"cannot connect to {redact(url)}: {exc!r}") from exc
     try:

@@ -21,7 +21,7 @@ from .amqp import BrokerUnreachable, blocking_channel
 from .metrics import Metrics
 from .publish import Publisher, now_ms, parse_headers
 from .settings import (add_broker_options, add_chain_options, add_run_options, chain_from,
-                       redact, settings_from, urls_from)
+                       redact, settings_from, tls_from, urls_from)
 
 
 def parser(environ) -> argparse.ArgumentParser:
@@ -107,7 +107,7 @@ def cmd_run(args) -> int:
 
 def cmd_declare(args) -> int:
     topology = build(chain_from(args))
-    with blocking_channel(urls_from(args)[0]) as channel:
+    with blocking_channel(urls_from(args)[0], tls=tls_from(args)) as channel:
         declare(channel, topology)
     print(f"declared {len(topology.exchanges)} exchanges, {len(topology.queues)} queues, "
           f"{len(topology.bindings)} bindings with prefix {topology.settings.prefix!r}")
@@ -118,7 +118,7 @@ def cmd_delete(args) -> int:
     if not args.yes:
         print("delete removes every queue of the chain and the messages in them; add --yes", file=sys.stderr)
         return 2
-    with blocking_channel(urls_from(args)[0]) as channel:
+    with blocking_channel(urls_from(args)[0], tls=tls_from(args)) as channel:
         delete(channel, build(chain_from(args)))
     print(f"deleted the topology with prefix {args.prefix!r}")
     return 0
@@ -133,7 +133,7 @@ def cmd_publish(args) -> int:
     body = sys.stdin.buffer.read() if args.body == "-" else args.body.encode()
     chain = chain_from(args)
     headers = parse_headers(args.header)
-    with blocking_channel(urls_from(args)[0], "delay-gateway publish") as channel:
+    with blocking_channel(urls_from(args)[0], "delay-gateway publish", tls_from(args)) as channel:
         publisher = Publisher(channel, chain)
         for i in range(args.count):
             message_id = args.message_id or str(uuid.uuid4())
@@ -168,7 +168,7 @@ def cmd_explain(args) -> int:
 
 
 def cmd_parked(args) -> int:
-    return parked.command(args, lambda: blocking_channel(urls_from(args)[0], "delay-gateway parked"),
+    return parked.command(args, lambda: blocking_channel(urls_from(args)[0], "delay-gateway parked", tls_from(args)),
                           chain_from(args))
 
 

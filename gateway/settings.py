@@ -2,14 +2,28 @@
 
 import argparse
 from dataclasses import dataclass, field
-from typing import Mapping, Tuple
-from urllib.parse import urlsplit, urlunsplit
+from typing import Mapping, Optional, Tuple
+from urllib.parse import quote, urlsplit, urlunsplit
 
 from topology import ChainSettings
 
 ENV = "DELAY_GATEWAY_"
 DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
 ROLES = ("all", "check-in", "distributor")
+
+
+@dataclass(frozen=True)
+class Tls:
+    """For amqps:// URLs: the CA that signed the broker's certificate (None: the system's),
+    and an optional client certificate (with its key, or the key in a file of its own)."""
+
+    ca_file: Optional[str] = None
+    cert_file: Optional[str] = None
+    key_file: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.key_file and not self.cert_file:
+            raise ValueError("--tls-key-file needs --tls-cert-file")
 
 
 @dataclass(frozen=True)
@@ -25,6 +39,7 @@ class Settings:
     connect_timeout_s: float = 300.0
     log_level: str = "info"
     log_format: str = "auto"
+    tls: Tls = field(default_factory=Tls)
 
     def __post_init__(self) -> None:
         if not self.urls:
@@ -52,6 +67,16 @@ def add_broker_options(p: argparse.ArgumentParser, environ: Mapping[str, str]) -
     g = p.add_argument_group("broker")
     g.add_argument("--url", default=_env(environ, "URL", DEFAULT_URL),
                    help="AMQP URL; several, comma-separated, for a cluster [DELAY_GATEWAY_URL]")
+    g.add_argument("--password-file", default=_env(environ, "PASSWORD_FILE", None), metavar="PATH",
+                   help="read the password from this file (a mounted secret) instead of the URL; "
+                        "it replaces the password of every URL [DELAY_GATEWAY_PASSWORD_FILE]")
+    g.add_argument("--tls-ca-file", default=_env(environ, "TLS_CA_FILE", None), metavar="PATH",
+                   help="for amqps:// URLs: CA certificates (PEM) to verify the broker; default: "
+                        "the system's [DELAY_GATEWAY_TLS_CA_FILE]")
+    g.add_argument("--tls-cert-file", default=_env(environ, "TLS_CERT_FILE", None), metavar="PATH",
+                   help="client certificate (PEM, may include the key) [DELAY_GATEWAY_TLS_CERT_FILE]")
+    g.add_argument("--tls-key-file", default=_env(environ, "TLS_KEY_FILE", None), metavar="PATH",
+                   help="client key (PEM), if not in the certificate file [DELAY_GATEWAY_TLS_KEY_FILE]")
     g.add_argument("--log-level", default=_env(environ, "LOG_LEVEL", "info"),
                    choices=["debug", "info", "warning", "error"], help="[DELAY_GATEWAY_LOG_LEVEL]")
     g.add_argument("--log-format", default=_env(environ, "LOG_FORMAT", "auto"),
@@ -102,11 +127,40 @@ def chain_from(args: argparse.Namespace) -> ChainSettings:
 
 
 def urls_from(args: argparse.Namespace) -> Tuple[str, ...]:
-    return tuple(u.strip() for u in args.url.split(",") if u.strip())
+    urls = tuple(u.strip() for u in args.url.split(",") if u.strip())
+    if getattr(args, "password_file", None):
+        password = read_secret(args.password_file)
+        urls = tuple(with_password(u, password) for u in urls)
+    if getattr(args, "tls_ca_file", None) or getattr(args, "tls_cert_file", None):
+        plain = [redact(u) for u in urls if not u.startswith("amqps://")]
+        if plain:
+            raise ValueError(f"TLS options given but not every URL is amqps://: {', '.join(plain)}")
+    return urls
+
+
+def tls_from(args: argparse.Namespace) -> Tls:
+    return Tls(getattr(args, "tls_ca_file", None), getattr(args, "tls_cert_file", None),
+               getattr(args, "tls_key_file", None))
+
+
+def read_secret(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().rstrip("\r\n")
+    except OSError as exc:  # the message names the file, never its content
+        raise ValueError(f"cannot read the password file {path}: {exc.strerror}") from None
+
+
+def with_password(url: str, password: str) -> str:
+    """`url` with `password` as its password (percent-encoded), keeping its user name."""
+    parts = urlsplit(url)
+    userinfo, at, hostport = parts.netloc.rpartition("@")
+    user = userinfo.partition(":")[0] if at else "guest"
+    return urlunsplit(parts._replace(netloc=f"{user}:{quote(password, safe='')}@{hostport}"))
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
     fields = {f: getattr(args, f) for f in ("role", "lead_ms", "prefetch", "distributor_prefetch",
                                             "declare", "metrics_port", "connect_timeout_s",
                                             "log_level", "log_format") if hasattr(args, f)}
-    return Settings(chain=chain_from(args), urls=urls_from(args), **fields)
+    return Settings(chain=chain_from(args), urls=urls_from(args), tls=tls_from(args), **fields)

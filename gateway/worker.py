@@ -36,7 +36,7 @@ class Session:
     def run(self) -> None:
         """Returns when the connection closes; raises AMQPConnectionError if it never opened."""
         self.connection = pika.SelectConnection(
-            parameters(self.url, f"delay-gateway {self.settings.role}"),
+            parameters(self.url, f"delay-gateway {self.settings.role}", self.settings.tls),
             on_open_callback=self._on_open, on_open_error_callback=self._on_open_error,
             on_close_callback=self._on_close)
         self.connection.ioloop.start()
@@ -108,7 +108,7 @@ def run(settings: Settings, stop: threading.Event, metrics: Metrics) -> int:
         nonlocal declared
         url = next(urls)
         if not declared:
-            with blocking_channel(url) as channel:
+            with blocking_channel(url, tls=settings.tls) as channel:
                 declare(channel, build(settings.chain))
             log.info("topology declared", prefix=settings.chain.prefix, max_level=settings.chain.max_level)
             declared = True
