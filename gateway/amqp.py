@@ -12,7 +12,9 @@ from .settings import Tls, redact
 def parameters(url: str, name: str = "delay-gateway", tls: Optional[Tls] = None) -> pika.URLParameters:
     params = pika.URLParameters(url)
     params.client_properties = {"connection_name": name}
-    if url.startswith("amqps://") and params.ssl_options is None:
+    # pika fills ssl_options for every amqps:// URL itself (system CAs), so this must not
+    # depend on it being unset, or the CA and client certificate options would be ignored.
+    if url.startswith("amqps://"):
         tls = tls or Tls()
         # Verifies the broker's certificate and host name, against tls.ca_file or the system's CAs.
         try:
