@@ -1,0 +1,155 @@
+"""Credentials never in output, TLS with a CA and a client certificate, and a
+least-privilege user whose permissions cover only the prefix: all on the private node."""
+
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+import pika
+
+from topology import ChainSettings
+
+from ..support import ROOT, GatewayProcess, chain_args, connect, now_ms
+
+
+def gateway_cli(*args, env=None, timeout=60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gateway", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env=dict(os.environ, **(env or {})))
+
+
+def secret_file(text: str) -> str:
+    fd, path = tempfile.mkstemp(prefix="delay-gateway-secret-")
+    with os.fdopen(fd, "w") as f:
+        f.write(text + "\n")
+    return path
+
+
+def test_password_never_in_logs_or_errors(own_node, node_chain):
+    password = f"Pw-{uuid.uuid4().hex}"
+    user = f"gw{uuid.uuid4().hex[:8]}"
+    own_node.ctl("add_user", user, password)
+    own_node.ctl("set_permissions", "-p", "/", user, ".*", ".*", ".*")
+    chain = node_chain(max_level=3, resolution_ms=100)
+    port = own_node.amqp_port
+    path = secret_file(password)
+    outputs = []
+    try:
+        fast = ["--connect-timeout", "2", "--log-level", "debug", "--log-format", "json"]
+        # 1. the password in the URL, a host where nobody listens
+        r = gateway_cli("run", *chain_args(chain), *fast,
+                        env={"DELAY_GATEWAY_URL": f"amqp://{user}:{password}@127.0.0.1:1/%2F"})
+        outputs.append(("unreachable host, password in URL", r))
+        assert r.returncode == 1
+        # 2. the password from a file, a wrong user name: the broker refuses the login
+        r = gateway_cli("run", *chain_args(chain), *fast, "--password-file", path,
+                        env={"DELAY_GATEWAY_URL": f"amqp://nobody@127.0.0.1:{port}/%2F"})
+        outputs.append(("login refused, password from file", r))
+        assert r.returncode == 1
+        # 3. a wrong password in the URL, while the right one is in the environment file
+        wrong = f"Wrong-{uuid.uuid4().hex}"
+        r = gateway_cli("declare", *chain_args(chain), "--url", f"amqp://{user}:{wrong}@127.0.0.1:{port}/%2F")
+        outputs.append(("declare with a wrong password", r))
+        assert r.returncode == 2 and wrong not in r.stdout + r.stderr
+        # 4. the right password from DELAY_GATEWAY_PASSWORD_FILE: it works end to end
+        gateway = GatewayProcess(chain, "--log-level", "debug", url=f"amqp://{user}@127.0.0.1:{port}/%2F",
+                                 env={"DELAY_GATEWAY_PASSWORD_FILE": path}).wait_consuming()
+        r = gateway_cli("publish", *chain_args(chain), "--delay", "100", "--routing-key", "k",
+                        "--url", f"amqp://{user}@127.0.0.1:{port}/%2F", "--password-file", path)
+        assert r.returncode == 0, r.stderr
+        outputs.append(("publish with the password file", r))
+        time.sleep(0.5)
+        assert gateway.terminate() == 0
+        outputs.append(("a gateway run", subprocess.CompletedProcess([], 0, "", "".join(gateway.raw))))
+    finally:
+        os.unlink(path)
+        own_node.ctl("delete_user", user, check=False)
+    for what, r in outputs:
+        text = r.stdout + r.stderr
+        assert text.strip(), f"{what}: no output at all, nothing was checked"
+        assert password not in text, f"{what}: the password appears in the output:\n{text}"
+    assert "***" in outputs[0][1].stderr  # the URL was logged, redacted
+
+
+def test_tls_with_ca_and_client_certificate(own_node, node_chain, tls_files):
+    chain = node_chain(max_level=3, resolution_ms=100)
+    url = f"amqps://guest:guest@localhost:{own_node.tls_port}/%2F"
+    tls = ["--tls-ca-file", tls_files["ca"], "--tls-cert-file", tls_files["client"]]
+    # Without our CA the broker's certificate is not trusted: no connection.
+    r = gateway_cli("declare", *chain_args(chain), "--url", url)
+    assert r.returncode == 2 and "CERTIFICATE_VERIFY_FAILED" in r.stderr, r.stderr
+    gateway = GatewayProcess(chain, *tls, url=url).wait_consuming()
+    receiver_conn = connect(own_node.url)
+    channel = receiver_conn.channel()
+    queue = channel.queue_declare("", exclusive=True).method.queue
+    channel.queue_bind(queue, chain.names.pick_up, "#")
+    try:
+        sent = now_ms()
+        r = gateway_cli("publish", *chain_args(chain), "--url", url, *tls, "--delay", "300",
+                        "--routing-key", "over.tls", "--body", "secret")
+        assert r.returncode == 0, r.stderr
+        body = None
+        deadline = time.monotonic() + 10
+        while body is None and time.monotonic() < deadline:
+            method, _, body = channel.basic_get(queue, auto_ack=True)
+            receiver_conn.sleep(0.02)
+        assert body == b"secret" and method.routing_key == "over.tls" and now_ms() - sent >= 300
+        listing = own_node.ctl("list_connections", "-q", "--no-table-headers", "name", "ssl",
+                               "peer_cert_subject").stdout
+        # The gateway is the only TLS client now, and it presented the client certificate.
+        tls_lines = [line for line in listing.splitlines() if "\ttrue\t" in line]
+        assert tls_lines and all("O=trustme" in line for line in tls_lines), listing
+    finally:
+        assert gateway.terminate() == 0
+        receiver_conn.close()
+
+
+# The line notes/README-faults.md gives, verbatim; the test runs exactly this.
+README_PERMISSIONS = r"rabbitmqctl set_permissions -p / delay-gateway '^delay\.' '^delay\.' '^delay\.'"
+
+
+def test_least_privilege_user_runs_the_gateway(own_node):
+    password = uuid.uuid4().hex
+    own_node.ctl("add_user", "delay-gateway", password)
+    argv = shlex.split(README_PERMISSIONS)
+    assert argv[0] == "rabbitmqctl"
+    own_node.ctl(*argv[1:])
+    chain = ChainSettings(prefix="delay", max_level=3, resolution_ms=100)  # the README's prefix
+    url = f"amqp://delay-gateway:{password}@127.0.0.1:{own_node.amqp_port}/%2F"
+    gateway = None
+    try:
+        r = gateway_cli("declare", *chain_args(chain), "--url", url)
+        assert r.returncode == 0, r.stderr
+        gateway = GatewayProcess(chain, url=url).wait_consuming()
+        with pika.BlockingConnection(pika.URLParameters(url)) as connection:
+            channel = connection.channel()
+            # A receiver's queue must be named under the prefix too: a server-named
+            # exclusive queue (amq.gen-...) is outside these permissions.
+            channel.queue_declare("delay.test-receiver", durable=False, auto_delete=True)
+            channel.queue_bind("delay.test-receiver", "delay.pick-up", "#")
+            sent = now_ms()
+            r = gateway_cli("publish", *chain_args(chain), "--url", url, "--delay", "250",
+                            "--routing-key", "least.privilege", "--message-id", "lp")
+            assert r.returncode == 0, r.stderr
+            deadline = time.monotonic() + 10
+            method = None
+            while method is None and time.monotonic() < deadline:
+                method, properties, _ = channel.basic_get("delay.test-receiver", auto_ack=True)
+                connection.sleep(0.02)
+            assert method is not None and properties.message_id == "lp" and now_ms() - sent >= 250
+            # ...and the permissions really are narrow: nothing outside the prefix.
+            try:
+                connection.channel().queue_declare("elsewhere")
+                raise AssertionError("a queue outside the prefix could be declared")
+            except pika.exceptions.ChannelClosedByBroker as exc:
+                assert exc.reply_code == 403
+        assert gateway.terminate() == 0
+        assert not [e for e in gateway.lines if e.get("level") == "error"], gateway.raw
+    finally:
+        if gateway is not None:
+            gateway.kill()
+        r = gateway_cli("delete", *chain_args(chain), "--yes", "--url", own_node.url)
+        own_node.ctl("delete_user", "delay-gateway", check=False)
