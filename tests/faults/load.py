@@ -160,3 +160,28 @@ def count(name: str, sent: Sequence[Sent], sink: Sink, faults: int, **extra) -> 
     duplicates = sum(len(v) - 1 for k, v in arrivals.items() if k in ids)
     return Figures(name, len(sent), faults, len(lost), len(early), duplicates, dict(extra),
                    lost[:10], early[:10])
+
+
+def where_are_they(urls: Sequence[str], chain: ChainSettings) -> dict:
+    """Depths of the chain's queues and the reasons of parked messages: for failure messages."""
+    from topology import build
+    out: Dict[str, object] = {}
+    try:
+        with connect_any(urls, attempts=4) as connection:
+            for q in build(chain).queues:
+                channel = connection.channel()
+                depth = channel.queue_declare(q.name, passive=True).method.message_count
+                if depth:
+                    out[q.name] = depth
+            channel = connection.channel()
+            reasons: Dict[str, int] = {}
+            while True:
+                method, properties, _ = channel.basic_get(chain.names.parked)
+                if method is None:
+                    break
+                reason = str((properties.headers or {}).get("x-gateway-error"))
+                reasons[reason] = reasons.get(reason, 0) + 1
+            out["parked reasons"] = reasons  # unacked: they go back when the channel closes
+    except (AMQPError, RuntimeError) as exc:
+        out["error"] = repr(exc)
+    return out

@@ -56,6 +56,7 @@ class Node:
     amqp_port: int = field(default_factory=free_port)
     dist_port: int = field(default_factory=free_port)
     extra_config: List[str] = field(default_factory=list)
+    advanced_config: str = "[]."
     process: Optional[subprocess.Popen] = None
 
     @property
@@ -101,6 +102,7 @@ class Node:
         files = {
             "rabbitmq-env.conf": "",
             "enabled_plugins": "[].\n",
+            "advanced.config": self.advanced_config + "\n",
             "rabbitmq.conf": "\n".join([
                 f"listeners.tcp.default = 127.0.0.1:{self.amqp_port}",
                 "loopback_users = none",
@@ -172,9 +174,11 @@ class Node:
 class Cluster:
     """Nodes sharing a cookie; with more than one they are joined into a cluster."""
 
-    def __init__(self, names: Sequence[str], extra_config: Sequence[str] = ()) -> None:
+    def __init__(self, names: Sequence[str], extra_config: Sequence[str] = (),
+                 advanced_config: str = "[].") -> None:
         self.home = tempfile.mkdtemp(prefix="delay-gateway-nodes-")
-        self.nodes = [Node(n, self.home, extra_config=list(extra_config)) for n in names]
+        self.nodes = [Node(n, self.home, extra_config=list(extra_config), advanced_config=advanced_config)
+                      for n in names]
 
     def start(self) -> "Cluster":
         first, *others = self.nodes
