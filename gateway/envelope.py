@@ -139,6 +139,30 @@ def external(properties: BasicProperties, routing_key: str) -> Tuple[str, BasicP
     return (key if isinstance(key, str) else routing_key), restored
 
 
+def unencodable(properties: BasicProperties) -> Optional[str]:
+    """Why these properties cannot be written to the wire again, or None if they can."""
+    try:
+        properties.encode()
+        return None
+    except Exception as exc:  # pika raises struct.error, ValueError, its own exceptions...
+        bad = [k for k, v in (properties.headers or {}).items() if not _encodes({k: v})]
+        return f"header(s) {', '.join(map(repr, bad)) or '?'} cannot be encoded again ({type(exc).__name__}: {exc})"
+
+
+def printable_headers(properties: BasicProperties) -> BasicProperties:
+    """The properties with every header value that cannot be encoded replaced by its repr."""
+    headers = {k: (v if _encodes({k: v}) else repr(v)[:200]) for k, v in (properties.headers or {}).items()}
+    return replace_properties(properties, headers=headers)
+
+
+def _encodes(table: dict) -> bool:
+    try:
+        BasicProperties(headers=table).encode()
+        return True
+    except Exception:
+        return False
+
+
 _FIELDS = ("content_type", "content_encoding", "headers", "delivery_mode", "priority",
            "correlation_id", "reply_to", "expiration", "message_id", "timestamp", "type",
            "user_id", "app_id", "cluster_id")

@@ -15,7 +15,7 @@ from topology.declare import declare
 
 from .amqp import blocking_channel, parameters
 from .consumer import Pipe, wall_ms
-from .handlers import CheckIn, Distributor, Parking
+from .handlers import CheckIn, Distributor, Parking, guarded
 from .metrics import Metrics
 from .settings import Settings, redact
 
@@ -47,12 +47,12 @@ class Session:
         self.log.info("connected")
         s, chain, names = self.settings, self.settings.chain, self.settings.chain.names
         if s.role in ("all", "check-in"):
-            self.pipes.append(Pipe(connection, names.check_in, CheckIn(chain, s.lead_ms, wall_ms),
+            self.pipes.append(Pipe(connection, names.check_in, guarded(CheckIn(chain, s.lead_ms, wall_ms), names),
                                    s.prefetch, self.metrics))
         if s.role in ("all", "distributor"):
-            self.pipes.append(Pipe(connection, names.distributor, Distributor(chain, s.lead_ms, wall_ms),
+            self.pipes.append(Pipe(connection, names.distributor, guarded(Distributor(chain, s.lead_ms, wall_ms), names),
                                    s.distributor_prefetch, self.metrics))
-            self.pipes.append(Pipe(connection, names.parking, Parking(names, wall_ms), s.prefetch, self.metrics))
+            self.pipes.append(Pipe(connection, names.parking, guarded(Parking(names, wall_ms), names), s.prefetch, self.metrics))
         for pipe in self.pipes:
             pipe.open()
         self._watch_stop()
