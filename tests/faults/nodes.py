@@ -205,3 +205,32 @@ class Cluster:
 def unique_names(count: int, tag: str = "faults") -> List[str]:
     stamp = f"{os.getpid()}{os.urandom(2).hex()}"
     return [f"{tag}{stamp}n{i}" for i in range(1, count + 1)]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """`python -m tests.faults.nodes --nodes 3`: start private nodes (clustered when more
+    than one), print their URLs, keep them until Ctrl-C or SIGTERM, then remove them."""
+    import argparse
+    p = argparse.ArgumentParser(prog="scripts/rabbit-cluster", description=main.__doc__)
+    p.add_argument("--nodes", type=int, default=3)
+    p.add_argument("--name", default="delaygw", help="node names are NAME1@localhost, NAME2@localhost, ...")
+    args = p.parse_args(argv)
+    cluster = Cluster([f"{args.name}{i}" for i in range(1, args.nodes + 1)])
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    try:
+        cluster.start()
+        print("DELAY_GATEWAY_URL=" + ",".join(cluster.urls), flush=True)
+        for node in cluster.nodes:
+            print(f"# {node.node}: HOME={node.home} {CTL} -n {node.node} cluster_status", flush=True)
+        while not stop:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        cluster.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
