@@ -4,10 +4,8 @@ import argparse
 import math
 
 import pika
-from hypothesis import given
-from hypothesis import strategies as st
 
-from gateway import envelope, fieldtypes, parked
+from gateway import envelope, parked
 from gateway.settings import Tls, redact, urls_from, with_password
 
 
@@ -46,15 +44,6 @@ def test_tls_options_need_amqps_urls():
         pass
     else:
         raise AssertionError("a key without a certificate must be an error")
-
-
-@given(st.floats(allow_nan=False))
-def test_doubles_round_trip_through_pika_once_installed(value):
-    fieldtypes.install()
-    props = pika.BasicProperties(headers={"v": value, "nested": [value, {"w": value}]})
-    decoded = pika.BasicProperties()
-    decoded.decode(b"".join(props.encode()))
-    assert decoded.headers["v"] == value and decoded.headers["nested"][1]["w"] == value
 
 
 def test_unencodable_headers_are_named_and_made_printable():

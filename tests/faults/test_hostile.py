@@ -1,5 +1,5 @@
 """Property-based fuzzing of what a publisher can send to check-in: header values of every
-AMQP field type (including doubles, which other clients send; see gateway/fieldtypes.py), huge and
+AMQP field type (including doubles, which other clients send; see gateway/codec.py), huge and
 negative numbers, nested tables and arrays, bodies from 0 bytes to a few MB, odd routing
 keys. Every message must be delivered, or parked with a reason, or (due far ahead) still
 be waiting in the chain; the gateway must not crash, stall or fail a handler."""
@@ -13,7 +13,7 @@ import pika
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from gateway import envelope, fieldtypes
+from gateway import codec, envelope
 from topology import build
 
 from ..support import GatewayProcess, connect, drain, now_ms
@@ -105,7 +105,7 @@ def test_hostile_publishers_never_crash_or_stall_the_gateway(make_chain, fault_r
         tally["float headers"] += any(isinstance(v, float) for v in headers.values())
 
     # This process sends and reads doubles the way the gateway does (pika alone cannot).
-    fieldtypes.install()
+    codec.install()
     publish()
     wanted = {mid for mid, (kind, _, _) in expected.items() if kind == "delivered"}
     delivered = {}
