@@ -6,6 +6,7 @@ and attached to the test as a property (for JUnit XML).
 """
 
 import os
+import shutil
 import tempfile
 from typing import List
 
@@ -54,7 +55,8 @@ def tls_files():
     client.private_key_and_cert_chain_pem.write_to_path(files["client"])
     for path in files.values():
         os.chmod(path, 0o644)
-    return files
+    yield files
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
