@@ -37,8 +37,10 @@ def wall_ms() -> int:
 
 class Pipe:
     def __init__(self, connection, queue: str, handler: Handler, prefetch: int,
-                 metrics: Metrics, clock: Callable[[], int] = wall_ms) -> None:
+                 metrics: Metrics, clock: Callable[[], int] = wall_ms,
+                 fallback: Optional[Callable[[Forward], Forward]] = None) -> None:
         self._connection, self._queue, self._handler = connection, queue, handler
+        self._fallback = fallback  # what to publish instead when a Forward cannot be encoded
         self._prefetch, self._metrics, self._clock = prefetch, metrics, clock
         self._log = structlog.get_logger("gateway").bind(queue=queue)
         self._channel = None
@@ -147,9 +149,15 @@ class Pipe:
             self._channel.basic_publish(action.exchange, action.routing_key, action.body,
                                         action.properties)
         except (ProtocolSyntaxError, struct.error, TypeError, ValueError) as exc:
-            # Its properties cannot be written back. Parking would write them too, so
-            # reject it: the broker dead-letters it to parking, and from there to parked,
-            # without anyone re-encoding it.
+            # Its properties cannot be written back (a value pika decodes but cannot
+            # encode). Checked here, on failure, rather than for every message up front.
+            if self._fallback is not None and action.outcome != "parked":
+                parked = self._fallback(action)
+                self._metrics.parked.labels(self._queue).inc()
+                self._log.warning("parked", reason=parked.reason, routing_key=parked.routing_key)
+                return self._publish(tag, parked)
+            # Parking failed too: reject it, and the broker dead-letters it to parking and
+            # on to parked without anyone re-encoding it.
             self._log.error("cannot re-encode message; rejecting to parking", error=repr(exc))
             self._outstanding.pop(tag, None)
             self._channel.basic_nack(tag, requeue=False)

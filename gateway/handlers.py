@@ -65,19 +65,13 @@ class Distributor:
         return Forward(self.names.pick_up, key, properties, d.body, "delivered", not_before_ms=due)
 
 
-def guarded(handler: Callable[[Delivery], Forward], names: Names) -> Callable[[Delivery], Forward]:
-    """A handler whose Forward can always be published: if its headers cannot be encoded
-    again (a value pika decodes but cannot write), the message is parked with the reason
-    and those values as text, instead of failing inside the connection over and over."""
-    def handle(d: Delivery) -> Forward:
-        action = handler(d)
-        problem = envelope.unencodable(action.properties)
-        if problem is None:
-            return action
-        readable = Delivery(d.exchange, d.routing_key, envelope.printable_headers(d.properties), d.body,
-                            d.redelivered)
-        return park(names, readable, problem)
-    return handle
+def park_unencodable(names: Names, action: Forward) -> Forward:
+    """A Forward whose headers could not be encoded again (a value pika decodes but cannot
+    write), parked instead, with the reason and those values as text."""
+    problem = envelope.unencodable(action.properties) or "its properties cannot be encoded again"
+    readable = Delivery(action.exchange, action.routing_key, envelope.printable_headers(action.properties),
+                        action.body)
+    return park(names, readable, problem)
 
 
 DEATH_REASONS = {

@@ -1,5 +1,6 @@
 """Run the consumers: connect, declare, consume; reconnect with backoff; stop on SIGTERM."""
 
+import functools
 import itertools
 import threading
 from typing import List
@@ -15,7 +16,7 @@ from topology.declare import declare
 
 from .amqp import blocking_channel, parameters
 from .consumer import Pipe, wall_ms
-from .handlers import CheckIn, Distributor, Parking, guarded
+from .handlers import CheckIn, Distributor, Parking, park_unencodable
 from .metrics import Metrics
 from .settings import Settings, redact
 
@@ -46,13 +47,15 @@ class Session:
     def _on_open(self, connection) -> None:
         self.log.info("connected")
         s, chain, names = self.settings, self.settings.chain, self.settings.chain.names
+        fallback = functools.partial(park_unencodable, names)
         if s.role in ("all", "check-in"):
-            self.pipes.append(Pipe(connection, names.check_in, guarded(CheckIn(chain, s.lead_ms, wall_ms), names),
-                                   s.prefetch, self.metrics))
+            self.pipes.append(Pipe(connection, names.check_in, CheckIn(chain, s.lead_ms, wall_ms),
+                                   s.prefetch, self.metrics, fallback=fallback))
         if s.role in ("all", "distributor"):
-            self.pipes.append(Pipe(connection, names.distributor, guarded(Distributor(chain, s.lead_ms, wall_ms), names),
-                                   s.distributor_prefetch, self.metrics))
-            self.pipes.append(Pipe(connection, names.parking, guarded(Parking(names, wall_ms), names), s.prefetch, self.metrics))
+            self.pipes.append(Pipe(connection, names.distributor, Distributor(chain, s.lead_ms, wall_ms),
+                                   s.distributor_prefetch, self.metrics, fallback=fallback))
+            self.pipes.append(Pipe(connection, names.parking, Parking(names, wall_ms),
+                                   s.prefetch, self.metrics, fallback=fallback))
         for pipe in self.pipes:
             pipe.open()
         self._watch_stop()

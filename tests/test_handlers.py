@@ -46,3 +46,15 @@ def test_parking_explains_dead_letters_and_unroutable_messages():
     unroutable = park(delivery({"x-delay": 5}, key="nobody.home", exchange="d.pick-up"))
     assert unroutable.routing_key == "nobody.home"
     assert "no queue bound to exchange 'd.pick-up'" in unroutable.properties.headers["x-gateway-error"]
+
+
+def test_a_forward_that_cannot_be_encoded_is_parked_readably():
+    from gateway.actions import Forward
+    from gateway.handlers import park_unencodable
+    bad = Forward("d.pick-up", "user.key", pika.BasicProperties(headers={"huge": 2**70, "ok": 1}), b"b",
+                  "delivered")
+    parked = park_unencodable(CHAIN.names, bad)
+    assert (parked.exchange, parked.routing_key, parked.outcome) == ("d.parked", "user.key", "parked")
+    assert "'huge'" in parked.reason and "cannot be encoded" in parked.reason
+    assert parked.properties.headers["huge"] == repr(2**70) and parked.properties.headers["ok"] == 1
+    b"".join(parked.properties.encode())  # and this one can be published
