@@ -68,6 +68,12 @@ def parser(environ) -> argparse.ArgumentParser:
     demo = command("demo", "start the gateway, publish a few delayed messages and watch them arrive")
     demo.add_argument("--delays", default="3000,0,1500,4500,750,2250",
                       help="comma-separated delays in ms")
+
+    bench = sub.add_parser("bench", help="measure lateness, throughput and memory against a real broker",
+                           description="Run benchmark scenarios against a real broker (see BENCHMARKS.md).")
+    add_broker_options(bench, environ)
+    from .bench.cli import add_arguments
+    add_arguments(bench)
     return p
 
 
@@ -179,3 +185,11 @@ def cmd_demo(args) -> int:
 
 COMMANDS = {"run": cmd_run, "declare": cmd_declare, "delete": cmd_delete, "definitions": cmd_definitions,
             "publish": cmd_publish, "explain": cmd_explain, "demo": cmd_demo, "parked": cmd_parked}
+
+
+def cmd_bench(args) -> int:
+    from .bench.cli import run
+    return run(args)
+
+
+COMMANDS["bench"] = cmd_bench
