@@ -69,8 +69,11 @@ class Publisher:
     """Publishes n messages with confirms, at most `window` unconfirmed, optionally at a
     fixed rate. `make(i)` returns (exchange, routing key, properties, body, due ms)."""
 
-    def __init__(self, url: str, n: int, make: Make, rate: Optional[float] = None, window: int = 2000) -> None:
+    def __init__(self, url: str, n: int, make: Make, rate: Optional[float] = None, window: int = 2000,
+                 confirm_timeout_s: float = 60.0) -> None:
         self.url, self.n, self.make, self.rate, self.window = url, n, make, rate, window
+        self.confirm_timeout_s = confirm_timeout_s
+        self._last_confirm = 0.0
         self.due: List[int] = []
         self.sent = 0
         self.acked = 0
@@ -114,9 +117,26 @@ class Publisher:
             self.sent += 1
         if timer and self.sent < self.n:
             self._conn.ioloop.call_later(0.002, self._tick)
+        elif timer:
+            self._watch()
+
+    def _watch(self) -> None:
+        """All sent: give up on confirms that do not come (reported as unconfirmed)."""
+        if self.acked + self.nacked >= self.n:
+            return
+        if time.monotonic() - max(self._last_confirm, self.start) > self.confirm_timeout_s:
+            self.end = time.monotonic()
+            self._conn.close()
+        else:
+            self._conn.ioloop.call_later(0.5, self._watch)
+
+    @property
+    def unconfirmed(self) -> int:
+        return self.sent - self.acked - self.nacked
 
     def _on_confirm(self, frame) -> None:
         m = frame.method
+        self._last_confirm = time.monotonic()
         upto = m.delivery_tag if m.multiple else m.delivery_tag
         done = self.acked + self.nacked
         count = (upto - done) if m.multiple else 1
@@ -129,7 +149,7 @@ class Publisher:
         if self.acked + self.nacked >= self.n:
             self.end = time.monotonic()
             self._conn.close()
-        elif self.rate is None:
+        elif self.rate is None or self.sent >= self.n:
             self._tick(timer=False)
 
     @property
@@ -246,6 +266,16 @@ class Gateway:
         for m in re.finditer(r'^delay_gateway_messages_total\{[^}]*outcome="([^"]+)"[^}]*\} (\S+)$', text, re.M):
             out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
         return out
+
+    def lateness_buckets(self) -> Dict[str, float]:
+        """The gateway's own lateness histogram (cumulative counts by upper bound, seconds):
+        how late the distributor published, before the hop to pick-up and the receiver."""
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=2).read().decode()
+        except OSError:
+            return {}
+        return {m.group(1): float(m.group(2)) for m in re.finditer(
+            r'^delay_gateway_lateness_seconds_bucket\{le="([^"]+)"\} (\S+)$', text, re.M)}
 
     def forwarded(self) -> float:
         return sum(self.counters().values())

@@ -8,7 +8,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import pika
 
-from topology import ChainSettings, units_for
+from topology import ChainSettings, bit_key, units_for
 
 from .. import envelope
 from .common import (Gateway, Publisher, Receiver, Sampler, blocking, body, declare_chain, delete_chain,
@@ -100,6 +100,7 @@ def delayed_run(ctx: Context, tag: str, chain: ChainSettings, n: int, lo: int, h
         series = sampler.stop()
         resources = sampler.summary()
         errors = [e for g in gateways for e in g.errors()]
+        distributor_lateness = gateways[1].lateness_buckets()
     finally:
         for g in gateways:
             g.stop()
@@ -117,7 +118,7 @@ def delayed_run(ctx: Context, tag: str, chain: ChainSettings, n: int, lo: int, h
         "checkin_drain_rate": round(pub.acked / (checkin_done - t_pub), 1) if checkin_done and checkin_done > t_pub else None,
         "delivered_peak_rate": max(per_second(recv_rel), default=0),
         "writes_per_message": round(writes, 2),
-        **stats, "resources": resources, "gateway_errors": errors[:5],
+        **stats, "distributor_lateness_le_s": distributor_lateness, "resources": resources, "gateway_errors": errors[:5],
         "gateway_args": list(ctx.gateway_args),
         "series": {"published_per_s": per_second(pub.confirm_times), "delivered_per_s": per_second(recv_rel),
                    "sampler": series, "lateness_ms": _sample([r - d for r, d in zip(data["recv"], data["due"])])},
@@ -278,18 +279,28 @@ def roles(ctx: Context) -> List[dict]:
             names = chain.names
 
             def to_check_in(i: int):
-                due = int(now_ms()) + rnd.randint(60_000, 120_000)
+                due = int(now_ms()) + rnd.randint(600_000, 1_200_000)  # stays in levels 9-10 meanwhile
                 return names.check_in, "bench", _props(due), body(i, due, ctx.size), due
 
             def to_distributor(i: int):
-                due = int(now_ms())  # due now: measures the distributor's own work, no holding
+                # Through 1-3 real levels (1-7 s), so each message carries the x-death history
+                # the chain gives it; already due when it arrives, so nothing is held.
+                units = rnd.randint(1, 7)
+                due = int(now_ms())
                 props = pika.BasicProperties(delivery_mode=2, headers={
                     envelope.DUE_AT: due, envelope.ROUTING_KEY: "bench", envelope.DELIVERY_MODE: 2,
                     envelope.DELIVER_AT: due})
-                return names.distributor, "", props, body(i, due, ctx.size), due
+                return names.level(units.bit_length() - 1), bit_key(units), props, body(i, due, ctx.size), due
 
             for role, make in (("check-in", to_check_in), ("distributor", to_distributor)):
-                Publisher(ctx.url, n, make).run()
+                pre = Publisher(ctx.url, n, make, confirm_timeout_s=10).run()
+                if pre.unconfirmed:
+                    ctx.log(f"  roles: {pre.unconfirmed} of {n} preloaded messages never confirmed")
+                if role == "distributor":  # wait until the chain has delivered them all
+                    deadline = time.monotonic() + 120
+                    while queue_depth(ctx.url, names.distributor) < n and time.monotonic() < deadline:
+                        time.sleep(0.2)
+                    ctx.log(f"  roles: {queue_depth(ctx.url, names.distributor)} in the distributor queue")
                 g = Gateway(ctx.url, chain, role, *ctx.gateway_args)
                 try:
                     g.wait_consuming()
