@@ -6,6 +6,7 @@ redelivery (a possible duplicate), never a loss. Confirms arrive asynchronously 
 out in batches, so throughput is not bound by round trips.
 """
 
+import logging
 import struct
 import time
 from typing import Callable, Dict, Optional, Set
@@ -43,6 +44,10 @@ class Pipe:
         self._fallback = fallback  # what to publish instead when a Forward cannot be encoded
         self._prefetch, self._metrics, self._clock = prefetch, metrics, clock
         self._log = structlog.get_logger("gateway").bind(queue=queue)
+        # Per-message hot path: a debug event costs structlog's processors even when the
+        # level filters it out later, and .labels() a lock and a lookup; decide/lookup once.
+        self._debug = logging.getLogger("gateway").isEnabledFor(logging.DEBUG)
+        self._forwarded: Dict[str, object] = {}
         self._channel = None
         self._consumer_tag: Optional[str] = None
         self._seq = 0
@@ -124,7 +129,10 @@ class Pipe:
             self._outstanding.pop(tag, None)
             channel.basic_nack(tag, requeue=False)
             return
-        self._metrics.forwarded.labels(self._queue, action.outcome).inc()
+        counter = self._forwarded.get(action.outcome)
+        if counter is None:
+            counter = self._forwarded[action.outcome] = self._metrics.forwarded.labels(self._queue, action.outcome)
+        counter.inc()
         if action.outcome == "parked":
             self._metrics.parked.labels(self._queue).inc()
             self._log.warning("parked", reason=action.reason, routing_key=action.routing_key,
@@ -168,7 +176,8 @@ class Pipe:
         self._seq += 1
         self._unconfirmed[self._seq] = tag
         self._forwards[tag] = action
-        self._log.debug(action.outcome, exchange=action.exchange, routing_key=action.routing_key)
+        if self._debug:
+            self._log.debug(action.outcome, exchange=action.exchange, routing_key=action.routing_key)
 
     def _on_confirm(self, frame) -> None:
         method = frame.method

@@ -296,7 +296,10 @@ class Gateway:
 # -- resources -------------------------------------------------------------------------
 def broker_pid(url: str) -> Optional[int]:
     """The pid of the beam.smp that listens on the URL's port (needs permission to see it)."""
-    import psutil
+    try:
+        import psutil
+    except ImportError:  # the optional 'bench' extra is not installed: no resource figures
+        return None
     port = urlsplit(url).port or 5672
     try:
         for c in psutil.net_connections(kind="tcp"):
@@ -313,14 +316,18 @@ class Sampler(threading.Thread):
 
     def __init__(self, url: str, gateways: List[Gateway], interval: float = 1.0) -> None:
         super().__init__(daemon=True)
-        import psutil
         self.interval, self.gateways = interval, gateways
         self.procs = {}
-        pid = broker_pid(url)
-        if pid:
-            self.procs["broker"] = psutil.Process(pid)
-        for g in gateways:
-            self.procs[g.role] = psutil.Process(g.proc.pid)
+        try:
+            import psutil
+        except ImportError:  # the optional 'bench' extra is not installed: no resource figures
+            psutil = None
+        if psutil is not None:
+            pid = broker_pid(url)
+            if pid:
+                self.procs["broker"] = psutil.Process(pid)
+            for g in gateways:
+                self.procs[g.role] = psutil.Process(g.proc.pid)
         self.series: List[dict] = []
         self._halt = threading.Event()
         self.t0 = time.monotonic()
@@ -360,21 +367,27 @@ class Sampler(threading.Thread):
 
 
 # -- statistics ------------------------------------------------------------------------
+def percentile(sorted_values: List[float], p: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default), without numpy."""
+    k = (len(sorted_values) - 1) * p / 100
+    lo = int(k)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo)
+
+
 def lateness_stats(data: Dict[str, list], published: int) -> dict:
     """From receiver data: lateness percentiles (ms), early, lost, duplicates."""
-    import numpy as np
-    ids = np.asarray(data["id"], dtype=np.int64)
-    late = np.asarray(data["recv"], dtype=float) - np.asarray(data["due"], dtype=float)
-    unique = np.unique(ids)
-    out = {"published": published, "received": int(len(ids)), "unique": int(len(unique)),
-           "duplicates": int(len(ids) - len(unique)), "lost": int(published - len(unique)),
-           "early": int((late < 0).sum())}
-    if len(late):
+    late = sorted(r - d for r, d in zip(data["recv"], data["due"]))
+    unique = len(set(data["id"]))
+    out = {"published": published, "received": len(data["id"]), "unique": unique,
+           "duplicates": len(data["id"]) - unique, "lost": published - unique,
+           "early": sum(1 for v in late if v < 0)}
+    if late:
         for p in (50, 90, 99, 99.9):
-            out[f"p{p:g}_ms"] = round(float(np.percentile(late, p)), 2)
-        out["max_ms"] = round(float(late.max()), 2)
-        out["min_ms"] = round(float(late.min()), 2)
-        out["mean_ms"] = round(float(late.mean()), 2)
+            out[f"p{p:g}_ms"] = round(percentile(late, p), 2)
+        out["max_ms"] = round(late[-1], 2)
+        out["min_ms"] = round(late[0], 2)
+        out["mean_ms"] = round(sum(late) / len(late), 2)
     return out
 
 

@@ -59,10 +59,11 @@ def markdown(results: Dict[str, List[dict]], meta: dict) -> str:
                   f"{_g(r, 'p50_ms')} | {_g(r, 'p90_ms')} | {_g(r, 'p99_ms')} | {_g(r, 'max_ms')} | "
                   f"{_g(r, 'early')} | {_g(r, 'lost')} |", ""]
     if results.get("roles"):
-        lines += ["| role alone | queue type | zero bits | messages | seconds | msg/s | CPU % |", "|---|---|---|---|---|---|---|"]
+        lines += ["| role alone | queue type | zero bits | messages | seconds | msg/s | CPU µs/msg | msg/s per CPU core |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in results["roles"]:
             lines.append(f"| {r['role']} | {r['queue_type']} | {r['zero_bits']} | {r['messages']} | {r['seconds']} | "
-                         f"{r['rate']:.0f} | {_res(r, r['role'], 'cpu_pct_mean')} |")
+                         f"{r['rate']:.0f} | {_g(r, 'cpu_us_per_message')} | {_g(r, 'rate_per_core', '{:.0f}')} |")
         lines.append("")
     if results.get("ceiling"):
         lines += ["| ceiling | hops | messages | msg/s through all hops | hops/s | queue writes/s |", "|---|---|---|---|---|---|"]

@@ -306,19 +306,24 @@ def roles(ctx: Context) -> List[dict]:
                     g.wait_consuming()
                     sampler = Sampler(ctx.url, [g], interval=0.5)
                     sampler.start()
+                    cpu0 = _cpu_seconds(g)
                     t0 = time.monotonic()
                     deadline = t0 + 300
                     while g.forwarded() < n and time.monotonic() < deadline:
-                        time.sleep(0.02)
+                        time.sleep(0.1)  # each scrape costs the gateway CPU: not too often
                     seconds = time.monotonic() - t0
                     done = g.forwarded()
+                    cpu = _cpu_seconds(g) - cpu0 if cpu0 is not None else None
                     sampler.stop()
                 finally:
                     g.stop()
                 r = {"scenario": "roles", "role": role, "queue_type": qt, "zero_bits": zb, "messages": n,
                      "forwarded": done, "seconds": round(seconds, 2), "rate": round(done / seconds, 1),
+                     # CPU time per message: the role's cost, independent of other load on the machine
+                     "cpu_us_per_message": round(cpu * 1e6 / done, 1) if cpu and done else None,
+                     "rate_per_core": round(done / cpu, 1) if cpu else None,
                      "resources": sampler.summary(), "gateway_args": list(ctx.gateway_args)}
-                ctx.log(f"  roles {qt}/{zb} {role}: {r['rate']:.0f} msg/s "
+                ctx.log(f"  roles {qt}/{zb} {role}: {r['rate']:.0f} msg/s, {r['cpu_us_per_message']} us CPU/msg "
                         f"(cpu {r['resources'].get(role, {}).get('cpu_pct_mean')}%)")
                 out.append(r)
         finally:
@@ -329,6 +334,15 @@ def roles(ctx: Context) -> List[dict]:
             except pika.exceptions.AMQPError:
                 pass
     return out
+
+
+def _cpu_seconds(g: Gateway) -> Optional[float]:
+    try:
+        import psutil
+        t = psutil.Process(g.proc.pid).cpu_times()
+        return t.user + t.system
+    except Exception:
+        return None
 
 
 def ceiling(ctx: Context, hops: int = 8) -> List[dict]:
