@@ -91,6 +91,10 @@ class Publisher:
             raise RuntimeError(f"publisher failed: {self.error}")
         return self
 
+    def _close(self) -> None:
+        if self._conn.is_open:
+            self._conn.close()
+
     def _fail(self, error) -> None:
         self.error = str(error)
         self._conn.ioloop.stop()
@@ -100,7 +104,7 @@ class Publisher:
 
     def _on_channel(self, ch) -> None:
         self._ch = ch
-        ch.add_on_close_callback(lambda c, r: self._conn.close() if self.acked + self.nacked < self.n else None)
+        ch.add_on_close_callback(lambda c, r: self._close())
         ch.confirm_delivery(self._on_confirm, callback=lambda _: self._begin())
 
     def _begin(self) -> None:
@@ -126,7 +130,7 @@ class Publisher:
             return
         if time.monotonic() - max(self._last_confirm, self.start) > self.confirm_timeout_s:
             self.end = time.monotonic()
-            self._conn.close()
+            self._close()
         else:
             self._conn.ioloop.call_later(0.5, self._watch)
 
@@ -148,7 +152,7 @@ class Publisher:
             self.nacked += count
         if self.acked + self.nacked >= self.n:
             self.end = time.monotonic()
-            self._conn.close()
+            self._close()
         elif self.rate is None or self.sent >= self.n:
             self._tick(timer=False)
 
