@@ -115,13 +115,13 @@ def charts(out_dir: str, results: Dict[str, List[dict]]) -> List[str]:
     runs = [r for rs in results.values() for r in rs if "lateness_ms" in r.get("series", {})]
     if runs:
         fig, ax = plt.subplots(figsize=(9, 5))
-        for r in runs:
+        for i, r in enumerate(runs):
             late = r["series"]["lateness_ms"]
             if not late:
                 continue
             ys = [(i + 1) / len(late) for i in range(len(late))]
             label = f"{r['scenario']} {r.get('queue_type', '')}/{r.get('zero_bits', '')} {r.get('target_rate') or ''}"
-            ax.plot([max(v, 0.01) for v in late], ys, label=label.strip())
+            ax.plot([max(v, 0.01) for v in late], ys, label=label.strip(), linestyle=("-", "--", ":")[i // 10 % 3])
         ax.set_xscale("log")
         ax.set_xlabel("lateness (ms, log scale): receive time - due time")
         ax.set_ylabel("fraction of messages")
