@@ -167,7 +167,7 @@ class Publisher:
 
 # -- receiver --------------------------------------------------------------------------
 def _receive(url: str, exchange: str, key: str, out: str, ready, stop, expected: int,
-             queue_type: str) -> None:
+             queue_type: str, count=None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = blocking(url, "delay-gateway bench receiver")
     ch = conn.channel()
@@ -189,6 +189,8 @@ def _receive(url: str, exchange: str, key: str, out: str, ready, stop, expected:
     ready.set()
     while not stop.is_set() and len(ids) < expected:
         conn.process_data_events(time_limit=0.05)
+        if count is not None:
+            count.value = len(ids)
     conn.close()
     with open(out, "w") as f:
         json.dump({"id": ids, "due": dues, "recv": recv}, f)
@@ -202,14 +204,24 @@ class Receiver:
         ctx = multiprocessing.get_context("spawn")
         self.path = os.path.join(out_dir, f"recv-{uuid.uuid4().hex[:8]}.json")
         self.ready, self.stop_event = ctx.Event(), ctx.Event()
+        self.count = ctx.Value("q", 0, lock=False)
         self.proc = ctx.Process(target=_receive, daemon=True, args=(
-            url, exchange, key, self.path, self.ready, self.stop_event, expected, "classic"))
+            url, exchange, key, self.path, self.ready, self.stop_event, expected, "classic", self.count))
         self.proc.start()
         if not self.ready.wait(30):
             raise RuntimeError("receiver did not start")
 
-    def wait(self, timeout: float) -> None:
+    def wait(self, timeout: float, idle_s: float = 15.0) -> None:
+        """Until everything arrived, or `timeout` has passed and nothing more arrived for
+        `idle_s` (so a slow drain is measured as late, and only what never comes as lost)."""
         self.proc.join(timeout)
+        last, last_change = self.count.value, time.monotonic()
+        while self.proc.is_alive():
+            self.proc.join(1.0)
+            if self.count.value != last:
+                last, last_change = self.count.value, time.monotonic()
+            elif time.monotonic() - last_change > idle_s:
+                break
 
     def stop(self) -> Dict[str, list]:
         self.stop_event.set()
