@@ -61,6 +61,15 @@ def queue_depth(url: str, queue: str) -> int:
         return c.channel().queue_declare(queue, passive=True).method.message_count
 
 
+class _Pending(dict):
+    """An insertion-ordered dict of sequence numbers with a cheap 'pop the oldest'."""
+
+    def popitem_first(self) -> int:
+        key = next(iter(self))
+        del self[key]
+        return key
+
+
 # -- publisher -------------------------------------------------------------------------
 Make = Callable[[int], Tuple[str, str, pika.BasicProperties, bytes, int]]
 
@@ -74,6 +83,7 @@ class Publisher:
         self.url, self.n, self.make, self.rate, self.window = url, n, make, rate, window
         self.confirm_timeout_s = confirm_timeout_s
         self._last_confirm = 0.0
+        self._pending = _Pending()  # publish sequence numbers not yet confirmed, in order
         self.due: List[int] = []
         self.sent = 0
         self.acked = 0
@@ -119,6 +129,7 @@ class Publisher:
             self._ch.basic_publish(exchange, key, payload, props)
             self.due.append(due)
             self.sent += 1
+            self._pending[self.sent] = True  # delivery tags count from 1 on a channel
         if timer and self.sent < self.n:
             self._conn.ioloop.call_later(0.002, self._tick)
         elif timer:
@@ -141,9 +152,15 @@ class Publisher:
     def _on_confirm(self, frame) -> None:
         m = frame.method
         self._last_confirm = time.monotonic()
-        upto = m.delivery_tag if m.multiple else m.delivery_tag
-        done = self.acked + self.nacked
-        count = (upto - done) if m.multiple else 1
+        # Confirms may come out of order (a single ack for a later message before a
+        # multiple ack that covers earlier ones): track each publish, never count by tag.
+        if m.multiple:
+            tags = []
+            while self._pending and next(iter(self._pending)) <= m.delivery_tag:
+                tags.append(self._pending.popitem_first())
+        else:
+            tags = [m.delivery_tag] if self._pending.pop(m.delivery_tag, False) else []
+        count = len(tags)
         if isinstance(m, pika.spec.Basic.Ack):
             self.acked += count
             t = time.monotonic() - self.start
