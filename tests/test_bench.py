@@ -35,3 +35,6 @@ def test_bench_runs_and_reports(broker, tmp_path):
     assert {r["role"] for r in results["roles"]} == {"check-in", "distributor"}
     assert all(r["forwarded"] >= 60 for r in results["roles"])
     assert (out / "results.md").read_text().count("|") > 10
+    # scripts/test installs the bench extra, so the charts are drawn, not skipped
+    assert (out / "lateness.png").stat().st_size > 1000
+    assert list(out.glob("throughput-*.png"))
