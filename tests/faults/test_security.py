@@ -107,14 +107,18 @@ def test_tls_with_ca_and_client_certificate(own_node, node_chain, tls_files):
         receiver_conn.close()
 
 
-# The line notes/README-faults.md gives, verbatim; the test runs exactly this.
-README_PERMISSIONS = r"rabbitmqctl set_permissions -p / delay-gateway '^delay\.' '^delay\.' '^delay\.'"
+def readme_permissions_line() -> str:
+    """The README's set_permissions line, read from the README: the test runs exactly it."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        [line] = [x.strip() for x in f if x.startswith("rabbitmqctl set_permissions")]
+    return line
 
 
 def test_least_privilege_user_runs_the_gateway(own_node):
     password = uuid.uuid4().hex
     own_node.ctl("add_user", "delay-gateway", password)
-    argv = shlex.split(README_PERMISSIONS)
+    argv = shlex.split(readme_permissions_line())
+    assert argv[-3:] == [r"^delay\."] * 3
     assert argv[0] == "rabbitmqctl"
     own_node.ctl(*argv[1:])
     chain = ChainSettings(prefix="delay", max_level=3, resolution_ms=100)  # the README's prefix
