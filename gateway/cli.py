@@ -19,7 +19,8 @@ from topology.routing import trace
 from . import codec, logs, parked, worker
 from .amqp import BrokerUnreachable, blocking_channel
 from .metrics import Metrics
-from .publish import Publisher, now_ms, parse_headers
+from .consumer import wall_ms
+from .publish import Publisher, parse_headers
 from .settings import (add_broker_options, add_chain_options, add_run_options, chain_from,
                        redact, settings_from, tls_from, urls_from)
 
@@ -147,7 +148,7 @@ def cmd_publish(args) -> int:
                            headers=headers, message_id=message_id)
             print(json.dumps({"published": message_id, "exchange": chain.names.check_in,
                               "routing_key": args.routing_key, "delay_ms": args.delay,
-                              "deliver_at": args.at, "confirmed_at": now_ms()}))
+                              "deliver_at": args.at, "confirmed_at": wall_ms()}))
     return 0
 
 

@@ -10,7 +10,8 @@ from topology import build
 from topology.declare import declare
 
 from .amqp import blocking_channel
-from .publish import Publisher, now_ms
+from .consumer import wall_ms
+from .publish import Publisher
 from .settings import chain_from, urls_from
 
 
@@ -35,7 +36,7 @@ def demo(args) -> int:
             for i, delay in enumerate(delays):
                 key = f"demo.{i}"
                 publisher.send(f"message {i}".encode(), key, delay_ms=delay, message_id=key)
-                sent[key] = (now_ms(), delay)
+                sent[key] = (wall_ms(), delay)
             print(f"{'routing key':<12} {'x-delay':>9} {'arrived after':>14} {'late by':>8}")
             late, order = [], []
             for method, properties, body in channel.consume(queue, auto_ack=True, inactivity_timeout=1):
@@ -43,12 +44,12 @@ def demo(args) -> int:
                     if gateway.poll() is not None:
                         print("the gateway exited early", file=sys.stderr)
                         return 1
-                    if now_ms() - max(t + d for t, d in sent.values()) > 30_000:
+                    if wall_ms() - max(t + d for t, d in sent.values()) > 30_000:
                         print("timed out waiting for messages", file=sys.stderr)
                         return 1
                     continue
                 at, delay = sent[method.routing_key]
-                waited = now_ms() - at
+                waited = wall_ms() - at
                 late.append(waited - delay)
                 order.append(delay)
                 print(f"{method.routing_key:<12} {delay:>7} ms {waited:>11} ms {waited - delay:>5} ms")

@@ -1,7 +1,6 @@
 """Publishing delayed messages and watching pick-up: what `publish` and `demo` use."""
 
 import json
-import time
 from typing import Iterable, Optional
 
 import pika
@@ -44,7 +43,3 @@ def parse_headers(pairs: Iterable[str]) -> dict:
         except json.JSONDecodeError:
             headers[name] = value
     return headers
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
