@@ -114,7 +114,7 @@ def test_unreadable_delays_are_parked_with_a_reason(chain, run_gateway):
 
 
 def test_a_due_message_nobody_is_bound_for_is_parked(chain, run_gateway):
-    run_gateway(chain)
+    gateway = run_gateway(chain)
     receiver = Receiver(chain, pattern="bound.#")
     publish(chain, [("unbound.key", b"lost?", delayed(300)), ("bound.key", b"fine", delayed(400))])
     assert [m.body for m in receiver.collect(1, timeout=10)] == [b"fine"]
@@ -122,6 +122,9 @@ def test_a_due_message_nobody_is_bound_for_is_parked(chain, run_gateway):
     assert body == b"lost?" and method.routing_key == "unbound.key"
     assert "no queue bound" in properties.headers["x-gateway-error"]
     assert chain.names.pick_up in properties.headers["x-gateway-error"]
+    # parked the same way as an unreadable header: one log line (and the counter beside it)
+    [logged] = [e for e in gateway.events("parked") if e.get("routing_key") == "unbound.key"]
+    assert logged["queue"] == chain.names.parking and "no queue bound" in logged["reason"]
 
 
 def wait_parked(chain, count, timeout=10.0):
