@@ -77,6 +77,7 @@ def test_publish_and_declare_commands_end_to_end(make_chain, run_gateway):
     assert cli("declare", *chain_args(chain)).returncode == 0  # again: a no-op
     run_gateway(chain)
     receiver = Receiver(chain)
+    before = now_ms()
     r = cli("publish", *chain_args(chain), "--delay", "400", "--routing-key", "cli.test", "--body", "hello",
             "--header", "n=5", "--header", "s=text", "--count", "2")
     assert r.returncode == 0, r.stderr
@@ -86,7 +87,7 @@ def test_publish_and_declare_commands_end_to_end(make_chain, run_gateway):
     for m in got:
         assert m.body == b"hello" and m.routing_key == "cli.test"
         assert m.properties.headers == {"x-delay": 400, "n": 5, "s": "text"}
-        assert m.at_ms >= min(p["confirmed_at"] for p in published) + 400
+        assert m.at_ms >= before + 400
 
 
 def test_demo_runs_and_checks_its_own_result():
