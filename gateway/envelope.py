@@ -66,8 +66,8 @@ def _show(value: str) -> str:
 def due_at(headers: Optional[dict], now_ms: int) -> int:
     """When the message is due (epoch ms). Raises Unreadable."""
     headers = headers or {}
-    if DUE_AT in headers:  # checked in before: the due time is fixed
-        return _as_ms(DUE_AT, headers[DUE_AT])
+    if DUE_AT in headers:  # checked in before (or forged: so it gets the same range checks)
+        return _absolute(DUE_AT, headers[DUE_AT], now_ms)
     due = []
     if headers.get(DELAY) is not None:
         delay = _as_ms(DELAY, headers[DELAY])
@@ -75,18 +75,22 @@ def due_at(headers: Optional[dict], now_ms: int) -> int:
             raise Unreadable(f"{DELAY} {delay} ms is out of range (at most {MAX_AHEAD_MS} ms, 1000 years)")
         due.append(now_ms + max(delay, 0))
     if headers.get(DELIVER_AT) is not None:
-        at = _as_ms(DELIVER_AT, headers[DELIVER_AT])
-        if at < SMALLEST_DELIVER_AT:
-            raise Unreadable(
-                f"{DELIVER_AT} {at} is out of range: before 1973 as epoch milliseconds "
-                "(epoch seconds by mistake?)")
-        if at - now_ms > MAX_AHEAD_MS:
-            raise Unreadable(f"{DELIVER_AT} {at} is out of range (more than 1000 years ahead)")
-        due.append(at)
+        due.append(_absolute(DELIVER_AT, headers[DELIVER_AT], now_ms))
     if len(due) == 2 and abs(due[0] - due[1]) > AGREEMENT_MS:
         raise Unreadable(
             f"{DELAY} and {DELIVER_AT} disagree by {abs(due[0] - due[1])} ms (more than {AGREEMENT_MS} ms)")
     return max(due, default=now_ms)
+
+
+def _absolute(name: str, value, now_ms: int) -> int:
+    """An epoch-milliseconds header, range-checked."""
+    at = _as_ms(name, value)
+    if at < SMALLEST_DELIVER_AT:
+        raise Unreadable(f"{name} {at} is out of range: before 1973 as epoch milliseconds "
+                         "(epoch seconds by mistake?)")
+    if at - now_ms > MAX_AHEAD_MS:
+        raise Unreadable(f"{name} {at} is out of range (more than 1000 years ahead)")
+    return at
 
 
 def fixed_due_at(headers: Optional[dict], now_ms: int) -> int:

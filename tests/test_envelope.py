@@ -41,6 +41,9 @@ def test_due_time_table(headers, due):
     ({"x-deliver-at": 1_700_000_000}, "epoch seconds by mistake"),
     ({"x-deliver-at": NOW + 2000 * 31_557_600_000}, "out of range"),
     ({"x-delay": 1000, "x-deliver-at": NOW + 3_600_000}, "disagree"),
+    # a publisher may forge the internal header; it gets the same range checks
+    ({"x-gateway-due-at": 5}, "x-gateway-due-at 5 is out of range"),
+    ({"x-gateway-due-at": NOW + 2000 * 31_557_600_000}, "out of range"),
 ])
 def test_unreadable_headers_give_a_reason(headers, reason):
     with pytest.raises(Unreadable, match=reason):
