@@ -82,11 +82,14 @@ def test_a_second_pass_keeps_what_the_first_recorded():
 
 
 keys = st.text(max_size=40).filter(lambda s: len(s.encode()) <= 255)
+def _containers(inner):
+    return st.lists(inner, max_size=3) | st.dictionaries(st.text(min_size=1, max_size=8), inner, max_size=3)
+
+
 header_values = st.recursive(
     st.none() | st.booleans() | st.integers(-2**63, 2**63 - 1) | st.text(max_size=20) | st.binary(max_size=20)
     | st.decimals(allow_nan=False, allow_infinity=False, places=3, min_value=-10**6, max_value=10**6),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(min_size=1, max_size=8), inner, max_size=3),
-    max_leaves=8)
+    _containers, max_leaves=8)
 user_headers = st.dictionaries(st.text(min_size=1, max_size=12).filter(
     lambda k: not k.startswith(("x-gateway-", "x-death", "x-first-death-", "x-last-death-", "x-delivery-count"))),
     header_values, max_size=5)

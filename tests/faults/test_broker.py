@@ -1,6 +1,6 @@
 """Faults of the broker itself, on a private node: a restart with messages waiting in
 every part of the chain, connections closed by the broker, a broker that is down when the
-gateway starts, and a memory alarm that blocks publishers."""
+gateway starts, and a memory or disk alarm that blocks publishers."""
 
 import time
 
@@ -95,26 +95,37 @@ def test_broker_down_at_start_and_connections_closed(own_node, node_chain, fault
     assert figures.early == 0, figures.early_ids
 
 
-def test_memory_alarm_blocks_then_resumes(own_node, node_chain, fault_report):
+# How to raise and clear each resource alarm on the private node. A disk limit above any
+# real disk's free space raises the disk alarm at once (setting the limit re-checks).
+ALARMS = {
+    "memory": (("set_vm_memory_high_watermark", "0.0001"), ("set_vm_memory_high_watermark", "0.9")),
+    "disk": (("set_disk_free_limit", str(10**18)), ("set_disk_free_limit", "50000000")),
+}
+
+
+@pytest.mark.parametrize("alarm", sorted(ALARMS))
+def test_resource_alarm_blocks_then_resumes(own_node, node_chain, fault_report, alarm):
+    raise_alarm, clear_alarm = ALARMS[alarm]
     chain = node_chain(max_level=4, resolution_ms=100)
     sink = Sink([own_node.url], chain)
     gateway = GatewayProcess(chain, url=own_node.url).wait_consuming()
     try:
         sent = publish([own_node.url], chain, mixed_delays(1000, 2500, seed=5))
-        own_node.ctl("set_vm_memory_high_watermark", "0.0001")
+        own_node.ctl(*raise_alarm)
+        wait_until(lambda: alarm in own_node.ctl("eval", "rabbit_alarm:get_alarms().").stdout, 15)
         time.sleep(0.5)  # what was already on its way to the sink
         before = sink.total
         time.sleep(3)  # publishers blocked: the gateway cannot forward; it must only wait
         during = sink.total - before
         alive = gateway.proc.poll() is None
-        own_node.ctl("set_vm_memory_high_watermark", "0.9")
+        own_node.ctl(*clear_alarm)
         delivered = sink.wait_for([s.message_id for s in sent], timeout=60)
     finally:
-        own_node.ctl("set_vm_memory_high_watermark", "0.9", check=False)
+        own_node.ctl(*clear_alarm, check=False)
         code = gateway.terminate()
         sink.close()
         sink.delete()
-    figures = fault_report(count("memory-alarm", sent, sink, 1, delivered_during_alarm=during))
+    figures = fault_report(count(f"{alarm}-alarm", sent, sink, 1, delivered_during_alarm=during))
     assert during == 0, "the alarm did not block publishers: the test proved nothing"
     assert alive and code == 0
     assert delivered and figures.lost == 0, figures.lost_ids
