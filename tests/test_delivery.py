@@ -111,14 +111,16 @@ def test_unreadable_delays_are_parked_with_a_reason(chain, run_gateway):
     gateway = run_gateway(chain, "--metrics-port", "0")
     publish(chain, [("bad.1", b"1", delayed("soon")),
                     ("bad.2", b"2", pika.BasicProperties(headers={"x-deliver-at": 1_700_000_000})),
-                    ("bad.3", b"3", pika.BasicProperties(headers={"x-delay": 10, "x-deliver-at": now_ms() + 9**9}))])
-    parked = wait_parked(chain, 3)
+                    ("bad.3", b"3", pika.BasicProperties(headers={"x-delay": 10, "x-deliver-at": now_ms() + 9**9})),
+                    ("bad.4", b"4", pika.BasicProperties(headers={"x-gateway-due-at": 5}))])  # forged
+    parked = wait_parked(chain, 4)
     reasons = {body: p.headers["x-gateway-error"] for _, p, body in parked}
     assert "not a number" in reasons[b"1"]
     assert "epoch seconds" in reasons[b"2"]
     assert "disagree" in reasons[b"3"]
-    assert {m.routing_key for m, _, _ in parked} == {"bad.1", "bad.2", "bad.3"}
-    assert len(gateway.events("parked")) == 3
+    assert "x-gateway-due-at 5 is out of range" in reasons[b"4"]
+    assert {m.routing_key for m, _, _ in parked} == {"bad.1", "bad.2", "bad.3", "bad.4"}
+    assert len(gateway.events("parked")) == 4
 
 
 def test_a_due_message_nobody_is_bound_for_is_parked(chain, run_gateway):
