@@ -184,13 +184,11 @@ def cmd_demo(args) -> int:
     return demo(args)
 
 
-COMMANDS = {"run": cmd_run, "declare": cmd_declare, "delete": cmd_delete, "definitions": cmd_definitions,
-            "publish": cmd_publish, "explain": cmd_explain, "demo": cmd_demo, "parked": cmd_parked}
-
-
 def cmd_bench(args) -> int:
     from .bench.cli import run
     return run(args)
 
 
-COMMANDS["bench"] = cmd_bench
+COMMANDS = {"run": cmd_run, "declare": cmd_declare, "delete": cmd_delete, "definitions": cmd_definitions,
+            "publish": cmd_publish, "explain": cmd_explain, "demo": cmd_demo, "parked": cmd_parked,
+            "bench": cmd_bench}

@@ -99,6 +99,12 @@ def fixed_due_at(headers: Optional[dict], now_ms: int) -> int:
     return _as_ms(DUE_AT, headers[DUE_AT]) if DUE_AT in headers else now_ms
 
 
+def user_routing_key(headers: Optional[dict], routing_key: str) -> str:
+    """The routing key the user published with (check-in keeps it in a header), else `routing_key`."""
+    key = (headers or {}).get(ROUTING_KEY, routing_key)
+    return key if isinstance(key, str) else routing_key
+
+
 def is_broker_header(name: str) -> bool:
     """Headers the broker adds: dead-letter history, and quorum queues' delivery count."""
     return name in ("x-death", "x-delivery-count") or name.startswith(("x-first-death-", "x-last-death-"))
@@ -139,8 +145,7 @@ def external(properties: BasicProperties, routing_key: str) -> Tuple[str, BasicP
         expiration=headers.get(EXPIRATION),
         delivery_mode=mode if mode in (1, 2) else None,
     )
-    key = headers.get(ROUTING_KEY, routing_key)
-    return (key if isinstance(key, str) else routing_key), restored
+    return user_routing_key(headers, routing_key), restored
 
 
 def unencodable(properties: BasicProperties) -> Optional[str]:

@@ -18,8 +18,7 @@ Clock = Callable[[], int]
 
 
 def park(names: Names, d: Delivery, reason: str, due_ms: Optional[int] = None) -> Forward:
-    key = (d.properties.headers or {}).get(envelope.ROUTING_KEY, d.routing_key)
-    return Forward(names.parked, key if isinstance(key, str) else d.routing_key,
+    return Forward(names.parked, envelope.user_routing_key(d.properties.headers, d.routing_key),
                    envelope.internal(d.properties, d.routing_key, due_ms=due_ms, error=reason),
                    d.body, "parked", reason=reason)
 
