@@ -3,9 +3,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from topology import ChainSettings
-
-from .support import GatewayProcess, broker_url, declared, remove, unique_prefix
+from .support import GatewayProcess, broker_url, chains
 
 
 @pytest.fixture(scope="session")
@@ -24,17 +22,8 @@ def broker() -> str:
 @pytest.fixture
 def make_chain(broker):
     """Declare a fresh chain with a unique prefix; delete it after the test."""
-    made = []
-
-    def make(**settings) -> ChainSettings:
-        settings.setdefault("prefix", unique_prefix())
-        chain = declared(ChainSettings(**settings))
-        made.append(chain)
-        return chain
-
-    yield make
-    for chain in made:
-        remove(chain)
+    with chains() as make:
+        yield make
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 """Helpers for tests that talk to a real broker and run the real gateway process."""
 
+import contextlib
 import json
 import os
 import signal
@@ -9,7 +10,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import pika
 
@@ -146,6 +147,23 @@ def declared(chain: ChainSettings, url: Optional[str] = None) -> ChainSettings:
     with connect(url) as connection:
         declare(connection.channel(), build(chain))
     return chain
+
+
+@contextlib.contextmanager
+def chains(url: Optional[str] = None, cleanup: Callable[[], bool] = lambda: True):
+    """A `make(**settings)` that declares a chain under a unique prefix; every chain made
+    is deleted afterwards (when `cleanup()` says the broker is still there)."""
+    made = []
+
+    def make(**settings) -> ChainSettings:
+        settings.setdefault("prefix", unique_prefix())
+        made.append(declared(ChainSettings(**settings), url))
+        return made[-1]
+
+    yield make
+    if cleanup():
+        for chain in made:
+            remove(chain, url)
 
 
 def remove(chain: ChainSettings, url: Optional[str] = None) -> None:

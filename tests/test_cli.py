@@ -5,7 +5,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 
 from gateway.cli import parser
 from gateway.settings import redact, settings_from

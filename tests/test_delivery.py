@@ -155,7 +155,7 @@ def test_competing_gateways_deliver_each_message_once(make_chain, run_gateway):
     receiver = Receiver(chain)
     n = 300
     publish(chain, [("c", str(i).encode(), delayed(i * 7 % 1500)) for i in range(n)])
-    got = receiver.collect(n, timeout=20)
+    receiver.collect(n, timeout=20)
     receiver.collect(n + 1, timeout=1)  # nothing more may come
     assert sorted(int(m.body) for m in receiver.messages) == list(range(n))
 

@@ -10,7 +10,7 @@ import pytest
 
 from topology import ChainSettings, build
 from topology.declare import TopologyConflict, declare
-from topology.definitions import definitions, render
+from topology.definitions import render
 from topology.encoding import level_pattern
 
 from .support import connect, drain, remove, unique_prefix

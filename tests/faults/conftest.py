@@ -12,11 +12,9 @@ from typing import List
 
 import pytest
 
-from topology import ChainSettings
-
-from ..support import declared, remove, unique_prefix
+from ..support import chains
 from .load import Figures
-from .nodes import Cluster, NodeError, unique_names
+from .nodes import Cluster, unique_names
 
 _FIGURES: List[str] = []
 
@@ -73,11 +71,7 @@ def own_cluster(tls_files):
         "ssl_options.fail_if_no_peer_cert = false",
     ])
     cluster.tls_port = tls_port
-    try:
-        cluster.start()
-    except NodeError as exc:
-        cluster.close()
-        pytest.fail(f"cannot start a private RabbitMQ node: {exc}", pytrace=False)
+    cluster.start_or_fail("a private RabbitMQ node")
     yield cluster
     cluster.close()
 
@@ -96,15 +90,5 @@ def own_node(own_cluster):
 @pytest.fixture
 def node_chain(own_node):
     """Declare a chain with a unique prefix on the private node; delete it after."""
-    made = []
-
-    def make(**settings) -> ChainSettings:
-        settings.setdefault("prefix", unique_prefix())
-        chain = declared(ChainSettings(**settings), own_node.url)
-        made.append(chain)
-        return chain
-
-    yield make
-    if own_node.process is not None and own_node.process.poll() is None:
-        for chain in made:
-            remove(chain, own_node.url)
+    with chains(own_node.url, cleanup=lambda: own_node.process is not None and own_node.process.poll() is None) as make:
+        yield make

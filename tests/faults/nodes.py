@@ -192,6 +192,15 @@ class Cluster:
             node.ctl("enable_feature_flag", "all", check=False)
         return self
 
+    def start_or_fail(self, what: str) -> "Cluster":
+        """Start, or clean up and fail the test with the node's reason."""
+        import pytest
+        try:
+            return self.start()
+        except NodeError as exc:
+            self.close()
+            pytest.fail(f"cannot start {what}: {exc}", pytrace=False)
+
     @property
     def urls(self) -> List[str]:
         return [n.url for n in self.nodes]

@@ -21,18 +21,13 @@ from topology import ChainSettings
 
 from ..support import GatewayProcess, declared, unique_prefix
 from .load import Sink, count, mixed_delays, publish, where_are_they
-from .nodes import Cluster, NodeError, unique_names
+from .nodes import Cluster, unique_names
 from .test_broker import queue_depths
 
 
 @pytest.fixture
 def cluster():
-    c = Cluster(unique_names(3, "cluster"))
-    try:
-        c.start()
-    except NodeError as exc:
-        c.close()
-        pytest.fail(f"cannot start a 3-node cluster: {exc}", pytrace=False)
+    c = Cluster(unique_names(3, "cluster")).start_or_fail("a 3-node cluster")
     yield c
     c.close()
 
@@ -66,7 +61,7 @@ def test_cluster_survives_losing_the_leader(cluster, fault_report):
         victim.stop()
         # Traffic goes on while the node is down (new messages through the survivors).
         for i in range(10):
-            sent += publish(survivors_urls := [n.url for n in survivors], chain,
+            sent += publish([n.url for n in survivors], chain,
                             mixed_delays(40, 6000, seed=100 + i))
             time.sleep(0.5)
         sink.wait_for([s.message_id for s in sent], timeout=10)
