@@ -1,16 +1,16 @@
-"""The values that pass between a consumer and its handler."""
+"""The values that pass between a consumer and its handler (pure)."""
 
 from dataclasses import dataclass
 from typing import Optional
 
-from pika import BasicProperties
+from .wire import Properties
 
 
 @dataclass(frozen=True)
 class Delivery:
     exchange: str
-    routing_key: str
-    properties: BasicProperties
+    routing_key: bytes
+    props: Properties
     body: bytes
     redelivered: bool = False
 
@@ -20,9 +20,10 @@ class Forward:
     """Publish this (with confirms); acknowledge the delivery once the broker confirms."""
 
     exchange: str
-    routing_key: str
-    properties: BasicProperties
+    routing_key: bytes
+    props: Properties
     body: bytes
-    outcome: str  # metric label and log event: chain, meditation, distributor, delivered, parked, ...
+    outcome: str  # metric label: chain, meditation, distributor, delivered, parked, recheck
     not_before_ms: Optional[int] = None  # hold until then (epoch ms)
     reason: Optional[str] = None  # why it is parked
+    mandatory: bool = False  # pick-up: a message nobody is bound for comes back, to be parked

@@ -1,16 +1,30 @@
-"""Connecting to the broker: parameters from URLs, and a blocking connection for one-off work."""
+"""Connecting to the broker, and sorting what goes wrong into what heals and what does not.
+
+Heals (retried with backoff): the connection lost or refused, CONNECTION_FORCED (a broker
+restart, an operator closing connections), a quorum queue between leaders, resource
+alarms. Does not heal (reported in one line that names the object and the fix, and the
+process gives up after a few attempts): a refused login, a missing virtual host, a queue
+or exchange that does not exist, missing permissions, a topology declared with other
+arguments. Retrying those forever would only fill the logs.
+"""
 
 import contextlib
 import ssl
+from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import pika
+from pika.exceptions import (AMQPConnectionError, AuthenticationError, ChannelClosedByBroker,
+                             ConnectionClosedByBroker, ProbableAccessDeniedError, ProbableAuthenticationError)
 
-from .settings import Tls, redact
+from .settings import Tls, UsageError, redact
 
 
 def parameters(url: str, name: str = "delay-gateway", tls: Optional[Tls] = None) -> pika.URLParameters:
-    params = pika.URLParameters(url)
+    try:
+        params = pika.URLParameters(url)
+    except ValueError as exc:
+        raise UsageError(f"--url {redact(url)!r}: {exc}") from None
     params.client_properties = {"connection_name": name}
     # pika fills ssl_options for every amqps:// URL itself (system CAs), so this must not
     # depend on it being unset, or the CA and client certificate options would be ignored.
@@ -22,23 +36,70 @@ def parameters(url: str, name: str = "delay-gateway", tls: Optional[Tls] = None)
             if tls.cert_file:
                 context.load_cert_chain(tls.cert_file, tls.key_file)
         except (OSError, ssl.SSLError) as exc:
-            raise ValueError(f"cannot load the TLS files: {exc}") from None
+            raise UsageError(f"cannot load the TLS files: {exc}") from None
         params.ssl_options = pika.SSLOptions(context, params.host)
     return params
 
 
-class BrokerUnreachable(pika.exceptions.AMQPConnectionError):
-    """No broker at this URL (the message names the URL, never its password)."""
+@dataclass(frozen=True)
+class Trouble:
+    heals: bool
+    message: str  # one line: what went wrong, naming the object, and the fix
+
+
+class BrokerError(RuntimeError):
+    """A broker problem, already explained in one line."""
+
+    def __init__(self, trouble: Trouble) -> None:
+        super().__init__(trouble.message)
+        self.trouble = trouble
+
+
+def classify(error: BaseException, url: str) -> Trouble:
+    """Pure: what `error` (an exception, or a connection or channel close reason) means."""
+    where = redact(url)
+    user = pika.URLParameters(url).credentials.username if "://" in url else "?"
+    if isinstance(error, (ProbableAuthenticationError, ProbableAccessDeniedError, AuthenticationError)):
+        return Trouble(False, f"{where}: login refused for user {user!r} (or no access to the virtual "
+                              "host): check the user name and password (--url, --password-file) and the "
+                              "user's permissions on the virtual host")
+    code = getattr(error, "reply_code", None)
+    text = getattr(error, "reply_text", "") or str(error)
+    if isinstance(error, ConnectionClosedByBroker):
+        if code == 530:
+            return Trouble(False, f"{where}: {text}: the virtual host does not exist or the user may not "
+                                  "use it; check the URL's path (%2F is /)")
+        if code == 403:
+            return Trouble(False, f"{where}: {text}: check the user name and password")
+        return Trouble(True, f"{where}: the broker closed the connection: {text}")
+    if isinstance(error, ChannelClosedByBroker):
+        if code == 404:
+            return Trouble(False, f"{where}: {text}: the topology is not declared (with these settings): "
+                                  "run `delay-gateway declare` with the same --prefix and chain settings, or "
+                                  "start without --no-declare")
+        if code == 403:
+            return Trouble(False, f"{where}: {text}: the user lacks a permission; grant it configure, write "
+                                  "and read on the prefix's names (README: Least privilege)")
+        if code == 406:
+            return Trouble(False, f"{where}: {text}: an object of the same name exists with other "
+                                  "arguments; keep its settings, or see `delay-gateway migrate`")
+        return Trouble(True, f"{where}: the broker closed a channel: {text}")
+    if isinstance(error, AMQPConnectionError):
+        return Trouble(True, f"{where}: cannot connect: {error!r}")
+    return Trouble(True, f"{where}: {error!r}")
 
 
 @contextlib.contextmanager
 def blocking_channel(url: str, name: str = "delay-gateway", tls: Optional[Tls] = None) -> Iterator:
+    """A channel for one-off work; any broker error is a BrokerError with its explanation."""
     try:
         connection = pika.BlockingConnection(parameters(url, name, tls))
-    except pika.exceptions.AMQPConnectionError as exc:
-        raise BrokerUnreachable(f"cannot connect to {redact(url)}: {exc!r}") from exc
+    except AMQPConnectionError as exc:
+        raise BrokerError(classify(exc, url)) from None
     try:
         yield connection.channel()
+    except (ChannelClosedByBroker, ConnectionClosedByBroker) as exc:
+        raise BrokerError(classify(exc, url)) from None
     finally:
         if connection.is_open:
             connection.close()

@@ -1,114 +1,156 @@
-"""One channel that consumes a queue and forwards each message with publisher confirms.
+"""One consumer of one queue: the pika side of `deliveries.Deliveries`.
 
-A delivery is acknowledged only after the broker has confirmed the message it became, so
-at every moment each message is owned by a queue: a crash or a lost connection means
-redelivery (a possible duplicate), never a loss. Confirms arrive asynchronously and acks go
-out in batches, so throughput is not bound by round trips.
+It consumes and acknowledges on one channel and publishes, with confirms, on another, so
+that a publish the broker refuses with a channel error closes only the publishing channel:
+nothing consumed goes back to its queue, nothing is delivered twice, and the channel is
+opened again at once. Everything about which delivery may be acknowledged when lives in
+`Deliveries`; this class only turns pika's callbacks into its events and its answers into
+frames.
 """
 
 import logging
-import struct
-import time
-from typing import Callable, Dict, Optional, Set
+from typing import Callable, Dict, Optional
 
 import structlog
 from pika import spec
-from pika.exceptions import AMQPError, ProtocolSyntaxError
+from pika.exceptions import AMQPError
 
+from . import codec, handlers
 from .actions import Delivery, Forward
+from .clock import wall_ms
+from .deliveries import Deliveries, Outcome, Publication
+from .envelope import as_bytes
 from .metrics import Metrics
 
 Handler = Callable[[Delivery], Forward]
 ACK_FLUSH_S = 0.005
 ACK_BATCH = 500
 # A publish the broker refuses (basic.nack: a quorum queue without a leader during a
-# failover, a full queue) is retried after this long while we keep the delivery. Requeueing
-# it instead would spin: each requeue counts against the queue's delivery limit, which a
-# failover of a few seconds exhausts, and the message would be parked for nothing.
+# failover) is retried after this long while we keep the delivery. Requeueing it instead
+# would spin: each requeue counts against the queue's delivery limit, which a failover of a
+# few seconds exhausts, and the message would be parked for nothing.
 RETRY_REFUSED_S = 1.0
 # After this many refusals of one message, start over on a new connection: in a cluster
 # failover a channel opened while a quorum queue's leader was moving can keep being refused
 # while a fresh channel is accepted (seen on 3.10.8 with a 3-node cluster).
 REFUSED_RECONNECT = 3
-
-
-def wall_ms() -> int:
-    return time.time_ns() // 1_000_000
+# Channel errors that no message causes: the topology or the permissions are wrong, and
+# retrying the message cannot help (the worker reports them and gives up).
+NOT_THE_MESSAGE = (403, 404)
 
 
 class Pipe:
-    def __init__(self, connection, queue: str, handler: Handler, prefetch: int,
-                 metrics: Metrics, clock: Callable[[], int] = wall_ms,
-                 fallback: Optional[Callable[[Forward], Forward]] = None) -> None:
+    def __init__(self, connection, queue: str, handler: Handler, prefetch: int, metrics: Metrics,
+                 names, clock: Callable[[], int] = wall_ms,
+                 on_fatal: Optional[Callable[[Exception], None]] = None) -> None:
         self._connection, self._queue, self._handler = connection, queue, handler
-        self._fallback = fallback  # what to publish instead when a Forward cannot be encoded
-        self._prefetch, self._metrics, self._clock = prefetch, metrics, clock
+        self._prefetch, self._metrics, self._clock, self._names = prefetch, metrics, clock, names
+        self._on_fatal = on_fatal or (lambda exc: None)
         self._log = structlog.get_logger("gateway").bind(queue=queue)
         # Per-message hot path: a debug event costs structlog's processors even when the
-        # level filters it out later, and .labels() a lock and a lookup; decide/lookup once.
+        # level filters it out later, and .labels() a lock and a lookup; decide/look up once.
         self._debug = logging.getLogger("gateway").isEnabledFor(logging.DEBUG)
-        self._forwarded: Dict[str, object] = {}
-        self._channel = None
+        self._counters: Dict[str, object] = {}
+        self._held_gauge = metrics.held.labels(queue)
+        self._state = Deliveries()
+        self._delivered: Dict[int, Delivery] = {}  # outstanding deliveries (to park them)
+        self._timers: Dict[int, object] = {}  # held delivery tag -> timer
+        self._consume = None
+        self._publish = None
         self._consumer_tag: Optional[str] = None
-        self._seq = 0
-        self._unconfirmed: Dict[int, int] = {}  # publish sequence number -> delivery tag
-        self._outstanding: Dict[int, None] = {}  # delivery tags not yet acked, in order
-        self._done: Set[int] = set()  # outstanding tags whose forward is confirmed
-        self._held: Dict[int, object] = {}  # delivery tag -> timer that publishes it
-        self._forwards: Dict[int, Forward] = {}  # delivery tag -> what it became, until confirmed
-        self._refused: Dict[int, int] = {}  # delivery tag -> how often its publish was refused
         self._flush_timer = None
         self._on_stopped: Optional[Callable[[], None]] = None
+        self.consuming = False
 
     # -- life cycle --------------------------------------------------------------------
     def open(self) -> None:
-        self._connection.channel(on_open_callback=self._on_channel_open)
+        self._connection.channel(on_open_callback=self._on_publish_open)
+        self._connection.channel(on_open_callback=self._on_consume_open)
 
-    def _on_channel_open(self, channel) -> None:
-        self._channel = channel
-        channel.add_on_close_callback(self._on_channel_closed)
-        channel.confirm_delivery(self._on_confirm, callback=lambda _: channel.basic_qos(
-            prefetch_count=self._prefetch, callback=lambda _: self._consume()))
+    def _on_publish_open(self, channel) -> None:
+        self._publish = channel
+        channel.add_on_close_callback(self._on_publish_closed)
+        channel.add_on_return_callback(self._on_return)
+        channel.confirm_delivery(self._on_confirm, callback=lambda _: self._do(self._state.channel_open()))
 
-    def _consume(self) -> None:
-        self._consumer_tag = self._channel.basic_consume(self._queue, self._on_message)
+    def _on_consume_open(self, channel) -> None:
+        self._consume = channel
+        channel.add_on_close_callback(self._on_consume_closed)
+        channel.add_on_cancel_callback(self._on_cancelled)
+        channel.basic_qos(prefetch_count=self._prefetch, callback=lambda _: self._start_consuming())
+
+    def _start_consuming(self) -> None:
+        self._consumer_tag = self._consume.basic_consume(
+            self._queue, self._on_message, callback=lambda _: self._consuming())
+
+    def _consuming(self) -> None:
+        self.consuming = True
         self._log.info("consuming", prefetch=self._prefetch)
 
-    def _on_channel_closed(self, channel, reason) -> None:
-        for timer in self._held.values():
-            self._connection.ioloop.remove_timeout(timer)
-        self._held.clear()
-        if self._on_stopped is None:
-            # The broker closed the channel (a protocol error): start over on a fresh
-            # connection; unacked deliveries return to their queue.
-            self._log.error("channel closed", reason=str(reason))
-            if self._connection.is_open:
-                self._connection.close()
-        else:
-            self._finish()
+    def _on_cancelled(self, frame) -> None:
+        # The broker cancelled our consumer (its queue was deleted, or its node went away):
+        # start over on a fresh connection, where the worker finds out what is wrong.
+        self._log.warning("consumer_cancelled_by_broker")
+        self.consuming = False
+        if self._connection.is_open:
+            self._connection.close()
+
+    def _on_consume_closed(self, channel, reason) -> None:
+        self.consuming = False
+        self._forget()
+        if self._on_stopped is not None:
+            return self._finish()
+        # The broker closed it (the queue is missing, no permission, ...): start over on a
+        # fresh connection; unacked deliveries return to their queue. The worker decides
+        # from the reason whether that can help.
+        self._log.error("channel_closed", reason=str(reason))
+        self._on_fatal(reason)
+        if self._connection.is_open:
+            self._connection.close()
+
+    def _on_publish_closed(self, channel, reason) -> None:
+        self._publish = None
+        if self._on_stopped is not None or not self._connection.is_open or self._consume is None \
+                or not self._consume.is_open:
+            return
+        code = getattr(reason, "reply_code", 0)
+        if code in NOT_THE_MESSAGE:
+            self._log.error("channel_closed", reason=str(reason))
+            self._on_fatal(reason)
+            self._connection.close()
+            return
+        # The broker refused a publish of one message (e.g. PRECONDITION_FAILED): find out
+        # which one, without sending anything else back to its queue, and park it.
+        self._log.warning("publish_refused_by_broker", reason=str(reason), unconfirmed=self._state.unconfirmed)
+        self._refusal = str(reason)
+        self._do(self._state.channel_closed())
+        self._connection.channel(on_open_callback=self._on_publish_open)
 
     def stop(self, on_stopped: Callable[[], None]) -> None:
-        """Stop consuming, return held messages, wait for outstanding confirms."""
+        """Stop consuming, hand back held messages, wait for outstanding confirms."""
         self._on_stopped = on_stopped
-        if self._channel is None or not self._channel.is_open:
+        if self._consume is None or not self._consume.is_open:
             return self._finish()
         if self._consumer_tag is None:
             return self._drain()
-        self._channel.basic_cancel(self._consumer_tag, callback=lambda _: self._drain())
+        self._consume.basic_cancel(self._consumer_tag, callback=lambda _: self._drain())
 
     def _drain(self) -> None:
         self._consumer_tag = None
-        for tag, timer in list(self._held.items()):
-            self._connection.ioloop.remove_timeout(timer)
-            self._channel.basic_nack(tag, requeue=True)
-            self._outstanding.pop(tag, None)
-        self._log.info("stopping", returned=len(self._held), unconfirmed=len(self._unconfirmed))
-        self._held.clear()
-        self._metrics.held.set(0)
+        self.consuming = False
+        returned = 0
+        for tag in self._state.held_tags():
+            self._connection.ioloop.remove_timeout(self._timers.pop(tag))
+            self._state.reject(tag)
+            self._delivered.pop(tag, None)
+            self._consume.basic_nack(tag, requeue=True)
+            returned += 1
+        self._held_gauge.set(self._state.held)
+        self._log.info("stopping", returned=returned, unconfirmed=self._state.unconfirmed)
         self._maybe_finished()
 
     def _maybe_finished(self) -> None:
-        if self._on_stopped is not None and self._consumer_tag is None and not self._unconfirmed:
+        if self._on_stopped is not None and self._consumer_tag is None and not self._state.unconfirmed:
             self._flush()
             self._finish()
 
@@ -117,119 +159,130 @@ class Pipe:
         if callback:
             callback()
 
+    def _forget(self) -> None:
+        for tag in self._state.lost():
+            self._connection.ioloop.remove_timeout(self._timers.pop(tag))
+        self._timers.clear()
+        self._delivered.clear()
+        self._held_gauge.set(0)
+
     # -- messages ----------------------------------------------------------------------
     def _on_message(self, channel, method, properties, body) -> None:
         tag = method.delivery_tag
-        self._outstanding[tag] = None
-        d = Delivery(method.exchange, method.routing_key, properties, body, method.redelivered)
+        d = Delivery(method.exchange, as_bytes(method.routing_key), properties.wire, body, method.redelivered)
+        self._state.received(tag)
+        self._delivered[tag] = d
         try:
             action = self._handler(d)
-        except Exception:  # a bug must not stop the gateway: the message is parked by the broker
-            self._log.exception("handler failed; rejecting to parking", routing_key=method.routing_key)
-            self._outstanding.pop(tag, None)
-            channel.basic_nack(tag, requeue=False)
-            return
-        counter = self._forwarded.get(action.outcome)
+        except Exception as exc:  # a bug must not stop the gateway, nor lose the message
+            self._log.exception("handler_failed", routing_key=method.routing_key)
+            action = handlers.park_inside(self._names, d, f"the gateway failed on it: {exc!r}") \
+                if self._queue != self._names.check_in else handlers.park(
+                    self._names, d.props, d.routing_key, d.body, f"the gateway failed on it: {exc!r}")
+        self._count(action)
+        wait_ms = (action.not_before_ms - self._clock()) if action.not_before_ms else 0
+        if wait_ms > 0:
+            self._state.hold(tag)
+            self._held_gauge.set(self._state.held)
+            self._timers[tag] = self._connection.ioloop.call_later(wait_ms / 1000, lambda: self._release(tag, action))
+        else:
+            self._send(tag, action)
+
+    def _count(self, action: Forward) -> None:
+        counter = self._counters.get(action.outcome)
         if counter is None:
-            counter = self._forwarded[action.outcome] = self._metrics.forwarded.labels(self._queue, action.outcome)
+            counter = self._counters[action.outcome] = self._metrics.forwarded.labels(self._queue, action.outcome)
         counter.inc()
         if action.outcome == "parked":
             self._metrics.parked.labels(self._queue).inc()
-            self._log.warning("parked", reason=action.reason, routing_key=action.routing_key,
-                              message_id=properties.message_id)
-        wait_ms = (action.not_before_ms - self._clock()) if action.not_before_ms else 0
-        if wait_ms > 0:
-            self._held[tag] = self._connection.ioloop.call_later(
-                wait_ms / 1000, lambda: self._release(tag, action))
-            self._metrics.held.inc()
-        else:
-            self._publish(tag, action)
+            self._log.warning("parked", reason=action.reason, routing_key=action.routing_key.decode(
+                "utf-8", "backslashreplace"))
 
     def _release(self, tag: int, action: Forward) -> None:
-        if self._held.pop(tag, None) is not None:
-            self._metrics.held.dec()
-            self._publish(tag, action)
+        self._timers.pop(tag, None)
+        if self._state.release(tag):
+            self._held_gauge.set(self._state.held)
+            self._send(tag, action)
 
-    def _publish(self, tag: int, action: Forward) -> None:
+    def _send(self, tag: int, action: Forward, parking: bool = False) -> None:
         if action.not_before_ms is not None:
             self._metrics.lateness.observe(max(0, self._clock() - action.not_before_ms) / 1000)
-        try:
-            self._channel.basic_publish(action.exchange, action.routing_key, action.body,
-                                        action.properties)
-        except (ProtocolSyntaxError, struct.error, TypeError, ValueError) as exc:
-            # Its properties cannot be written back (a value pika decodes but cannot
-            # encode). Checked here, on failure, rather than for every message up front.
-            if self._fallback is not None and action.outcome != "parked":
-                parked = self._fallback(action)
-                self._metrics.parked.labels(self._queue).inc()
-                self._log.warning("parked", reason=parked.reason, routing_key=parked.routing_key)
-                return self._publish(tag, parked)
-            # Parking failed too: reject it, and the broker dead-letters it to parking and
-            # on to parked without anyone re-encoding it.
-            self._log.error("cannot re-encode message; rejecting to parking", error=repr(exc))
-            self._outstanding.pop(tag, None)
-            self._channel.basic_nack(tag, requeue=False)
+        self._do(self._state.publish((tag,), action, parking=parking or action.outcome == "parked"))
+
+    def _do(self, outcome: Outcome) -> None:
+        for pub in outcome.send:
+            f: Forward = pub.payload
+            try:
+                self._publish.basic_publish(f.exchange, f.routing_key, f.body, codec.RawProperties(f.props),
+                                            mandatory=f.mandatory)
+            except AMQPError as exc:  # the channel is going away; its close callback takes over
+                self._log.warning("publish_failed", error=str(exc))
+                return
+            if self._debug:
+                self._log.debug(f.outcome, exchange=f.exchange, routing_key=f.routing_key)
+        for pub in outcome.refused:
+            self._refused(pub)
+        for pub in outcome.returned:
+            self._park(pub, lambda d: self._handler.unroutable(d))
+        for pub in outcome.guilty:
+            reason = f"the broker refused to take it: {getattr(self, '_refusal', '?')}"
+            self._park(pub, lambda d: handlers.park_inside(self._names, d, reason)
+                       if self._queue != self._names.check_in else
+                       handlers.park(self._names, d.props, d.routing_key, d.body, reason))
+        for tag in outcome.reject:
+            self._log.error("rejected_to_dead_letter", delivery_tag=tag)
+            self._delivered.pop(tag, None)
+            self._consume.basic_nack(tag, requeue=False)
+
+    def _park(self, pub: Publication, parked: Callable[[Delivery], Forward]) -> None:
+        for tag in pub.tags:
+            d = self._delivered.get(tag)
+            if d is not None:
+                action = parked(d)
+                self._count(action)
+                self._do(self._state.publish((tag,), action, parking=True))
+
+    def _refused(self, pub: Publication) -> None:
+        if pub.refused > REFUSED_RECONNECT:
+            self._log.error("broker_keeps_refusing", refusals=pub.refused)
+            if self._connection.is_open:
+                self._connection.close()
             return
-        except AMQPError as exc:  # channel gone: the delivery comes back on reconnect
-            self._log.warning("publish failed", error=str(exc))
-            return
-        self._seq += 1
-        self._unconfirmed[self._seq] = tag
-        self._forwards[tag] = action
-        if self._debug:
-            self._log.debug(action.outcome, exchange=action.exchange, routing_key=action.routing_key)
+        self._log.warning("publish_nacked_by_broker", after_s=RETRY_REFUSED_S)
+        self._connection.ioloop.call_later(RETRY_REFUSED_S, lambda: self._do(self._state.retry(pub)))
+
+    def _on_return(self, channel, method, properties, body) -> None:
+        key = as_bytes(method.routing_key)
+        for pub in self._state.inflight():
+            f: Forward = pub.payload
+            if f.mandatory and f.routing_key == key and f.body == body and f.props.raw == properties.wire.raw:
+                self._state.returned(pub.seq)
+                return
+        self._log.error("unmatched_return", routing_key=method.routing_key)
 
     def _on_confirm(self, frame) -> None:
         method = frame.method
-        if method.multiple:
-            tags = []
-            while self._unconfirmed:
-                seq = next(iter(self._unconfirmed))
-                if seq > method.delivery_tag:
-                    break
-                tags.append(self._unconfirmed.pop(seq))
-        else:
-            tags = [self._unconfirmed.pop(method.delivery_tag)]
-        forwards = [self._forwards.pop(tag, None) for tag in tags]
-        if isinstance(method, spec.Basic.Ack):
-            for tag in tags:
-                self._refused.pop(tag, None)
-            self._done.update(tags)
-            if len(self._done) >= ACK_BATCH:
-                self._flush()
-            elif self._flush_timer is None:
-                self._flush_timer = self._connection.ioloop.call_later(ACK_FLUSH_S, self._flush)
-        else:  # the broker could not take it (e.g. no quorum leader yet): try again later
-            self._log.warning("publish refused by broker; retrying", count=len(tags), after_s=RETRY_REFUSED_S)
-            for tag in tags:
-                self._refused[tag] = self._refused.get(tag, 0) + 1
-            if max(self._refused[tag] for tag in tags) > REFUSED_RECONNECT and self._connection.is_open:
-                self._log.error("broker keeps refusing; reconnecting (unacked messages are redelivered)")
-                self._connection.close()
-                return
-            for tag, action in zip(tags, forwards):
-                self._held[tag] = self._connection.ioloop.call_later(
-                    RETRY_REFUSED_S, lambda tag=tag, action=action: self._release(tag, action))
-                self._metrics.held.inc()
+        outcome = self._state.confirmed(method.delivery_tag, method.multiple, isinstance(method, spec.Basic.Ack))
+        self._do(outcome)
+        self._schedule_flush()
         self._maybe_finished()
+
+    def _schedule_flush(self) -> None:
+        if self._state.done_count >= ACK_BATCH:
+            self._flush()
+        elif self._flush_timer is None and self._state.done_count:
+            self._flush_timer = self._connection.ioloop.call_later(ACK_FLUSH_S, self._flush)
 
     def _flush(self) -> None:
         if self._flush_timer is not None:
             self._connection.ioloop.remove_timeout(self._flush_timer)
             self._flush_timer = None
-        if not self._done or self._channel is None or not self._channel.is_open:
+        if self._consume is None or not self._consume.is_open:
             return
-        last = None
-        while self._outstanding:
-            tag = next(iter(self._outstanding))
-            if tag not in self._done:
-                break
-            del self._outstanding[tag]
-            self._done.discard(tag)
-            last = tag
+        last, singles, gone = self._state.acks()
         if last is not None:
-            self._channel.basic_ack(last, multiple=True)
-        for tag in self._done:  # confirmed behind a message still held or in flight
-            del self._outstanding[tag]
-            self._channel.basic_ack(tag)
-        self._done.clear()
+            self._consume.basic_ack(last, multiple=True)
+        for tag in singles:
+            self._consume.basic_ack(tag)
+        for tag in gone:
+            self._delivered.pop(tag, None)

@@ -10,7 +10,7 @@ from topology import build
 from topology.declare import declare
 
 from .amqp import blocking_channel
-from .consumer import wall_ms
+from .clock import wall_ms
 from .publish import Publisher
 from .settings import chain_from, urls_from
 

@@ -1,24 +1,43 @@
-"""What the gateway reads from and writes to a message's headers and properties.
+"""The gateway's own message format, and reading a publisher's delay headers.
 
-Pure functions: no I/O, the clock passed in.
+A publisher's message is taken apart once, at check-in, and put back together once, at
+pick-up. In between it travels in the gateway's format:
+
+- properties: persistent, and a header table holding only the gateway's own headers
+  (the broker adds its dead-letter history beside them, which is dropped at every hop);
+- `x-gateway-due-at`: the due time, epoch ms (a long);
+- `x-gateway-routing-key`: the routing key the publisher used, as its bytes;
+- `x-gateway-properties`: the publisher's content properties, as their exact bytes
+  (headers with their wire types, expiration, delivery mode, everything but `user_id`,
+  which the broker checks against the publishing connection);
+- `x-gateway-error`: on parked messages only, why they were parked;
+- the body, unchanged.
+
+Nothing a publisher sends is ever read as one of these: its own headers are inside
+`x-gateway-properties`, bytes the gateway carries but does not interpret. Only messages
+that came through the gateway's own queues are read in this format (see handlers).
+
+Pure: no I/O, the clock passed in.
 """
 
 import math
 from decimal import Decimal, InvalidOperation
-from typing import Optional, Tuple
+from typing import Any, Optional
 
-from pika import BasicProperties
+from . import wire
+from .wire import Opaque, Properties, Table
 
 DELAY = "x-delay"
 DELIVER_AT = "x-deliver-at"
+# Set by the broker when a message arrives (RabbitMQ 3.12+, message interceptor
+# set_header_timestamp): x-delay counts from it when present and plausible.
+ARRIVED = "timestamp_in_ms"
 
-# Internal headers: set at check-in, removed before pick-up.
 INTERNAL = "x-gateway-"
 DUE_AT = "x-gateway-due-at"
 ROUTING_KEY = "x-gateway-routing-key"
-EXPIRATION = "x-gateway-expiration"
-DELIVERY_MODE = "x-gateway-delivery-mode"
-ERROR = "x-gateway-error"  # on parked messages only: why they were parked
+PROPERTIES = "x-gateway-properties"
+ERROR = "x-gateway-error"
 
 PERSISTENT = 2
 MS_PER_YEAR = 31_557_600_000
@@ -28,13 +47,18 @@ SMALLEST_DELIVER_AT = 100_000_000_000
 # Both headers given: they agree if they name due times this close (check-in backlog and
 # clock skew between publisher and gateway make them differ a little).
 AGREEMENT_MS = 60_000
+# The broker's arrival stamp is trusted if it is at most this far ahead of the gateway's
+# clock (hosts' clocks differ a little) and, like any timestamp, not before 1973. A
+# publisher can set the header itself; an earlier stamp grants nothing x-delay 0 does not.
+ARRIVAL_SKEW_MS = 60_000
 
 
 class Unreadable(ValueError):
     """The delay headers cannot be read; the message is parked with this reason."""
 
 
-def _as_ms(name: str, value) -> int:
+# -- reading a publisher's delay headers ------------------------------------------------------
+def _as_ms(name: str, value: Any) -> int:
     """A header value as whole milliseconds, rounded up (never early)."""
     if isinstance(value, bool):
         raise Unreadable(f"{name} is a boolean, expected milliseconds as an integer")
@@ -56,6 +80,8 @@ def _as_ms(name: str, value) -> int:
         if abs(value) > 10**18:
             raise Unreadable(f"{name} {value} is out of range")
         return math.ceil(value)
+    if isinstance(value, Opaque):
+        raise Unreadable(f"{name} is a value of AMQP type {value.kind.decode('latin-1')!r} that cannot be read")
     raise Unreadable(f"{name} is a {type(value).__name__}, expected milliseconds as an integer")
 
 
@@ -63,26 +89,34 @@ def _show(value: str) -> str:
     return repr(value if len(value) <= 40 else value[:40] + "...")
 
 
-def due_at(headers: Optional[dict], now_ms: int) -> int:
-    """When the message is due (epoch ms). Raises Unreadable."""
-    headers = headers or {}
-    if DUE_AT in headers:  # checked in before (or forged: so it gets the same range checks)
-        return _absolute(DUE_AT, headers[DUE_AT], now_ms)
+def due_at(headers: Table, now_ms: int) -> int:
+    """When a publisher's message is due (epoch ms). Raises Unreadable."""
     due = []
-    if headers.get(DELAY) is not None:
-        delay = _as_ms(DELAY, headers[DELAY])
-        if delay > MAX_AHEAD_MS:
-            raise Unreadable(f"{DELAY} {delay} ms is out of range (at most {MAX_AHEAD_MS} ms, 1000 years)")
-        due.append(now_ms + max(delay, 0))
-    if headers.get(DELIVER_AT) is not None:
-        due.append(_absolute(DELIVER_AT, headers[DELIVER_AT], now_ms))
+    delay = headers.get(DELAY)
+    if delay is not None:
+        delay_ms = _as_ms(DELAY, delay)
+        if delay_ms > MAX_AHEAD_MS:
+            raise Unreadable(f"{DELAY} {delay_ms} ms is out of range (at most {MAX_AHEAD_MS} ms, 1000 years)")
+        due.append(arrived_at(headers, now_ms) + max(delay_ms, 0))
+    deliver_at = headers.get(DELIVER_AT)
+    if deliver_at is not None:
+        due.append(_absolute(DELIVER_AT, deliver_at, now_ms))
     if len(due) == 2 and abs(due[0] - due[1]) > AGREEMENT_MS:
         raise Unreadable(
             f"{DELAY} and {DELIVER_AT} disagree by {abs(due[0] - due[1])} ms (more than {AGREEMENT_MS} ms)")
     return max(due, default=now_ms)
 
 
-def _absolute(name: str, value, now_ms: int) -> int:
+def arrived_at(headers: Table, now_ms: int) -> int:
+    """When the broker received the message, if it says so plausibly; else now."""
+    stamp = headers.get(ARRIVED)
+    if isinstance(stamp, int) and not isinstance(stamp, bool) \
+            and SMALLEST_DELIVER_AT <= stamp <= now_ms + ARRIVAL_SKEW_MS:
+        return min(stamp, now_ms)
+    return now_ms
+
+
+def _absolute(name: str, value: Any, now_ms: int) -> int:
     """An epoch-milliseconds header, range-checked."""
     at = _as_ms(name, value)
     if at < SMALLEST_DELIVER_AT:
@@ -93,91 +127,82 @@ def _absolute(name: str, value, now_ms: int) -> int:
     return at
 
 
-def fixed_due_at(headers: Optional[dict], now_ms: int) -> int:
-    """The due time check-in fixed; now if there is none (published past check-in by hand)."""
-    headers = headers or {}
-    return _as_ms(DUE_AT, headers[DUE_AT]) if DUE_AT in headers else now_ms
-
-
-def user_routing_key(headers: Optional[dict], routing_key: str) -> str:
-    """The routing key the user published with (check-in keeps it in a header), else `routing_key`."""
-    key = (headers or {}).get(ROUTING_KEY, routing_key)
-    return key if isinstance(key, str) else routing_key
-
-
-def is_broker_header(name: str) -> bool:
+# -- the publisher's properties ----------------------------------------------------------------
+def is_broker_header(name: Any) -> bool:
     """Headers the broker adds: dead-letter history, and quorum queues' delivery count."""
-    return name in ("x-death", "x-delivery-count") or name.startswith(("x-first-death-", "x-last-death-"))
+    return isinstance(name, str) and (
+        name in ("x-death", "x-delivery-count") or name.startswith(("x-first-death-", "x-last-death-")))
 
 
-def internal(properties: BasicProperties, routing_key: str, due_ms: Optional[int] = None,
-             error: Optional[str] = None) -> BasicProperties:
-    """Properties for a message inside the gateway (chain, meditation, parking).
+def publishers(props: Properties) -> Properties:
+    """A publisher's properties as they will arrive at pick-up: without `user_id` (the
+    broker checks it against the connection that publishes, which is the gateway's) and
+    without the broker's dead-letter history, every other byte as sent."""
+    headers = props.values.get("headers")
+    cleaned = headers.without(is_broker_header) if headers is not None else None
+    if cleaned is headers and props.values.get("user_id") is None:
+        return props
+    return props.replace(user_id=None, headers=cleaned if cleaned else None)
 
-    The user's expiration and delivery mode are set aside so a short expiration cannot cut
-    the delay short; the broker's dead-letter history is dropped, because RabbitMQ <= 3.12
-    and 3.13.3+ discard a message that re-enters a queue named in its x-death.
-    """
-    headers = {k: v for k, v in (properties.headers or {}).items() if not is_broker_header(k)}
-    if ROUTING_KEY not in headers:  # first time in: what the user sent is still there
-        headers[ROUTING_KEY] = routing_key
-        headers[DELIVERY_MODE] = int(properties.delivery_mode or 0)  # 0: not set
-    if properties.expiration is not None:
-        headers[EXPIRATION] = properties.expiration
+
+# -- the gateway's format ---------------------------------------------------------------------
+def inside(user: Properties, routing_key: bytes, due_ms: Optional[int], error: Optional[str] = None) -> Properties:
+    """The gateway's properties for a publisher's message (see the module doc)."""
+    entries = [wire.binary(ROUTING_KEY, routing_key), wire.binary(PROPERTIES, user.raw)]
     if due_ms is not None:
-        headers[DUE_AT] = due_ms
+        entries.insert(0, wire.long(DUE_AT, due_ms))
     if error is not None:
-        headers[ERROR] = error
-    # user_id is checked by the broker against the publishing connection's user, so it can
-    # only travel with the gateway's own identity: it is not carried.
-    return replace_properties(properties, headers=headers, expiration=None,
-                              delivery_mode=PERSISTENT, user_id=None)
+        entries.append(wire.longstr(ERROR, error))
+    return Properties.build(delivery_mode=PERSISTENT, headers=Table(entries))
 
 
-def external(properties: BasicProperties, routing_key: str) -> Tuple[str, BasicProperties]:
-    """The user's routing key and properties, as they were published (for pick-up)."""
-    headers = properties.headers or {}
-    mode = headers.get(DELIVERY_MODE)
-    restored = replace_properties(
-        properties,
-        headers={k: v for k, v in headers.items()
-                 if not (k.startswith(INTERNAL) or is_broker_header(k))} or None,
-        expiration=headers.get(EXPIRATION),
-        delivery_mode=mode if mode in (1, 2) else None,
-    )
-    return user_routing_key(headers, routing_key), restored
+class Inside:
+    """A message in the gateway's format, read back. Missing or damaged parts read as None."""
+
+    def __init__(self, props: Properties) -> None:
+        headers = props.headers
+        self.headers = headers
+        due = headers.get(DUE_AT)
+        self.due_ms: Optional[int] = due if isinstance(due, int) and not isinstance(due, bool) else None
+        key = headers.find(ROUTING_KEY)
+        self.routing_key: Optional[bytes] = key.raw[4:] if key is not None and key.kind == b"x" else None
+        user = headers.find(PROPERTIES)
+        self.user: Optional[Properties] = Properties.parse(user.raw[4:]) if user is not None \
+            and user.kind == b"x" else None
+        error = headers.get(ERROR)
+        self.error: Optional[str] = error if isinstance(error, str) else None
+
+    @property
+    def complete(self) -> bool:
+        return self.routing_key is not None and self.user is not None
+
+    def again(self, due_ms: Optional[int] = None, error: Optional[str] = None) -> Properties:
+        """Its properties for the next hop: only the gateway's own headers (the broker's
+        dead-letter history would make RabbitMQ up to 3.12 and from 3.13.3 drop the message
+        when it re-enters a queue named in it, on its second meditation lap)."""
+        return inside(self.user, self.routing_key, self.due_ms if due_ms is None else due_ms, error)
 
 
-def unencodable(properties: BasicProperties) -> Optional[str]:
-    """Why these properties cannot be written to the wire again, or None if they can."""
-    try:
-        properties.encode()
-        return None
-    except Exception as exc:  # pika raises struct.error, ValueError, its own exceptions...
-        bad = [k for k, v in (properties.headers or {}).items() if not _encodes({k: v})]
-        return f"header(s) {', '.join(map(repr, bad)) or '?'} cannot be encoded again ({type(exc).__name__}: {exc})"
+def stamped(user: Properties, due_ms: int) -> Properties:
+    """The publisher's properties with the header x-gateway-due-at (the opt-in stamp)."""
+    headers = user.values.get("headers") or Table()
+    return user.replace(headers=headers.with_entry(wire.long(DUE_AT, due_ms)))
 
 
-def printable_headers(properties: BasicProperties) -> BasicProperties:
-    """The properties with every header value that cannot be encoded replaced by its repr."""
-    headers = {k: (v if _encodes({k: v}) else repr(v)[:200]) for k, v in (properties.headers or {}).items()}
-    return replace_properties(properties, headers=headers)
+def as_bytes(key: Any) -> bytes:
+    """A routing key as pika gave it (str, or bytes when it is not UTF-8) as its bytes."""
+    return key if isinstance(key, bytes) else key.encode("utf-8")
 
 
-def _encodes(table: dict) -> bool:
-    try:
-        BasicProperties(headers=table).encode()
-        return True
-    except Exception:
-        return False
+def shown(key: Optional[bytes]) -> str:
+    """A routing key for people to read."""
+    return "" if key is None else key.decode("utf-8", "backslashreplace")
 
 
-_FIELDS = ("content_type", "content_encoding", "headers", "delivery_mode", "priority",
-           "correlation_id", "reply_to", "expiration", "message_id", "timestamp", "type",
-           "user_id", "app_id", "cluster_id")
+def death(headers: Table) -> Optional[dict]:
+    """The broker's most recent dead-lettering of this message (x-death's first entry)."""
+    deaths = headers.get("x-death")
+    if isinstance(deaths, list) and deaths and isinstance(deaths[0], dict):
+        return deaths[0]
+    return None
 
-
-def replace_properties(properties: BasicProperties, **changes) -> BasicProperties:
-    values = {f: getattr(properties, f) for f in _FIELDS}
-    values.update(changes)
-    return BasicProperties(**values)

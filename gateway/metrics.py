@@ -1,6 +1,6 @@
 """Prometheus metrics of one gateway process."""
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENESS_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -18,8 +18,10 @@ class Metrics:
             "delay_gateway_lateness_seconds", "How long after its due time a message was published to pick-up",
             buckets=LATENESS_BUCKETS, registry=self.registry)
         self.held = Gauge(
-            "delay_gateway_held_messages", "Messages the distributor holds until their due time",
+            "delay_gateway_held_messages", "Messages held until their due time, by consumer",
+            ["queue"], registry=self.registry)
+        self.connections = Counter(
+            "delay_gateway_connections", "Connections opened to the broker", registry=self.registry)
+        self.ready = Gauge(
+            "delay_gateway_ready", "1 while connected and consuming every queue of the role",
             registry=self.registry)
-
-    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
-        start_http_server(port, addr=addr, registry=self.registry)

@@ -1,17 +1,18 @@
-"""Parked messages: list them, and replay them into check-in once their cause is fixed.
+"""Parked messages: list them, and replay them once their cause is fixed.
 
 Both read `<prefix>.parked` with basic.get and no auto-ack, so nothing leaves the queue
-until it is safely elsewhere: `list` returns every message it looked at (closing the
+until it is safely elsewhere: `list` hands back every message it looked at (closing the
 channel requeues them), `replay` acknowledges a message only after the broker confirmed its
-copy in check-in.
+copy. The parked queue's delivery limit is set so high that no number of looks removes a
+message on any broker version (RabbitMQ 4 would otherwise drop it after 20).
 
-What due time a replayed message gets:
-- parked after check-in had read it (unroutable at pick-up, or a later failure): it
-  carries `x-gateway-due-at`, a time already past, so check-in sends it straight on;
-  its `x-delay` is NOT applied again.
-- parked before check-in could read it (an unreadable delay header): there is no due
-  time; check-in reads the headers again, counting `x-delay` from the replay. If the
-  header is still unreadable, it is parked again with the same reason.
+Where a replayed message goes:
+- it has a due time (it was parked after check-in had read it: unroutable at pick-up, or
+  refused by the broker on its way): to the distributor, which delivers it at once (the
+  time is past) or holds it until due. Its `x-delay` is NOT applied again.
+- it has none (its delay header could not be read, or the broker dead-lettered it from
+  check-in): to check-in, exactly as its publisher sent it. If the header is still
+  unreadable it is parked again with the same reason.
 """
 
 import argparse
@@ -22,30 +23,55 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable, List, Optional, Tuple
 
-import pika
 from pika.exceptions import AMQPError
 
-from . import envelope
+from . import codec, envelope
+from .envelope import Inside
+from .handlers import DEATH_REASONS
+from .wire import Properties
 
 
 @dataclass(frozen=True)
 class Parked:
     delivery_tag: int
-    routing_key: str  # the user's key (parked messages keep it as their routing key)
-    properties: pika.BasicProperties
+    props: Properties  # as it sits in the parked queue
     body: bytes
+    queue_key: bytes  # its routing key in the parked queue
+
+    @property
+    def inside(self) -> Inside:
+        return Inside(self.props)
+
+    @property
+    def user(self) -> Properties:
+        """The publisher's properties."""
+        inside = self.inside
+        return inside.user if inside.complete else envelope.publishers(self.props)
+
+    @property
+    def routing_key(self) -> bytes:
+        """The publisher's routing key."""
+        inside = self.inside
+        return inside.routing_key if inside.complete else self.queue_key
 
     @property
     def reason(self) -> str:
-        return str((self.properties.headers or {}).get(envelope.ERROR, "(no reason recorded)"))
+        error = self.inside.error
+        if error:
+            return error
+        death = envelope.death(self.props.headers)
+        if death is not None:
+            why = str(death.get("reason", "?"))
+            return f"dead-lettered from queue {death.get('queue', '?')}: {DEATH_REASONS.get(why, why)}"
+        return "(no reason recorded)"
 
     @property
     def due_at(self) -> Optional[int]:
-        value = (self.properties.headers or {}).get(envelope.DUE_AT)
-        return value if isinstance(value, int) else None
+        inside = self.inside
+        return inside.due_ms if inside.complete else None
 
     def summary(self) -> dict:
-        return {"message_id": self.properties.message_id, "routing_key": self.routing_key,
+        return {"message_id": self.user.text("message_id"), "routing_key": envelope.shown(self.routing_key),
                 "reason": self.reason, "due_at": self.due_at, "bytes": len(self.body)}
 
 
@@ -53,7 +79,7 @@ def selected(message: Parked, reason: Optional[str], routing_key: Optional[str])
     """--reason is a substring of the reason; --routing-key a shell-style pattern."""
     if reason is not None and reason not in message.reason:
         return False
-    if routing_key is not None and not fnmatch.fnmatchcase(message.routing_key, routing_key):
+    if routing_key is not None and not fnmatch.fnmatchcase(envelope.shown(message.routing_key), routing_key):
         return False
     return True
 
@@ -63,16 +89,17 @@ def report(messages: Iterable[Parked]) -> dict:
     return {
         "count": len(messages),
         "reasons": dict(Counter(m.reason for m in messages).most_common()),
-        "routing_keys": dict(Counter(m.routing_key for m in messages).most_common()),
+        "routing_keys": dict(Counter(envelope.shown(m.routing_key) for m in messages).most_common()),
         "messages": [m.summary() for m in messages],
     }
 
 
-def replay_properties(properties: pika.BasicProperties) -> pika.BasicProperties:
-    """The parked message's properties without the parking reason; every other internal
-    header (routing key, due time, set-aside expiration and delivery mode) stays."""
-    headers = {k: v for k, v in (properties.headers or {}).items() if k != envelope.ERROR}
-    return envelope.replace_properties(properties, headers=headers)
+def destination(message: Parked, names) -> Tuple[str, bytes, Properties]:
+    """Where `replay` sends it, with which routing key and properties (see the module doc)."""
+    inside = message.inside
+    if inside.complete and inside.due_ms is not None:
+        return names.distributor, b"", inside.again()
+    return names.check_in, message.routing_key, message.user
 
 
 def fetch(channel, queue: str, limit: Optional[int] = None) -> List[Parked]:
@@ -82,13 +109,13 @@ def fetch(channel, queue: str, limit: Optional[int] = None) -> List[Parked]:
         method, properties, body = channel.basic_get(queue, auto_ack=False)
         if method is None:
             break
-        out.append(Parked(method.delivery_tag, method.routing_key, properties, body))
+        out.append(Parked(method.delivery_tag, properties.wire, body, envelope.as_bytes(method.routing_key)))
     return out
 
 
 def replay(channel, names, reason: Optional[str] = None, routing_key: Optional[str] = None,
            limit: Optional[int] = None, dry_run: bool = False) -> Tuple[List[Parked], List[Parked]]:
-    """Move selected parked messages to check-in. Returns (replayed, left in parked)."""
+    """Move selected parked messages on. Returns (replayed, left in parked)."""
     channel.confirm_delivery()
     replayed, kept = [], []
     for message in fetch(channel, names.parked):
@@ -96,9 +123,9 @@ def replay(channel, names, reason: Optional[str] = None, routing_key: Optional[s
             kept.append(message)
             continue
         if not dry_run:
-            # mandatory + confirms: basic_publish raises unless check-in has the message.
-            channel.basic_publish(names.check_in, message.routing_key, message.body,
-                                  replay_properties(message.properties), mandatory=True)
+            exchange, key, props = destination(message, names)
+            # mandatory + confirms: basic_publish raises unless the broker has the message.
+            channel.basic_publish(exchange, key, message.body, codec.RawProperties(props), mandatory=True)
             channel.basic_ack(message.delivery_tag)
         replayed.append(message)
     for message in kept + (replayed if dry_run else []):
@@ -109,7 +136,7 @@ def replay(channel, names, reason: Optional[str] = None, routing_key: Optional[s
 # -- command line (wired into `delay-gateway parked`) ------------------------------------
 def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=["list", "replay"],
-                   help="list: show what is parked and why; replay: move messages back into check-in")
+                   help="list: show what is parked and why; replay: send messages on again")
     p.add_argument("--json", action="store_true", help="list: print JSON")
     p.add_argument("--reason", metavar="TEXT", help="only messages whose reason contains TEXT")
     p.add_argument("--routing-key", metavar="PATTERN", help="only routing keys matching this shell pattern")
@@ -133,7 +160,7 @@ def command(args, open_channel, chain) -> int:
         return 1
     verb = "would replay" if args.dry_run else "replayed"
     print(json.dumps({verb.replace(" ", "_"): len(replayed), "left_parked": len(kept),
-                      "message_ids": [m.properties.message_id for m in replayed]}))
+                      "message_ids": [m.user.text("message_id") for m in replayed]}))
     return 0
 
 

@@ -1,17 +1,211 @@
-"""Gateway settings: built once in main() from flags, with environment variables as defaults."""
+"""Every setting of the gateway, in one table, and the Settings built from it once in main().
+
+Each `Option` is a command-line flag, an environment variable (DELAY_GATEWAY_ + its env
+name) and, where it is deployment configuration, a Helm value: the parser, the Settings
+dataclass, the README's settings table and the chart's values all come from this table.
+Environment values are read when the parser is built and checked by the same function as
+the flag, so a bad value is one line naming the variable, and exit 2.
+"""
 
 import argparse
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence, Tuple
 from urllib.parse import quote, urlsplit, urlunsplit
 
 from topology import ChainSettings
+from topology.settings import QUEUE_TYPES, ZERO_BITS
 
 ENV = "DELAY_GATEWAY_"
 DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
 ROLES = ("all", "check-in", "distributor")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("auto", "json", "console")
 
 
+# -- value parsers: each raises ValueError with a message that reads after the name -------
+def integer(low: Optional[int] = None, high: Optional[int] = None) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(str(text).strip())
+        except ValueError:
+            raise ValueError(f"{text!r} is not an integer") from None
+        if low is not None and value < low or high is not None and value > high:
+            bounds = f"from {low}" + (f" to {high}" if high is not None else " up")
+            raise ValueError(f"{value} is out of range ({bounds})")
+        return value
+    parse.__name__ = "integer"
+    return parse
+
+
+def number(low: float = 0.0) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(str(text).strip())
+        except ValueError:
+            raise ValueError(f"{text!r} is not a number") from None
+        if value < low:
+            raise ValueError(f"{value} is below {low}")
+        return value
+    parse.__name__ = "number"
+    return parse
+
+
+def one_of(choices: Sequence[str]) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise ValueError(f"{text!r} is not one of {', '.join(choices)}")
+        return text
+    parse.__name__ = "choice"
+    return parse
+
+
+def boolean(text: str) -> bool:
+    value = str(text).strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{text!r} is not true or false")
+
+
+def text(value: str) -> str:
+    return value
+
+
+def optional_path(value: str) -> Optional[str]:
+    return value or None
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str  # the Settings field, and the flag: max_level -> --max-level
+    default: Any
+    parse: Callable[[str], Any]
+    help: str
+    group: str  # which commands take it: see GROUPS
+    helm: Optional[str] = None  # the chart's value name, where the chart sets it
+    metavar: Optional[str] = None
+    choices: Optional[Sequence[str]] = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV + self.name.upper()
+
+
+OPTIONS: Tuple[Option, ...] = (
+    # broker: every command that talks to RabbitMQ
+    Option("url", DEFAULT_URL, text, "AMQP URL; several, comma-separated, for a cluster", "broker", metavar="URL"),
+    Option("password_file", None, optional_path,
+           "read the password from this file (a mounted secret); it replaces the password of every URL",
+           "broker", metavar="PATH"),
+    Option("tls_ca_file", None, optional_path,
+           "for amqps:// URLs: CA certificates (PEM) that signed the broker's certificate; default: the system's",
+           "broker", metavar="PATH"),
+    Option("tls_cert_file", None, optional_path, "client certificate (PEM; may also hold the key)", "broker",
+           metavar="PATH"),
+    Option("tls_key_file", None, optional_path, "client key (PEM), if not in the certificate file", "broker",
+           metavar="PATH"),
+    # chain: the topology, the same for every gateway and for declare
+    Option("prefix", "delay", text, "first part of every exchange and queue name", "chain", "prefix"),
+    Option("max_level", 20, integer(1, 40), "binary delay levels; level k waits 2^k x resolution", "chain",
+           "maxLevel", metavar="N"),
+    Option("resolution_ms", 1000, integer(1), "the chain's unit, in ms", "chain", "resolutionMs", metavar="MS"),
+    Option("queue_type", "quorum", one_of(QUEUE_TYPES),
+           "the chain's queues: quorum (replicated, at-least-once dead-lettering) or classic", "chain",
+           "queueType", choices=QUEUE_TYPES),
+    Option("zero_bits", "queue", one_of(ZERO_BITS),
+           "a 0 bit passes a 1 ms queue (queue), or an exchange-to-exchange binding (exchange: fewer hops)",
+           "chain", "zeroBits", choices=ZERO_BITS),
+    # run: the consumers
+    Option("role", "all", one_of(ROLES), "which consumers this process runs", "run", choices=ROLES),
+    Option("prefetch", 1000, integer(1, 65535), "unacked messages per check-in and parking consumer", "run",
+           "prefetch", metavar="N"),
+    Option("distributor_prefetch", 10000, integer(1, 65535),
+           "messages the distributor may hold; keep it above your peak rate x (resolution + lead)", "run",
+           "distributorPrefetch", metavar="N"),
+    Option("lead_ms", 50, integer(0), "how much earlier than due the chain hands a message to the distributor, "
+           "to absorb hop latency", "lead", "leadMs", metavar="MS"),
+    Option("stamp_due_at", False, boolean,
+           "add the header x-gateway-due-at (epoch ms) to every delivered message (for `record`)", "run",
+           "stampDueAt"),
+    Option("declare", True, boolean, "declare the topology at start (--no-declare: it must exist)", "run"),
+    Option("metrics_port", 0, integer(0, 65535),
+           "serve /metrics (Prometheus), /healthz and /readyz on this port; 0: off", "run", "metricsPort",
+           metavar="PORT"),
+    Option("connect_timeout", 300.0, number(0), "seconds without a broker before giving up (exit 1)", "run",
+           metavar="SECONDS"),
+    # log: every command
+    Option("log_level", "info", one_of(LOG_LEVELS), "", "log", "logLevel", choices=LOG_LEVELS),
+    Option("log_format", "auto", one_of(LOG_FORMATS), "auto: JSON unless stderr is a terminal", "log",
+           "logFormat", choices=LOG_FORMATS),
+)
+BY_NAME: Dict[str, Option] = {o.name: o for o in OPTIONS}
+GROUP_TITLES = {"broker": "broker", "chain": "topology (the same for every gateway and for declare)",
+                "run": "consumers", "lead": "timing", "log": "logging"}
+
+
+class UsageError(ValueError):
+    """A bad flag or environment value: one line, exit 2."""
+
+
+def add_options(parser: argparse.ArgumentParser, groups: Iterable[str], environ: Mapping[str, str]) -> None:
+    """Add every option of `groups`, its default taken from the environment when set there."""
+    for group in groups:
+        g = parser.add_argument_group(GROUP_TITLES[group])
+        for o in OPTIONS:
+            if o.group != group:
+                continue
+            raw = environ.get(o.env)
+            help = f"{o.help} [{o.env}; default {_shown(o.default)}]".lstrip()
+            if o.parse is boolean:
+                # --declare / --no-declare; the environment is checked here, the flag cannot be bad
+                default = o.default if raw is None else _checked(o, o.env, UsageError)(raw)
+                g.add_argument(o.flag, dest=o.name, action=argparse.BooleanOptionalAction,
+                               default=default, help=help)
+                continue
+            kwargs: Dict[str, Any] = dict(dest=o.name, type=_checked(o, None), metavar=o.metavar, help=help)
+            if o.choices:
+                kwargs["metavar"] = "{" + ",".join(o.choices) + "}"
+            if raw is None:
+                kwargs["default"] = o.default
+            else:
+                # argparse converts a string default with `type` only when the flag is absent,
+                # so a flag beats a bad environment value and the error names the variable.
+                kwargs["default"] = raw
+                kwargs["type"] = _checked(o, o.env)
+            g.add_argument(o.flag, **kwargs)
+
+
+def _checked(o: Option, env: Optional[str], error=argparse.ArgumentTypeError) -> Callable[[str], Any]:
+    def convert(value: str) -> Any:
+        try:
+            return o.parse(value)
+        except ValueError as exc:
+            raise error(f"{env}: {exc}" if error is UsageError else
+                        f"{exc} (from {env})" if env else str(exc)) from None
+    convert.__name__ = o.parse.__name__
+    return convert
+
+
+def _shown(value: Any) -> str:
+    return "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def settings_table() -> str:
+    """The README's settings table (a test keeps the README equal to it)."""
+    rows = ["| flag | environment | default | meaning |", "| --- | --- | --- | --- |"]
+    for o in OPTIONS:
+        meaning = o.help or "debug, info, warning or error"
+        rows.append(f"| `{o.flag}` | `{o.env}` | `{_shown(o.default)}` | {meaning} |")
+    return "\n".join(rows) + "\n"
+
+
+# -- the settings of one process -------------------------------------------------------------
 @dataclass(frozen=True)
 class Tls:
     """For amqps:// URLs: the CA that signed the broker's certificate (None: the system's),
@@ -23,31 +217,66 @@ class Tls:
 
     def __post_init__(self) -> None:
         if self.key_file and not self.cert_file:
-            raise ValueError("--tls-key-file needs --tls-cert-file")
+            raise UsageError("--tls-key-file needs --tls-cert-file")
 
 
 @dataclass(frozen=True)
 class Settings:
     chain: ChainSettings = field(default_factory=ChainSettings)
     urls: Tuple[str, ...] = (DEFAULT_URL,)
+    tls: Tls = field(default_factory=Tls)
     role: str = "all"
-    lead_ms: int = 50
     prefetch: int = 1000
     distributor_prefetch: int = 10000
+    lead_ms: int = 50
+    stamp_due_at: bool = False
     declare: bool = True
     metrics_port: int = 0
-    connect_timeout_s: float = 300.0
+    connect_timeout: float = 300.0
     log_level: str = "info"
     log_format: str = "auto"
-    tls: Tls = field(default_factory=Tls)
 
     def __post_init__(self) -> None:
         if not self.urls:
-            raise ValueError("at least one broker URL is needed")
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        if self.lead_ms < 0 or self.prefetch < 1 or self.distributor_prefetch < 1:
-            raise ValueError("lead_ms must be >= 0 and prefetch counts >= 1")
+            raise UsageError("at least one broker URL is needed")
+
+
+def chain_from(args: argparse.Namespace) -> ChainSettings:
+    d = ChainSettings()
+    values = {f: getattr(args, f, getattr(d, f)) for f in ("prefix", "max_level", "resolution_ms",
+                                                           "queue_type", "zero_bits")}
+    try:
+        return ChainSettings(**values)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    own = {f.name for f in dataclasses.fields(Settings)} - {"chain", "urls", "tls"}
+    return Settings(chain=chain_from(args), urls=urls_from(args), tls=tls_from(args),
+                    **{name: getattr(args, name) for name in own if hasattr(args, name)})
+
+
+def urls_from(args: argparse.Namespace) -> Tuple[str, ...]:
+    urls = tuple(u.strip() for u in args.url.split(",") if u.strip())
+    if not urls:
+        raise UsageError("--url: no broker URL given")
+    for url in urls:
+        if urlsplit(url).scheme not in ("amqp", "amqps"):
+            raise UsageError(f"--url: {redact(url)!r} is not an amqp:// or amqps:// URL")
+    if getattr(args, "password_file", None):
+        password = read_secret(args.password_file)
+        urls = tuple(with_password(u, password) for u in urls)
+    if getattr(args, "tls_ca_file", None) or getattr(args, "tls_cert_file", None):
+        plain = [redact(u) for u in urls if not u.startswith("amqps://")]
+        if plain:
+            raise UsageError(f"TLS options given but not every URL is amqps://: {', '.join(plain)}")
+    return urls
+
+
+def tls_from(args: argparse.Namespace) -> Tls:
+    return Tls(getattr(args, "tls_ca_file", None), getattr(args, "tls_cert_file", None),
+               getattr(args, "tls_key_file", None))
 
 
 def redact(url: str) -> str:
@@ -59,96 +288,12 @@ def redact(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
-def _env(environ: Mapping[str, str], name: str, default):
-    return environ.get(ENV + name, default)
-
-
-def add_broker_options(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
-    g = p.add_argument_group("broker")
-    g.add_argument("--url", default=_env(environ, "URL", DEFAULT_URL),
-                   help="AMQP URL; several, comma-separated, for a cluster [DELAY_GATEWAY_URL]")
-    g.add_argument("--password-file", default=_env(environ, "PASSWORD_FILE", None), metavar="PATH",
-                   help="read the password from this file (a mounted secret) instead of the URL; "
-                        "it replaces the password of every URL [DELAY_GATEWAY_PASSWORD_FILE]")
-    g.add_argument("--tls-ca-file", default=_env(environ, "TLS_CA_FILE", None), metavar="PATH",
-                   help="for amqps:// URLs: CA certificates (PEM) to verify the broker; default: "
-                        "the system's [DELAY_GATEWAY_TLS_CA_FILE]")
-    g.add_argument("--tls-cert-file", default=_env(environ, "TLS_CERT_FILE", None), metavar="PATH",
-                   help="client certificate (PEM, may include the key) [DELAY_GATEWAY_TLS_CERT_FILE]")
-    g.add_argument("--tls-key-file", default=_env(environ, "TLS_KEY_FILE", None), metavar="PATH",
-                   help="client key (PEM), if not in the certificate file [DELAY_GATEWAY_TLS_KEY_FILE]")
-    g.add_argument("--log-level", default=_env(environ, "LOG_LEVEL", "info"),
-                   choices=["debug", "info", "warning", "error"], help="[DELAY_GATEWAY_LOG_LEVEL]")
-    g.add_argument("--log-format", default=_env(environ, "LOG_FORMAT", "auto"),
-                   choices=["auto", "json", "console"],
-                   help="auto: JSON unless stderr is a terminal [DELAY_GATEWAY_LOG_FORMAT]")
-
-
-def add_chain_options(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
-    d = ChainSettings()
-    g = p.add_argument_group("topology (must match across every gateway and declare)")
-    g.add_argument("--prefix", default=_env(environ, "PREFIX", d.prefix), help="[DELAY_GATEWAY_PREFIX]")
-    g.add_argument("--max-level", type=int, default=int(_env(environ, "MAX_LEVEL", d.max_level)),
-                   help="number of binary delay levels; level k waits 2^k x resolution [DELAY_GATEWAY_MAX_LEVEL]")
-    g.add_argument("--resolution-ms", type=int, default=int(_env(environ, "RESOLUTION_MS", d.resolution_ms)),
-                   help="the chain's unit in ms [DELAY_GATEWAY_RESOLUTION_MS]")
-    g.add_argument("--queue-type", default=_env(environ, "QUEUE_TYPE", d.queue_type),
-                   choices=["quorum", "classic"], help="[DELAY_GATEWAY_QUEUE_TYPE]")
-    g.add_argument("--zero-bits", default=_env(environ, "ZERO_BITS", d.zero_bits),
-                   choices=["queue", "exchange"],
-                   help="a 0 bit passes a 1 ms queue, or an exchange-to-exchange binding [DELAY_GATEWAY_ZERO_BITS]")
-
-
-def add_run_options(p: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
-    d = Settings()
-    g = p.add_argument_group("consumers")
-    g.add_argument("--role", default=_env(environ, "ROLE", d.role), choices=ROLES, help="[DELAY_GATEWAY_ROLE]")
-    g.add_argument("--prefetch", type=int, default=int(_env(environ, "PREFETCH", d.prefetch)),
-                   help="unacked messages per check-in and parking consumer [DELAY_GATEWAY_PREFETCH]")
-    g.add_argument("--distributor-prefetch", type=int,
-                   default=int(_env(environ, "DISTRIBUTOR_PREFETCH", d.distributor_prefetch)),
-                   help="unacked messages the distributor may hold; must exceed rate x resolution "
-                        "[DELAY_GATEWAY_DISTRIBUTOR_PREFETCH]")
-    g.add_argument("--lead-ms", type=int, default=int(_env(environ, "LEAD_MS", d.lead_ms)),
-                   help="ms the chain leaves to the distributor to absorb hop latency [DELAY_GATEWAY_LEAD_MS]")
-    g.add_argument("--no-declare", dest="declare", action="store_false",
-                   default=_env(environ, "DECLARE", "true").lower() not in ("0", "false", "no"),
-                   help="do not declare the topology at start (it must exist) [DELAY_GATEWAY_DECLARE]")
-    g.add_argument("--metrics-port", type=int, default=int(_env(environ, "METRICS_PORT", d.metrics_port)),
-                   help="serve Prometheus metrics on this port; 0: off [DELAY_GATEWAY_METRICS_PORT]")
-    g.add_argument("--connect-timeout", type=float, dest="connect_timeout_s",
-                   default=float(_env(environ, "CONNECT_TIMEOUT", d.connect_timeout_s)),
-                   help="give up after this many seconds without a broker [DELAY_GATEWAY_CONNECT_TIMEOUT]")
-
-
-def chain_from(args: argparse.Namespace) -> ChainSettings:
-    return ChainSettings(prefix=args.prefix, max_level=args.max_level, resolution_ms=args.resolution_ms,
-                         queue_type=args.queue_type, zero_bits=args.zero_bits)
-
-
-def urls_from(args: argparse.Namespace) -> Tuple[str, ...]:
-    urls = tuple(u.strip() for u in args.url.split(",") if u.strip())
-    if getattr(args, "password_file", None):
-        password = read_secret(args.password_file)
-        urls = tuple(with_password(u, password) for u in urls)
-    if getattr(args, "tls_ca_file", None) or getattr(args, "tls_cert_file", None):
-        plain = [redact(u) for u in urls if not u.startswith("amqps://")]
-        if plain:
-            raise ValueError(f"TLS options given but not every URL is amqps://: {', '.join(plain)}")
-    return urls
-
-
-def tls_from(args: argparse.Namespace) -> Tls:
-    return Tls(getattr(args, "tls_ca_file", None), getattr(args, "tls_cert_file", None),
-               getattr(args, "tls_key_file", None))
-
-
 def read_secret(path: str) -> str:
     try:
         with open(path, encoding="utf-8") as f:
             return f.read().rstrip("\r\n")
     except OSError as exc:  # the message names the file, never its content
-        raise ValueError(f"cannot read the password file {path}: {exc.strerror}") from None
+        raise UsageError(f"cannot read the password file {path}: {exc.strerror}") from None
 
 
 def with_password(url: str, password: str) -> str:
@@ -157,10 +302,3 @@ def with_password(url: str, password: str) -> str:
     userinfo, at, hostport = parts.netloc.rpartition("@")
     user = userinfo.partition(":")[0] if at else "guest"
     return urlunsplit(parts._replace(netloc=f"{user}:{quote(password, safe='')}@{hostport}"))
-
-
-def settings_from(args: argparse.Namespace) -> Settings:
-    fields = {f: getattr(args, f) for f in ("role", "lead_ms", "prefetch", "distributor_prefetch",
-                                            "declare", "metrics_port", "connect_timeout_s",
-                                            "log_level", "log_format") if hasattr(args, f)}
-    return Settings(chain=chain_from(args), urls=urls_from(args), tls=tls_from(args), **fields)

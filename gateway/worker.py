@@ -1,77 +1,120 @@
-"""Run the consumers: connect, declare, consume; reconnect with backoff; stop on SIGTERM."""
+"""Run the consumers: connect, declare, consume; reconnect with backoff; stop on SIGTERM.
 
-import functools
+A connection that dies is opened again with exponential backoff and jitter, rotating
+through the configured URLs. The backoff starts over only after a connection stayed up
+and consuming for a while: one that dies within seconds (a broker that accepts and then
+drops us) must not turn into a reconnect loop. Errors that cannot heal (amqp.classify)
+end the process after a few attempts with one line that says what to fix.
+"""
+
 import itertools
+import random
+import signal
+import sys
 import threading
-from typing import List
+import time
+from typing import List, Optional
 
 import pika
 import structlog
-from pika.exceptions import AMQPConnectionError
-from tenacity import (RetryError, Retrying, retry_if_exception_type, stop_after_delay, stop_any,
-                      wait_exponential_jitter)
 
 from topology import build
-from topology.declare import declare
+from topology.declare import TopologyConflict, declare
 
-from .amqp import blocking_channel, parameters
-from .consumer import Pipe, wall_ms
-from .handlers import CheckIn, Distributor, Parking, park_unencodable
+from . import health as health_http
+from .amqp import BrokerError, Trouble, blocking_channel, classify, parameters
+from .clock import wall_ms
+from .consumer import Pipe
+from .handlers import CheckIn, Distributor, Parking, Returning
+from .health import Health
 from .metrics import Metrics
 from .settings import Settings, redact
 
 STOP_POLL_S = 0.2
 STOP_GRACE_S = 10.0
+BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.2, 10.0
+STABLE_S = 30.0  # a connection up this long (and consuming) resets the backoff
+FATAL_ATTEMPTS = 3  # errors that do not heal: give up after this many
+EXIT_NO_BROKER, EXIT_REFUSED = 1, 3
+
+
+class Backoff:
+    """Exponential with full jitter; starts over only after a stable connection."""
+
+    def __init__(self, first: float = BACKOFF_FIRST_S, longest: float = BACKOFF_MAX_S,
+                 rng: Optional[random.Random] = None) -> None:
+        self.first, self.longest, self.attempt = first, longest, 0
+        self.rng = rng or random.Random()
+
+    def next(self, stable: bool) -> float:
+        if stable:
+            self.attempt = 0
+        delay = min(self.longest, self.first * 2 ** self.attempt)
+        self.attempt += 1
+        return delay / 2 + self.rng.uniform(0, delay / 2)
 
 
 class Session:
-    """One connection, from open to close, with the pipes of the chosen role."""
+    """One connection, from open to close, with the consumers of the chosen role."""
 
-    def __init__(self, url: str, settings: Settings, metrics: Metrics, stop: threading.Event) -> None:
-        self.url, self.settings, self.metrics, self.stop_event = url, settings, metrics, stop
+    def __init__(self, url: str, settings: Settings, metrics: Metrics, health: Health,
+                 stop: threading.Event) -> None:
+        self.url, self.settings, self.metrics, self.health, self.stop_event = url, settings, metrics, health, stop
         self.log = structlog.get_logger("gateway").bind(broker=redact(url))
-        self.open_error = None
+        self.error: Optional[BaseException] = None  # why it ended, if the broker said
         self.pipes: List[Pipe] = []
+        self.ready_since: Optional[float] = None
         self._stopping = False
 
     def run(self) -> None:
-        """Returns when the connection closes; raises AMQPConnectionError if it never opened."""
+        """Returns when the connection closes."""
         self.connection = pika.SelectConnection(
             parameters(self.url, f"delay-gateway {self.settings.role}", self.settings.tls),
             on_open_callback=self._on_open, on_open_error_callback=self._on_open_error,
             on_close_callback=self._on_close)
         self.connection.ioloop.start()
-        if self.open_error is not None:
-            raise AMQPConnectionError(f"cannot connect to {redact(self.url)}: {self.open_error!r}")
 
     def _on_open(self, connection) -> None:
         self.log.info("connected")
+        self.metrics.connections.inc()
         s, chain, names = self.settings, self.settings.chain, self.settings.chain.names
-        fallback = functools.partial(park_unencodable, names)
-        if s.role in ("all", "check-in"):
-            self.pipes.append(Pipe(connection, names.check_in, CheckIn(chain, s.lead_ms, wall_ms),
-                                   s.prefetch, self.metrics, fallback=fallback))
-        if s.role in ("all", "distributor"):
-            self.pipes.append(Pipe(connection, names.distributor, Distributor(chain, s.lead_ms, wall_ms),
-                                   s.distributor_prefetch, self.metrics, fallback=fallback))
-            self.pipes.append(Pipe(connection, names.parking, Parking(names, wall_ms),
-                                   s.prefetch, self.metrics, fallback=fallback))
-        for pipe in self.pipes:
-            pipe.open()
-        self._watch_stop()
 
-    def _watch_stop(self) -> None:
+        def pipe(queue: str, handler, prefetch: int) -> None:
+            self.pipes.append(Pipe(connection, queue, handler, prefetch, self.metrics, names,
+                                   on_fatal=self._on_fatal))
+
+        if s.role in ("all", "check-in"):
+            pipe(names.check_in, CheckIn(chain, s.lead_ms, wall_ms), s.prefetch)
+            pipe(names.returning, Returning(chain, s.lead_ms, wall_ms), s.prefetch)
+        if s.role in ("all", "distributor"):
+            pipe(names.distributor, Distributor(chain, s.lead_ms, wall_ms, s.stamp_due_at), s.distributor_prefetch)
+            pipe(names.parking, Parking(names), s.prefetch)
+        for p in self.pipes:
+            p.open()
+        self._watch()
+
+    def _watch(self) -> None:
         # Polled rather than signalled: a signal handler must not take pika's locks.
         if self.stop_event.is_set():
-            self._begin_stop()
-        else:
-            self.connection.ioloop.call_later(STOP_POLL_S, self._watch_stop)
+            return self._begin_stop()
+        ready = bool(self.pipes) and all(p.consuming for p in self.pipes)
+        if ready and self.ready_since is None:
+            self.ready_since = time.monotonic()
+            self.log.info("ready", queues=[p._queue for p in self.pipes])
+        self.health.ready(ready, "" if ready else "connecting to the queues")
+        self.metrics.ready.set(int(ready))
+        self.connection.ioloop.call_later(STOP_POLL_S, self._watch)
+
+    def _on_fatal(self, reason: BaseException) -> None:
+        if self.error is None:
+            self.error = reason
 
     def _begin_stop(self) -> None:
         if self._stopping:
             return
         self._stopping = True
-        self.log.info("stopping: no new messages; returning held ones, waiting for confirms")
+        self.health.ready(False, "stopping")
+        self.log.info("stopping")
         remaining = len(self.pipes)
 
         def one_stopped() -> None:
@@ -80,62 +123,94 @@ class Session:
             if remaining == 0 and self.connection.is_open:
                 self.connection.close()
 
-        for pipe in self.pipes:
-            pipe.stop(one_stopped)
+        for p in self.pipes:
+            p.stop(one_stopped)
         if not self.pipes and self.connection.is_open:
             self.connection.close()
         self.connection.ioloop.call_later(STOP_GRACE_S, self._close_now)
 
     def _close_now(self) -> None:
         if self.connection.is_open:
-            self.log.warning("confirms still outstanding after grace period; closing (they will be redelivered)")
+            self.log.warning("stop_grace_expired", unconfirmed="redelivered to the next gateway")
             self.connection.close()
 
     def _on_open_error(self, connection, error) -> None:
-        self.open_error = error
+        self.error = error
         connection.ioloop.stop()
 
     def _on_close(self, connection, reason) -> None:
+        self.health.ready(False, "connection lost")
+        self.metrics.ready.set(0)
         if not self._stopping:
-            self.log.warning("connection lost", reason=str(reason))
+            self.log.warning("connection_lost", reason=str(reason))
+            if self.error is None and isinstance(reason, pika.exceptions.ConnectionClosedByBroker):
+                self.error = reason
         connection.ioloop.stop()
 
+    @property
+    def stable(self) -> bool:
+        return self.ready_since is not None and time.monotonic() - self.ready_since >= STABLE_S
 
-def run(settings: Settings, stop: threading.Event, metrics: Metrics) -> int:
-    """The consumers until `stop` is set (0), or until no broker answers for too long (1)."""
+
+def main(settings: Settings) -> int:
+    """`delay-gateway run`: the consumers until SIGTERM or SIGINT."""
+    metrics, health = Metrics(), Health()
+    if settings.metrics_port:
+        health_http.serve(settings.metrics_port, metrics.registry, health)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    c = settings.chain
+    structlog.get_logger("gateway").info(
+        "starting", role=settings.role, brokers=[redact(u) for u in settings.urls], prefix=c.prefix,
+        max_level=c.max_level, resolution_ms=c.resolution_ms, queue_type=c.queue_type, zero_bits=c.zero_bits)
+    return run(settings, stop, metrics, health)
+
+
+def run(settings: Settings, stop: threading.Event, metrics: Metrics, health: Health) -> int:
+    """0 once stopped; EXIT_NO_BROKER after connect_timeout without a broker; EXIT_REFUSED
+    after FATAL_ATTEMPTS errors that cannot heal."""
     log = structlog.get_logger("gateway")
     urls = itertools.cycle(settings.urls)
     declared = not settings.declare
-
-    def attempt() -> None:
-        nonlocal declared
-        url = next(urls)
-        if not declared:
-            with blocking_channel(url, tls=settings.tls) as channel:
-                declare(channel, build(settings.chain))
-            log.info("topology declared", prefix=settings.chain.prefix, max_level=settings.chain.max_level)
-            declared = True
-        Session(url, settings, metrics, stop).run()
-
+    backoff = Backoff()
+    refused = 0
+    last_up = time.monotonic()
     while not stop.is_set():
-        retrying = Retrying(
-            retry=retry_if_exception_type(AMQPConnectionError),
-            wait=wait_exponential_jitter(initial=0.2, max=10),
-            stop=stop_any(stop_after_delay(settings.connect_timeout_s), lambda _: stop.is_set()),
-            sleep=stop.wait,
-            before_sleep=lambda rs: log.warning("broker unreachable; retrying",
-                                                attempt=rs.attempt_number, error=str(rs.outcome.exception())),
-        )
+        url = next(urls)
+        session = None
         try:
-            retrying(attempt)
-        except RetryError as exc:
-            if stop.is_set():
-                break
-            log.error("giving up: no broker answered", seconds=settings.connect_timeout_s,
-                      error=str(exc.last_attempt.exception()))
-            return 1
-        if not stop.is_set():
-            stop.wait(0.2)  # lost after it was open: reconnect promptly, with a fresh backoff
+            if not declared:
+                with blocking_channel(url, "delay-gateway declare", settings.tls) as channel:
+                    declare(channel, build(settings.chain))
+                log.info("topology_declared", prefix=settings.chain.prefix, generation=settings.chain.generation,
+                         max_level=settings.chain.max_level)
+                declared = True
+            session = Session(url, settings, metrics, health, stop)
+            session.run()
+            trouble = classify(session.error, url) if session.error is not None else None
+        except TopologyConflict as exc:
+            trouble = Trouble(False, str(exc))
+        except BrokerError as exc:
+            trouble = exc.trouble
+        if session is not None and session.ready_since is not None:
+            last_up = time.monotonic()
+        if stop.is_set():
+            break
+        health.beat()
+        stable = session is not None and session.stable
+        if trouble is not None and not trouble.heals:
+            refused = 0 if stable else refused + 1
+            log.error("broker_refused", error=trouble.message, attempt=refused, of=FATAL_ATTEMPTS)
+            if refused >= FATAL_ATTEMPTS:
+                print(f"delay-gateway run: {trouble.message}", flush=True, file=sys.stderr)
+                return EXIT_REFUSED
+        elif time.monotonic() - last_up > settings.connect_timeout:
+            log.error("giving_up", seconds=settings.connect_timeout,
+                      error=trouble.message if trouble else "no connection")
+            return EXIT_NO_BROKER
+        wait = backoff.next(stable)
+        log.warning("reconnecting", after_s=round(wait, 2), error=trouble.message if trouble else None)
+        stop.wait(wait)
     log.info("stopped")
     return 0
-

@@ -27,7 +27,7 @@ def declare(channel, topology: Topology) -> None:
 def _steps(channel, topology: Topology):
     for e in topology.exchanges:
         yield "exchange", e.name, lambda e=e: channel.exchange_declare(
-            e.name, e.type, durable=True, arguments=dict(e.arguments))
+            e.name, e.type, durable=True, internal=e.internal, arguments=dict(e.arguments))
     for q in topology.queues:
         yield "queue", q.name, lambda q=q: channel.queue_declare(
             q.name, durable=True, arguments=dict(q.arguments))

@@ -9,7 +9,7 @@ def definitions(topology: Topology, vhost: str = "/") -> dict:
     return {
         "exchanges": [
             {"name": e.name, "vhost": vhost, "type": e.type, "durable": True,
-             "auto_delete": False, "internal": False, "arguments": dict(e.arguments)}
+             "auto_delete": False, "internal": e.internal, "arguments": dict(e.arguments)}
             for e in topology.exchanges
         ],
         "queues": [

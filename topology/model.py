@@ -7,11 +7,22 @@ from typing import Mapping, Optional, Tuple
 from .encoding import level_pattern
 from .settings import ChainSettings
 
-# Explicit on every consumed quorum queue: RabbitMQ 4.0 defaults to 20 and earlier versions
-# to unlimited; one value everywhere means the same behaviour on every broker. A message
-# redelivered this often is dead-lettered to parking, not dropped.
+# Explicit on every consumed queue: RabbitMQ 4.0 defaults quorum queues to 20 and earlier
+# versions to unlimited; one value everywhere means the same behaviour on every broker. A
+# message redelivered this often is dead-lettered to parking, not dropped.
 DELIVERY_LIMIT = 20
+# Parked messages stay until a person replays or removes them, however often they are
+# listed: a list reads and returns them, and every return counts against a quorum queue's
+# delivery limit (20 by default on 4.0+; unlimited before). -1 means unlimited on 4.0 but
+# drops the message at the first return on 3.10, so the largest limit both accept it is.
+PARKED_DELIVERY_LIMIT = 2**31 - 1
 PASS_THROUGH_TTL_MS = 1
+# Without both, a quorum queue dead-letters at most once: a hop could drop the message
+# (RABBITMQ-FACTS, at-least-once dead-lettering).
+AT_LEAST_ONCE = {"x-dead-letter-strategy": "at-least-once", "x-overflow": "reject-publish"}
+
+# What each queue is for: `status` and `migrate` read these, not the names.
+ROLES = ("check-in", "returning", "distributor", "parking", "parked", "meditation", "delay", "pass")
 
 
 def _frozen(mapping: Optional[Mapping]) -> Mapping:
@@ -23,6 +34,7 @@ class Exchange:
     name: str
     type: str
     arguments: Mapping = field(default_factory=dict)
+    internal: bool = False
 
     def __post_init__(self) -> None:
         if self.type not in ("topic", "fanout"):
@@ -34,8 +46,12 @@ class Exchange:
 class Queue:
     name: str
     arguments: Mapping = field(default_factory=dict)
+    role: str = "delay"
+    level: Optional[int] = None  # delay and pass queues: their level; meditation: the chain's max_level
 
     def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"unexpected queue role {self.role!r}")
         object.__setattr__(self, "arguments", _frozen(self.arguments))
 
     @property
@@ -45,6 +61,11 @@ class Queue:
     @property
     def dead_letter_exchange(self) -> Optional[str]:
         return self.arguments.get("x-dead-letter-exchange")
+
+    @property
+    def consumed(self) -> bool:
+        """Read by the gateway (the others only hold messages until their TTL, or for people)."""
+        return self.role in ("check-in", "returning", "distributor", "parking")
 
 
 @dataclass(frozen=True)
@@ -71,6 +92,9 @@ class Topology:
         queues = {q.name for q in self.queues}
         if len(exchanges) != len(self.exchanges) or len(queues) != len(self.queues):
             raise ValueError("duplicate exchange or queue name")
+        for name in exchanges | queues:
+            if len(name.encode()) > 255:
+                raise ValueError(f"name {name!r} is longer than AMQP's 255 bytes")
         for b in self.bindings:
             targets = queues if b.destination_type == "queue" else exchanges
             if b.source not in exchanges or b.destination not in targets:
@@ -88,59 +112,70 @@ class Topology:
     def bindings_from(self, source: str) -> Tuple[Binding, ...]:
         return tuple(b for b in self.bindings if b.source == source)
 
+    def in_chain(self, name: str) -> bool:
+        """Whether `name` is an object of this generation's chain (one that can be retired
+        once empty), rather than one every generation shares."""
+        return name.startswith(self.settings.names.chain + ".")
+
 
 def build(settings: ChainSettings) -> Topology:
     n = settings.names
-    quorum = settings.queue_type == "quorum"
 
-    def queue(name: str, ttl: Optional[int] = None, dlx: Optional[str] = None, consumed: bool = False) -> Queue:
-        args: dict = {"x-queue-type": settings.queue_type}
-        if ttl is not None:
-            args["x-message-ttl"] = ttl
-        if dlx is not None:
-            args["x-dead-letter-exchange"] = dlx
-            if quorum:
-                # Without both, a quorum queue dead-letters at most once: a hop could drop
-                # the message (see RABBITMQ-FACTS, at-least-once dead-lettering).
-                args["x-dead-letter-strategy"] = "at-least-once"
-                args["x-overflow"] = "reject-publish"
-        if consumed and quorum:
-            args["x-delivery-limit"] = DELIVERY_LIMIT
-        return Queue(name, args)
+    def consumed(name: str, role: str, dlx: str) -> Queue:
+        # The gateway's own queues are always quorum queues, whatever the chain's type:
+        # replicated, and dead-lettering at least once to parking. queue_type chooses the
+        # chain's queues, where the hops (and so the broker's work) are. They dead-letter
+        # with their role as routing key: parking tells by it whether a message is as its
+        # publisher sent it (from check-in) or in the gateway's own format (all others).
+        return Queue(name, {"x-queue-type": "quorum", "x-dead-letter-exchange": dlx,
+                            "x-dead-letter-routing-key": role, **AT_LEAST_ONCE,
+                            "x-delivery-limit": DELIVERY_LIMIT}, role)
 
-    # Any exchange that can be handed a key it has no binding for sends it to parking,
-    # where the gateway parks it with a reason: dropping it, or (at-least-once) leaving it
-    # to block the queue it was dead-lettered from, are both worse.
+    def waiting(name: str, role: str, ttl: int, dlx: str, level: int) -> Queue:
+        args: dict = {"x-queue-type": settings.queue_type, "x-message-ttl": ttl, "x-dead-letter-exchange": dlx}
+        if settings.queue_type == "quorum":
+            args.update(AT_LEAST_ONCE)
+        return Queue(name, args, role, level)
+
+    # The contract's exchanges carry no arguments, so any client's plain declare of them
+    # succeeds; a due message nobody is bound for at pick-up comes back to the distributor
+    # (mandatory publish) and is parked there. The chain's exchanges, which only the
+    # gateway publishes to, send a key they have no binding for to parking instead of
+    # dropping it, or (at-least-once) leaving it to block the queue it came from.
     catch = {"alternate-exchange": n.parking}
     exchanges = [
-        Exchange(n.check_in, "fanout"),
-        Exchange(n.meditation, "fanout"),
+        Exchange(n.check_in, "topic"),
+        Exchange(n.pick_up, "topic"),
+        Exchange(n.returning, "fanout", internal=True),
         Exchange(n.distributor, "fanout"),
-        Exchange(n.pick_up, "topic", catch),
         Exchange(n.parking, "fanout"),
         Exchange(n.parked, "fanout"),
+        Exchange(settings.meditation, "fanout"),
     ] + [Exchange(n.level(k), "topic", catch) for k in range(settings.max_level)]
 
     queues = [
-        queue(n.check_in, dlx=n.parking, consumed=True),
-        queue(n.meditation, ttl=settings.meditation_ms, dlx=n.check_in),
-        queue(n.distributor, dlx=n.parking, consumed=True),
-        queue(n.parking, dlx=n.parked, consumed=True),
-        queue(n.parked),
+        consumed(n.check_in, "check-in", n.parking),
+        consumed(n.returning, "returning", n.parking),
+        consumed(n.distributor, "distributor", n.parking),
+        consumed(n.parking, "parking", n.parked),
+        Queue(n.parked, {"x-queue-type": "quorum", "x-delivery-limit": PARKED_DELIVERY_LIMIT}, "parked"),
+        waiting(settings.meditation, "meditation", settings.meditation_ms, n.returning, settings.max_level),
     ]
     bindings = [
-        Binding(n.check_in, n.check_in),
-        Binding(n.meditation, n.meditation),
+        Binding(n.check_in, n.check_in, "#"),
+        Binding(n.returning, n.returning),
         Binding(n.distributor, n.distributor),
         Binding(n.parking, n.parking),
         Binding(n.parked, n.parked),
+        Binding(settings.meditation, settings.meditation),
     ]
     for k in range(settings.max_level):
-        queues.append(queue(n.delay_queue(k), ttl=settings.level_ttl_ms(k), dlx=n.below(k)))
+        queues.append(waiting(n.delay_queue(k), "delay", settings.level_ttl_ms(k), n.below(k), k))
         bindings.append(Binding(n.level(k), n.delay_queue(k), level_pattern(k, "1")))
         if settings.zero_bits == "queue":
-            queues.append(queue(n.pass_queue(k), ttl=PASS_THROUGH_TTL_MS, dlx=n.below(k)))
+            queues.append(waiting(n.pass_queue(k), "pass", PASS_THROUGH_TTL_MS, n.below(k), k))
             bindings.append(Binding(n.level(k), n.pass_queue(k), level_pattern(k, "0")))
         else:
             bindings.append(Binding(n.level(k), n.below(k), level_pattern(k, "0"), "exchange"))
     return Topology(settings, tuple(exchanges), tuple(queues), tuple(bindings))
+

@@ -1,28 +1,53 @@
-"""Names of everything the gateway declares, derived from one prefix."""
+"""Names of everything the gateway declares, derived from one prefix.
+
+Two kinds of object share the prefix:
+- the gateway's fixed objects (`<prefix>.check-in`, `<prefix>.pick-up`, `<prefix>.parked`, and
+  the internal `returning`, `distributor` and `parking`): their names and arguments never
+  depend on the chain's settings, so they survive any change of the chain;
+- the chain, whose queue arguments (TTLs, queue type) and bindings do depend on them. Its
+  objects carry a generation tag made of the settings that shape them, e.g.
+  `delay.1000ms-quorum-queue.level.03.delay`, so that a chain with other settings can be
+  declared beside a running one (queue arguments cannot change once declared). `max_level`
+  is not in the tag: level k is the same queue whatever the number of levels above it, so
+  raising or lowering it only adds or retires levels and the meditation queue, which is
+  named by the level count it serves.
+"""
 
 from dataclasses import dataclass
+
+MAX_PREFIX_BYTES = 120  # keeps the longest chain name within AMQP's 255 bytes
+
+
+def generation(resolution_ms: int, queue_type: str, zero_bits: str) -> str:
+    return f"{resolution_ms}ms-{queue_type}-{zero_bits}"
 
 
 @dataclass(frozen=True)
 class Names:
     prefix: str = "delay"
+    generation: str = "1000ms-quorum-queue"
 
     def __post_init__(self) -> None:
-        if not self.prefix or len(self.prefix.encode()) > 200:
-            raise ValueError("prefix must be 1 to 200 bytes long")
+        if not self.prefix or len(self.prefix.encode()) > MAX_PREFIX_BYTES:
+            raise ValueError(f"prefix must be 1 to {MAX_PREFIX_BYTES} bytes long")
         if any(c.isspace() for c in self.prefix):
             raise ValueError(f"prefix {self.prefix!r} must not contain white space")
 
     def _(self, suffix: str) -> str:
         return f"{self.prefix}.{suffix}"
 
+    # -- fixed: the contract's names and the gateway's own queues -----------------------
     @property
     def check_in(self) -> str:
+        """Exchange (topic, no arguments: the contract) and the queue behind it."""
         return self._("check-in")
 
     @property
-    def meditation(self) -> str:
-        return self._("meditation")
+    def returning(self) -> str:
+        """Internal exchange and queue: messages back from meditation. Only dead-lettering
+        can put a message here (clients cannot publish to an internal exchange), so what
+        arrives here is the gateway's own and its headers can be trusted."""
+        return self._("returning")
 
     @property
     def distributor(self) -> str:
@@ -41,14 +66,23 @@ class Names:
     def parked(self) -> str:
         return self._("parked")
 
+    # -- the chain of one generation ----------------------------------------------------
+    @property
+    def chain(self) -> str:
+        """The common start of every name of this generation's chain."""
+        return self._(self.generation)
+
+    def meditation(self, max_level: int) -> str:
+        return f"{self.chain}.meditation.{max_level:02d}"
+
     def level(self, k: int) -> str:
-        return self._(f"level.{k:02d}")
+        return f"{self.chain}.level.{k:02d}"
 
     def delay_queue(self, k: int) -> str:
-        return self._(f"level.{k:02d}.delay")
+        return f"{self.level(k)}.delay"
 
     def pass_queue(self, k: int) -> str:
-        return self._(f"level.{k:02d}.pass")
+        return f"{self.level(k)}.pass"
 
     def below(self, k: int) -> str:
         """Where level k's queues dead-letter to: level k-1, or the distributor after level 0."""

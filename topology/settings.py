@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass, field
 
-from .names import Names
+from .names import Names, generation
 
 QUEUE_TYPES = ("quorum", "classic")
 ZERO_BITS = ("queue", "exchange")
@@ -22,7 +22,6 @@ class ChainSettings:
     names: Names = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "names", Names(self.prefix))
         if not isinstance(self.max_level, int) or not 1 <= self.max_level <= MAX_LEVELS:
             raise ValueError(f"max_level must be an integer from 1 to {MAX_LEVELS}, got {self.max_level!r}")
         if not isinstance(self.resolution_ms, int) or self.resolution_ms < 1:
@@ -38,11 +37,22 @@ class ChainSettings:
                 f"{self.meditation_ms} ms queue TTL; RabbitMQ allows at most {MAX_TTL_MS} ms "
                 f"(10 years): use max_level <= {longest} at this resolution"
             )
+        object.__setattr__(self, "names", Names(self.prefix, generation(
+            self.resolution_ms, self.queue_type, self.zero_bits)))
 
     @property
     def max_units(self) -> int:
         """The longest wait the chain expresses, in resolution units (all bits set)."""
         return (1 << self.max_level) - 1
+
+    @property
+    def generation(self) -> str:
+        return self.names.generation
+
+    @property
+    def meditation(self) -> str:
+        """The meditation queue (and its exchange) of this chain."""
+        return self.names.meditation(self.max_level)
 
     @property
     def meditation_ms(self) -> int:

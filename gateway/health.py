@@ -1,0 +1,66 @@
+"""The metrics port: /metrics (Prometheus), /healthz (alive) and /readyz (connected and
+consuming), for Kubernetes probes and for tests and the benchmark to wait on."""
+
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+# /healthz fails when the worker's loop has not reported for this long: a hung process is
+# restarted, a busy one (reconnecting with backoff reports too) is not.
+STALL_S = 60.0
+
+
+class Health:
+    """What the worker reports about itself; read by the HTTP handler's thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._beat = time.monotonic()
+        self._ready = False
+        self._why = "starting"
+
+    def beat(self) -> None:
+        with self._lock:
+            self._beat = time.monotonic()
+
+    def ready(self, ready: bool, why: str = "") -> None:
+        with self._lock:
+            self._ready, self._why = ready, why
+            self._beat = time.monotonic()
+
+    def status(self):
+        with self._lock:
+            stalled = time.monotonic() - self._beat
+            return stalled < STALL_S, self._ready, self._why, stalled
+
+
+def serve(port: int, registry, health: Health, addr: str = "0.0.0.0") -> ThreadingHTTPServer:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (the http.server name)
+            alive, ready, why, stalled = health.status()
+            if self.path == "/metrics":
+                self._reply(200, generate_latest(registry), CONTENT_TYPE_LATEST)
+            elif self.path == "/healthz":
+                self._reply(200 if alive else 503, b"ok\n" if alive else
+                            f"no progress for {stalled:.0f} s\n".encode())
+            elif self.path == "/readyz":
+                self._reply(200 if ready else 503, b"ready\n" if ready else f"not ready: {why}\n".encode())
+            else:
+                self._reply(404, b"not found: try /metrics, /healthz or /readyz\n")
+
+        def _reply(self, code: int, body: bytes, content_type: str = "text/plain; charset=utf-8") -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:  # probes every few seconds: not worth a log line
+            pass
+
+    server = ThreadingHTTPServer((addr, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    return server
