@@ -59,6 +59,8 @@ def main(argv: Optional[Sequence[str]] = None, environ=None) -> int:
     except UsageError as exc:  # a bad boolean in the environment
         print(f"delay-gateway: error: {exc}", file=sys.stderr)
         return 2
+    except SystemExit as exc:  # --help (0), or a bad flag or value, already said in one line (2)
+        return int(exc.code or 0)
     codec.install()
     logs.configure(getattr(args, "log_level", "info"), getattr(args, "log_format", "auto"))
     try:
@@ -160,10 +162,10 @@ def cmd_explain(args) -> int:
         total += chain.meditation_ms
     if isinstance(route, Enter):
         print(f"  publish to {names.level(route.level)} with key {route.key!r}")
-        for hop in trace(topology, names.level(route.level), route.key, names.distributor):
+        for hop in trace(topology, names.level(route.level), route.key, names.exit_distributor(chain.queue_type)):
             print(f"  {hop.queue:<44} wait {hop.wait_ms} ms")
             total += hop.wait_ms
-    print(f"  {names.distributor:<44} hold {args.delay_ms - total} ms, then publish to {names.pick_up}")
+    print(f"  {names.exit_distributor(chain.queue_type):<44} hold {args.delay_ms - total} ms, then publish to {names.pick_up}")
     return 0
 
 
@@ -198,7 +200,7 @@ COMMANDS = {
     "declare": Command("declare the topology (idempotent)", BROKER + ("chain",), cmd_declare),
     "delete": Command("delete the topology and every message it holds", BROKER + ("chain",), cmd_delete,
                       delete_arguments),
-    "render": Command("print the topology as code: a definitions document, ...", ("chain", "log"), cmd_render,
+    "render": Command("print the topology as code (--format: definitions for rabbitmqctl import_definitions)", ("chain", "log"), cmd_render,
                       render_arguments),
     "publish": Command("publish delayed messages to check-in, with confirms", BROKER + ("chain",), cmd_publish,
                        publish_arguments),

@@ -102,8 +102,7 @@ class Pipe:
             return self._finish()
         # The broker closed it (the queue is missing, no permission, ...): start over on a
         # fresh connection; unacked deliveries return to their queue. The worker decides
-        # from the reason whether that can help.
-        self._log.error("channel_closed", reason=str(reason))
+        # from the reason whether that can help, and says it once.
         self._on_fatal(reason)
         if self._connection.is_open:
             self._connection.close()
@@ -115,7 +114,6 @@ class Pipe:
             return
         code = getattr(reason, "reply_code", 0)
         if code in NOT_THE_MESSAGE:
-            self._log.error("channel_closed", reason=str(reason))
             self._on_fatal(reason)
             self._connection.close()
             return

@@ -32,3 +32,5 @@ def configure(level: str = "info", fmt: str = "auto") -> None:
     root.setLevel(level.upper())
     # pika narrates every frame at INFO; its warnings and errors are what an operator needs.
     logging.getLogger("pika").setLevel(max(logging.WARNING, root.level))
+    # ...but a channel the broker closes is reported by the gateway itself, with the fix.
+    logging.getLogger("pika.channel").setLevel(max(logging.ERROR, root.level))

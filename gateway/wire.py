@@ -254,7 +254,7 @@ class Properties:
     @classmethod
     def build(cls, **values: Any) -> "Properties":
         """Properties with these fields (None: absent)."""
-        values = {k: v for k, v in values.items() if v is not None}
+        values = {k: _normal(k, v) for k, v in values.items() if v is not None}
         return cls(_encode_properties(values), values)
 
     @property
@@ -278,8 +278,15 @@ class Properties:
             if v is None:
                 values.pop(k, None)
             else:
-                values[k] = v
+                values[k] = _normal(k, v)
         return Properties(_encode_properties(values), values)
+
+
+def _normal(field: str, value: Any) -> Any:
+    """Short strings are kept as bytes."""
+    if field not in FIELDS:
+        raise ValueError(f"no property {field!r}")
+    return value.encode("utf-8") if field in _SHORTSTR and isinstance(value, str) else value
 
 
 def _parse_properties(raw: bytes) -> Dict[str, Any]:

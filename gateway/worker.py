@@ -13,13 +13,14 @@ import signal
 import sys
 import threading
 import time
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import pika
 import structlog
 
 from topology import build
 from topology.declare import TopologyConflict, declare
+from topology.settings import QUEUE_TYPES
 
 from . import health as health_http
 from .amqp import BrokerError, Trouble, blocking_channel, classify, parameters
@@ -58,8 +59,9 @@ class Session:
     """One connection, from open to close, with the consumers of the chosen role."""
 
     def __init__(self, url: str, settings: Settings, metrics: Metrics, health: Health,
-                 stop: threading.Event) -> None:
+                 stop: threading.Event, exits: Sequence[str] = ()) -> None:
         self.url, self.settings, self.metrics, self.health, self.stop_event = url, settings, metrics, health, stop
+        self.exits = exits  # chain exits in other queue types, to consume as well
         self.log = structlog.get_logger("gateway").bind(broker=redact(url))
         self.error: Optional[BaseException] = None  # why it ended, if the broker said
         self.pipes: List[Pipe] = []
@@ -83,11 +85,15 @@ class Session:
             self.pipes.append(Pipe(connection, queue, handler, prefetch, self.metrics, names,
                                    on_fatal=self._on_fatal))
 
+        returning = [names.returning] + [q for q in self.exits if q.startswith(names.returning + ".")]
+        distributors = [names.distributor] + [q for q in self.exits if q.startswith(names.distributor + ".")]
         if s.role in ("all", "check-in"):
             pipe(names.check_in, CheckIn(chain, s.lead_ms, wall_ms), s.prefetch)
-            pipe(names.returning, Returning(chain, s.lead_ms, wall_ms), s.prefetch)
+            for queue in returning:
+                pipe(queue, Returning(chain, s.lead_ms, wall_ms), s.prefetch)
         if s.role in ("all", "distributor"):
-            pipe(names.distributor, Distributor(chain, s.lead_ms, wall_ms, s.stamp_due_at), s.distributor_prefetch)
+            for queue in distributors:
+                pipe(queue, Distributor(chain, s.lead_ms, wall_ms, s.stamp_due_at), s.distributor_prefetch)
             pipe(names.parking, Parking(names), s.prefetch)
         for p in self.pipes:
             p.open()
@@ -106,8 +112,10 @@ class Session:
         self.connection.ioloop.call_later(STOP_POLL_S, self._watch)
 
     def _on_fatal(self, reason: BaseException) -> None:
+        """A consumer's channel was closed by the broker: the connection closes next."""
         if self.error is None:
             self.error = reason
+            self.log.error("channel_closed", reason=str(reason))
 
     def _begin_stop(self) -> None:
         if self._stopping:
@@ -141,15 +149,39 @@ class Session:
     def _on_close(self, connection, reason) -> None:
         self.health.ready(False, "connection lost")
         self.metrics.ready.set(0)
-        if not self._stopping:
+        if not self._stopping and self.error is None:  # (else we closed it, and said why)
             self.log.warning("connection_lost", reason=str(reason))
-            if self.error is None and isinstance(reason, pika.exceptions.ConnectionClosedByBroker):
+            if isinstance(reason, pika.exceptions.ConnectionClosedByBroker):
                 self.error = reason
         connection.ioloop.stop()
 
     @property
     def stable(self) -> bool:
         return self.ready_since is not None and time.monotonic() - self.ready_since >= STABLE_S
+
+
+def other_exits(url: str, settings: Settings) -> List[str]:
+    """The exits of chains in another queue type than ours that exist (a chain of the
+    other type may still be draining into them, or is current for other gateways)."""
+    names, found = settings.chain.names, []
+    for queue_type in QUEUE_TYPES:
+        if queue_type == "quorum":
+            continue  # the quorum exits are every chain's: always consumed
+        for queue in (names.exit_returning(queue_type), names.exit_distributor(queue_type)):
+            if queue_type == settings.chain.queue_type or exists(url, settings, queue):
+                found.append(queue)
+    return found
+
+
+def exists(url: str, settings: Settings, queue: str) -> bool:
+    try:
+        with blocking_channel(url, "delay-gateway", settings.tls) as channel:
+            channel.queue_declare(queue, passive=True)
+        return True
+    except BrokerError as exc:
+        if exc.trouble.heals or "NOT_FOUND" not in exc.trouble.message:
+            raise
+        return False
 
 
 def main(settings: Settings) -> int:
@@ -186,7 +218,7 @@ def run(settings: Settings, stop: threading.Event, metrics: Metrics, health: Hea
                 log.info("topology_declared", prefix=settings.chain.prefix, generation=settings.chain.generation,
                          max_level=settings.chain.max_level)
                 declared = True
-            session = Session(url, settings, metrics, health, stop)
+            session = Session(url, settings, metrics, health, stop, other_exits(url, settings))
             session.run()
             trouble = classify(session.error, url) if session.error is not None else None
         except TopologyConflict as exc:

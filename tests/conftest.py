@@ -28,15 +28,14 @@ def make_chain(broker):
 
 @pytest.fixture
 def run_gateway():
-    """Start `delay-gateway run` processes; they are stopped after the test."""
+    """Start `delay-gateway run` processes, ready (consuming every queue of their role);
+    they are stopped after the test."""
     started = []
 
-    def start(chain, *extra, pipes=None, **kwargs) -> GatewayProcess:
+    def start(chain, *extra, **kwargs) -> GatewayProcess:
         process = GatewayProcess(chain, *extra, **kwargs)
         started.append(process)
-        role_pipes = {"check-in": 1, "distributor": 2}
-        role = extra[extra.index("--role") + 1] if "--role" in extra else "all"
-        return process.wait_consuming(pipes or role_pipes.get(role, 3))
+        return process.wait_ready()
 
     yield start
     for process in started:

@@ -4,13 +4,16 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import pika
 
@@ -43,19 +46,28 @@ def chain_args(chain: ChainSettings) -> List[str]:
             "--zero-bits", chain.zero_bits]
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class GatewayProcess:
-    """`delay-gateway run` in a subprocess; its JSON log lines are collected."""
+    """`delay-gateway run` in a subprocess, serving /metrics, /healthz and /readyz on a port
+    of its own; its JSON log lines are collected."""
 
     def __init__(self, chain: ChainSettings, *extra: str, url: Optional[str] = None,
                  env: Optional[Dict[str, str]] = None) -> None:
         self.chain = chain
         self.lines: List[dict] = []
         self.raw: List[str] = []
+        self.port = free_port()
         full_env = dict(os.environ, **(env or {}))
         full_env["DELAY_GATEWAY_URL"] = url or broker_url()
         full_env.setdefault("PYTHONUNBUFFERED", "1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "run", *chain_args(chain), "--log-format", "json", *extra],
+            [sys.executable, "-m", "gateway", "run", *chain_args(chain), "--log-format", "json",
+             "--metrics-port", str(self.port), *extra],
             cwd=ROOT, env=full_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -71,13 +83,36 @@ class GatewayProcess:
     def events(self, name: str) -> List[dict]:
         return [entry for entry in list(self.lines) if entry.get("event") == name]
 
-    def wait_consuming(self, pipes: int = 3, timeout: float = 20) -> "GatewayProcess":
+    def get(self, path: str) -> Tuple[int, str]:
+        """(status, body) of an HTTP GET on the metrics port; (0, error) when it does not answer."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=2) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+        except OSError as exc:
+            return 0, str(exc)
+
+    @property
+    def ready(self) -> bool:
+        return self.get("/readyz")[0] == 200
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The value of one sample on /metrics (0 when absent)."""
+        wanted = name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else "")
+        for line in self.get("/metrics")[1].splitlines():
+            sample, _, value = line.rpartition(" ")
+            if sample == wanted:
+                return float(value)
+        return 0.0
+
+    def wait_ready(self, timeout: float = 30) -> "GatewayProcess":
         deadline = time.monotonic() + timeout
-        while len(self.events("consuming")) < pipes:
+        while not self.ready:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"gateway exited with {self.proc.returncode}:\n{''.join(self.raw)}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"gateway not consuming after {timeout}s:\n{''.join(self.raw)}")
+                raise TimeoutError(f"gateway not ready after {timeout}s:\n{''.join(self.raw)}")
             time.sleep(0.05)
         return self
 

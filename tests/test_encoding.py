@@ -73,10 +73,11 @@ def simulate(chain: ChainSettings, delay_ms: int, lead_ms: int):
     waited, cycles = 0, 0
     while isinstance(plan(delay_ms - waited, chain, lead_ms), Meditate):
         # check-in publishes to the meditation exchange; its queue returns it to check-in
-        [queue] = route(topology, names.meditation, "")
+        [queue] = route(topology, chain.meditation, "")
         meditation = topology.queue(queue)
-        assert meditation.dead_letter_exchange == names.check_in
-        assert route(topology, names.check_in, "") == [names.check_in]
+        returning = names.exit_returning(chain.queue_type)
+        assert meditation.dead_letter_exchange == returning
+        assert route(topology, returning, "") == [returning]
         assert meditation.ttl_ms == chain.meditation_ms
         # Every further cycle is the same walk: skip ahead to the last one that meditates.
         more = (delay_ms - waited - lead_ms - (chain.max_units + 1) * chain.resolution_ms) // chain.meditation_ms
@@ -87,7 +88,7 @@ def simulate(chain: ChainSettings, delay_ms: int, lead_ms: int):
     if isinstance(step, ToDistributor):
         assert route(topology, names.distributor, "") == [names.distributor]
         return waited, (), cycles
-    hops = trace(topology, names.level(step.level), step.key, stop_at=names.distributor)
+    hops = trace(topology, names.level(step.level), step.key, stop_at=names.exit_distributor(chain.queue_type))
     return waited + sum(h.wait_ms for h in hops), hops, cycles
 
 

@@ -1,12 +1,14 @@
 """Pure parts of the fault-tolerance and security work: no broker needed."""
 
 import argparse
-import math
 
 import pika
 import pytest
 
 from gateway import envelope, parked
+from gateway.envelope import Inside
+from gateway.wire import Properties
+from topology.names import Names
 from gateway.settings import Tls, redact, urls_from, with_password
 
 
@@ -35,34 +37,22 @@ def test_tls_options_need_amqps_urls():
         Tls(key_file="k.pem")
 
 
-def test_unencodable_headers_are_named_and_made_printable():
-    props = pika.BasicProperties(headers={"ok": 1, "huge": 2 ** 70})
-    problem = envelope.unencodable(props)
-    assert problem and "'huge'" in problem and "'ok'" not in problem
-    printable = envelope.printable_headers(props)
-    assert envelope.unencodable(printable) is None and printable.headers["huge"] == repr(2 ** 70)
 
 
-def test_float_delays_round_up_never_early():
-    assert envelope.due_at({"x-delay": 1500.2}, 0) == 1501
-    assert not math.isnan(envelope.due_at({"x-delay": -0.5}, 10))
+def message(key=b"k", reason=None, due=None) -> parked.Parked:
+    user = Properties.build(message_id=key)
+    return parked.Parked(1, envelope.inside(user, key, due, reason), b"", key)
 
 
-def message(key="k", reason=None, due=None) -> parked.Parked:
-    headers = {envelope.ROUTING_KEY: key}
-    if reason:
-        headers[envelope.ERROR] = reason
-    if due:
-        headers[envelope.DUE_AT] = due
-    return parked.Parked(1, key, pika.BasicProperties(message_id=key, headers=headers), b"")
-
-
-def test_parked_selection_report_and_replay_properties():
-    a, b = message("orders.eu", "unroutable: ...", 5), message("audit", "x-delay is 'soon', not a number")
+def test_parked_selection_report_and_where_replay_sends_them():
+    a, b = message(b"orders.eu", "unroutable: ...", 5), message(b"audit", "x-delay is 'soon', not a number")
     assert parked.selected(a, "unroutable", "orders.*") and not parked.selected(b, "unroutable", None)
     assert not parked.selected(a, None, "audit")
-    r = parked.report([a, b, message("orders.eu", "unroutable: ...")])
+    r = parked.report([a, b, message(b"orders.eu", "unroutable: ...")])
     assert r["count"] == 3 and r["reasons"]["unroutable: ..."] == 2 and r["routing_keys"]["orders.eu"] == 2
-    replayed = parked.replay_properties(a.properties)
-    assert envelope.ERROR not in replayed.headers and replayed.headers[envelope.DUE_AT] == 5
+    names = Names("d")
+    exchange, key, props = parked.destination(a, names)  # it had a due time: to the distributor
+    assert exchange == "d.distributor" and Inside(props).due_ms == 5 and Inside(props).error is None
+    exchange, key, props = parked.destination(b, names)  # it had none: to check-in, as first sent
+    assert (exchange, key, props.raw) == ("d.check-in", b"audit", Properties.build(message_id=b"audit").raw)
     assert message().reason == "(no reason recorded)"

@@ -16,40 +16,69 @@ from topology.encoding import level_pattern
 from .support import connect, drain, remove, unique_prefix
 
 
+G = "d.500ms-quorum-queue."
+
+
 def test_quorum_queues_dead_letter_at_least_once():
     t = build(ChainSettings(prefix="d", max_level=3, resolution_ms=500))
-    level2 = t.queue("d.level.02.delay").arguments
-    assert level2 == {"x-queue-type": "quorum", "x-message-ttl": 2000, "x-dead-letter-exchange": "d.level.01",
+    level2 = t.queue(G + "level.02.delay").arguments
+    assert level2 == {"x-queue-type": "quorum", "x-message-ttl": 2000, "x-dead-letter-exchange": G + "level.01",
                       "x-dead-letter-strategy": "at-least-once", "x-overflow": "reject-publish"}
-    assert t.queue("d.level.00.pass").arguments["x-message-ttl"] == 1
-    assert t.queue("d.level.00.pass").dead_letter_exchange == "d.distributor"
-    assert t.queue("d.meditation").arguments["x-message-ttl"] == 7 * 500
-    assert t.queue("d.meditation").dead_letter_exchange == "d.check-in"
-    for consumed in ("d.check-in", "d.distributor", "d.parking"):
-        assert t.queue(consumed).arguments["x-delivery-limit"] == 20
-    assert "x-dead-letter-exchange" not in t.queue("d.parked").arguments
+    assert t.queue(G + "level.00.pass").arguments["x-message-ttl"] == 1
+    assert t.queue(G + "level.00.pass").dead_letter_exchange == "d.distributor"
+    assert t.queue(G + "meditation.03").arguments["x-message-ttl"] == 7 * 500
+    assert t.queue(G + "meditation.03").dead_letter_exchange == "d.returning"
+    for consumed in ("d.check-in", "d.returning", "d.distributor", "d.parking"):
+        args = t.queue(consumed).arguments
+        assert args["x-delivery-limit"] == 20 and args["x-queue-type"] == "quorum"
+        assert args["x-dead-letter-routing-key"] == t.queue(consumed).role
+    assert t.queue("d.parked").arguments == {"x-queue-type": "quorum", "x-delivery-limit": 2**31 - 1}
 
 
-def test_classic_queues_carry_no_quorum_arguments():
+def test_classic_chains_carry_no_quorum_arguments_and_have_classic_exits():
     t = build(ChainSettings(prefix="d", max_level=2, queue_type="classic"))
+    exits = {"d.distributor.classic", "d.returning.classic"}
     for q in t.queues:
-        assert q.arguments["x-queue-type"] == "classic"
-        assert not {"x-dead-letter-strategy", "x-overflow", "x-delivery-limit"} & set(q.arguments)
+        if t.in_chain(q.name) or q.name in exits:
+            assert q.arguments["x-queue-type"] == "classic"
+            assert not {"x-dead-letter-strategy", "x-overflow", "x-delivery-limit"} & set(q.arguments)
+        else:
+            assert q.arguments["x-queue-type"] == "quorum"
+    # a classic queue dead-letters at most once: never into a quorum queue, which is not up
+    # yet while the broker starts
+    targets = {q.dead_letter_exchange for q in t.queues if t.in_chain(q.name)}
+    assert targets & {"d.distributor", "d.returning"} == set() and exits <= targets
+    assert t.exchange("d.returning.classic").internal
 
 
 def test_zero_bits_as_exchange_bindings_replace_pass_queues():
     t = build(ChainSettings(prefix="d", max_level=3, zero_bits="exchange"))
+    g = "d.1000ms-quorum-exchange."
     assert not [q for q in t.queues if q.name.endswith(".pass")]
     assert [(b.source, b.destination, b.routing_key) for b in t.bindings if b.destination_type == "exchange"] == [
-        ("d.level.00", "d.distributor", "0.#"), ("d.level.01", "d.level.00", "*.0.#"),
-        ("d.level.02", "d.level.01", "*.*.0.#")]
+        (g + "level.00", "d.distributor", "0.#"), (g + "level.01", g + "level.00", "*.0.#"),
+        (g + "level.02", g + "level.01", "*.*.0.#")]
 
 
-def test_every_exchange_that_routes_by_key_has_a_catch_all():
+def test_the_contract_exchanges_take_no_arguments_and_the_chains_catch_stray_keys():
     t = build(ChainSettings(prefix="d", max_level=4))
     for e in t.exchanges:
-        if e.type == "topic":
+        if e.name in ("d.check-in", "d.pick-up"):
+            assert (e.type, dict(e.arguments), e.internal) == ("topic", {}, False)
+        elif e.type == "topic":
             assert e.arguments == {"alternate-exchange": "d.parking"}
+    assert t.exchange("d.returning").internal  # only dead-lettering reaches it
+
+
+def test_a_chain_with_other_settings_has_other_names_and_max_level_only_adds_levels():
+    a, b = build(ChainSettings(prefix="d", max_level=3)), build(ChainSettings(prefix="d", max_level=5))
+    c = build(ChainSettings(prefix="d", max_level=3, resolution_ms=100))
+    fixed = {q.name for q in a.queues if not a.in_chain(q.name)}
+    assert fixed == {"d.check-in", "d.returning", "d.distributor", "d.parking", "d.parked"}
+    assert {q.name for q in a.queues} - {q.name for q in b.queues} == {"d.1000ms-quorum-queue.meditation.03"}
+    levels = {q.name: dict(q.arguments) for q in b.queues}
+    assert all(levels[q.name] == dict(q.arguments) for q in a.queues if ".level." in q.name)  # the same levels
+    assert not {q.name for q in c.queues if c.in_chain(q.name)} & {q.name for q in a.queues}
 
 
 @pytest.mark.parametrize("bad,message", [
@@ -66,9 +95,10 @@ def test_bad_settings_say_what_is_wrong(bad, message):
 def test_definitions_list_every_object():
     t = build(ChainSettings(prefix="d", max_level=5))
     doc = json.loads(render(t, vhost="v"))
-    assert len(doc["exchanges"]) == len(t.exchanges) == 6 + 5
-    assert len(doc["queues"]) == len(t.queues) == 5 + 2 * 5
-    assert len(doc["bindings"]) == len(t.bindings) == 5 + 2 * 5
+    assert len(doc["exchanges"]) == len(t.exchanges) == 7 + 5
+    assert len(doc["queues"]) == len(t.queues) == 6 + 2 * 5
+    assert len(doc["bindings"]) == len(t.bindings) == 6 + 2 * 5
+    assert [e["internal"] for e in doc["exchanges"]].count(True) == 1
     assert {o["vhost"] for kind in doc.values() for o in kind} == {"v"}
 
 
@@ -87,15 +117,28 @@ def test_declaring_twice_is_a_no_op(broker, queue_type, zero_bits):
         remove(chain)
 
 
-def test_changed_settings_fail_with_a_clear_error(broker):
+def test_a_clash_with_objects_declared_elsewhere_fails_with_a_clear_error(broker):
     chain = ChainSettings(prefix=unique_prefix(), max_level=3)
     try:
         with connect() as c:
-            declare(c.channel(), build(chain))
-            with pytest.raises(TopologyConflict, match=r"meditation.*other arguments.*new prefix"):
-                declare(c.channel(), build(ChainSettings(prefix=chain.prefix, max_level=4)))
+            c.channel().queue_declare(chain.names.parked, durable=True)  # a classic queue of that name
+            with pytest.raises(TopologyConflict, match=r"queue '.*\.parked' already exists with other arguments"):
+                declare(c.channel(), build(chain))
     finally:
         remove(chain)
+
+
+def test_chains_with_other_settings_are_declared_beside_each_other(broker):
+    chain = ChainSettings(prefix=unique_prefix(), max_level=3)
+    others = [ChainSettings(prefix=chain.prefix, max_level=5), ChainSettings(prefix=chain.prefix, max_level=2,
+              resolution_ms=100, queue_type="classic", zero_bits="exchange")]
+    try:
+        with connect() as c:
+            for settings in [chain] + others:
+                declare(c.channel(), build(settings))
+    finally:
+        for settings in [chain] + others:
+            remove(settings)
 
 
 def test_imported_definitions_equal_what_declare_makes(broker):

@@ -17,9 +17,10 @@ def declare(channel, topology: Topology) -> None:
         except ChannelClosedByBroker as exc:
             if exc.reply_code == 406:
                 raise TopologyConflict(
-                    f"{what} {name!r} already exists with other arguments ({exc.reply_text}). "
-                    "Queue and exchange arguments cannot change once declared: keep the old "
-                    "settings, or use a new prefix and move over when the old chain is empty."
+                    f"{what} {name!r} already exists with other arguments ({exc.reply_text}): "
+                    "something else declared it, or an older version of the gateway did. Queue and "
+                    "exchange arguments cannot change once declared: delete it once it is empty, or "
+                    "use another --prefix"
                 ) from exc
             raise
 

@@ -159,7 +159,8 @@ def build(settings: ChainSettings) -> Topology:
         consumed(n.distributor, "distributor", n.parking),
         consumed(n.parking, "parking", n.parked),
         Queue(n.parked, {"x-queue-type": "quorum", "x-delivery-limit": PARKED_DELIVERY_LIMIT}, "parked"),
-        waiting(settings.meditation, "meditation", settings.meditation_ms, n.returning, settings.max_level),
+        waiting(settings.meditation, "meditation", settings.meditation_ms, n.exit_returning(settings.queue_type),
+                settings.max_level),
     ]
     bindings = [
         Binding(n.check_in, n.check_in, "#"),
@@ -169,6 +170,12 @@ def build(settings: ChainSettings) -> Topology:
         Binding(n.parked, n.parked),
         Binding(settings.meditation, settings.meditation),
     ]
+    if settings.queue_type != "quorum":  # the chain's own exits (names.exit_distributor)
+        for name, role, internal in ((n.exit_returning(settings.queue_type), "returning", True),
+                                     (n.exit_distributor(settings.queue_type), "distributor", False)):
+            exchanges.append(Exchange(name, "fanout", internal=internal))
+            queues.append(Queue(name, {"x-queue-type": settings.queue_type}, role))
+            bindings.append(Binding(name, name))
     for k in range(settings.max_level):
         queues.append(waiting(n.delay_queue(k), "delay", settings.level_ttl_ms(k), n.below(k), k))
         bindings.append(Binding(n.level(k), n.delay_queue(k), level_pattern(k, "1")))

@@ -26,6 +26,7 @@ def generation(resolution_ms: int, queue_type: str, zero_bits: str) -> str:
 class Names:
     prefix: str = "delay"
     generation: str = "1000ms-quorum-queue"
+    queue_type: str = "quorum"
 
     def __post_init__(self) -> None:
         if not self.prefix or len(self.prefix.encode()) > MAX_PREFIX_BYTES:
@@ -66,6 +67,18 @@ class Names:
     def parked(self) -> str:
         return self._("parked")
 
+    # -- the chain's exits, by queue type -------------------------------------------------
+    # A chain dead-letters into its exits (the distributor after level 0, returning after
+    # meditation) in its own queue type: a classic queue dead-letters at most once, and one
+    # whose target is a quorum queue drops what it expires while the broker starts (the
+    # quorum queues are not up yet). So a classic chain has classic exits of its own,
+    # beside the quorum ones every chain shares; both are found by name alone.
+    def exit_distributor(self, queue_type: str) -> str:
+        return self.distributor if queue_type == "quorum" else f"{self.distributor}.{queue_type}"
+
+    def exit_returning(self, queue_type: str) -> str:
+        return self.returning if queue_type == "quorum" else f"{self.returning}.{queue_type}"
+
     # -- the chain of one generation ----------------------------------------------------
     @property
     def chain(self) -> str:
@@ -85,5 +98,5 @@ class Names:
         return f"{self.level(k)}.pass"
 
     def below(self, k: int) -> str:
-        """Where level k's queues dead-letter to: level k-1, or the distributor after level 0."""
-        return self.level(k - 1) if k > 0 else self.distributor
+        """Where level k's queues dead-letter to: level k-1, or the chain's distributor after level 0."""
+        return self.level(k - 1) if k > 0 else self.exit_distributor(self.queue_type)

@@ -38,7 +38,7 @@ class ChainSettings:
                 f"(10 years): use max_level <= {longest} at this resolution"
             )
         object.__setattr__(self, "names", Names(self.prefix, generation(
-            self.resolution_ms, self.queue_type, self.zero_bits)))
+            self.resolution_ms, self.queue_type, self.zero_bits), self.queue_type))
 
     @property
     def max_units(self) -> int:

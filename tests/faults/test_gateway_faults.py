@@ -56,7 +56,7 @@ def test_sigterm_returns_held_messages_and_exits_0(make_chain, fault_report):
     chain = make_chain(max_level=3, resolution_ms=500)
     url = broker_url()
     sink = Sink([url], chain)
-    gateway = GatewayProcess(chain).wait_consuming()
+    gateway = GatewayProcess(chain).wait_ready()
     try:
         # Delays of 1.2-2 s: within a second they sit in the distributor, held until due.
         sent = publish([url], chain, [1200 + i * 4 for i in range(200)])
@@ -68,7 +68,7 @@ def test_sigterm_returns_held_messages_and_exits_0(make_chain, fault_report):
         time.sleep(0.5)
         with connect() as connection:
             waiting = connection.channel().queue_declare(chain.names.check_in, passive=True).method.message_count
-        restarted = GatewayProcess(chain).wait_consuming()
+        restarted = GatewayProcess(chain).wait_ready()
         delivered = sink.wait_for([s.message_id for s in sent + late], timeout=30)
         restarted.terminate()
     finally:

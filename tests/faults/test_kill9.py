@@ -18,7 +18,7 @@ def test_kill9_repeatedly_loses_nothing(make_chain, fault_report):
     url = broker_url()
     sink = Sink([url], chain)
     roles = {"check-in": [], "distributor": []}
-    procs = {role: GatewayProcess(chain, "--role", role).wait_consuming(1 if role == "check-in" else 2)
+    procs = {role: GatewayProcess(chain, "--role", role).wait_ready()
              for role in roles}
     sent = []
     publisher = threading.Thread(target=lambda: sent.extend(
@@ -32,7 +32,7 @@ def test_kill9_repeatedly_loses_nothing(make_chain, fault_report):
             role = ("check-in", "distributor")[kills % 2]
             procs[role].kill()  # SIGKILL: no goodbye, unacked deliveries go back to their queue
             kills += 1
-            procs[role] = GatewayProcess(chain, "--role", role).wait_consuming(1 if role == "check-in" else 2)
+            procs[role] = GatewayProcess(chain, "--role", role).wait_ready()
         publisher.join()
         delivered = sink.wait_for([s.message_id for s in sent], timeout=60)
     finally:

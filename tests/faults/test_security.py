@@ -48,15 +48,15 @@ def test_password_never_in_logs_or_errors(own_node, node_chain):
         r = gateway_cli("run", *chain_args(chain), *fast, "--password-file", path,
                         env={"DELAY_GATEWAY_URL": f"amqp://nobody@127.0.0.1:{port}/%2F"})
         outputs.append(("login refused, password from file", r))
-        assert r.returncode == 1
+        assert r.returncode == 3 and "login refused for user 'nobody'" in r.stderr.splitlines()[-1]
         # 3. a wrong password in the URL, while the right one is in the environment file
         wrong = f"Wrong-{uuid.uuid4().hex}"
         r = gateway_cli("declare", *chain_args(chain), "--url", f"amqp://{user}:{wrong}@127.0.0.1:{port}/%2F")
         outputs.append(("declare with a wrong password", r))
-        assert r.returncode == 2 and wrong not in r.stdout + r.stderr
+        assert r.returncode == 1 and "login refused" in r.stderr and wrong not in r.stdout + r.stderr
         # 4. the right password from DELAY_GATEWAY_PASSWORD_FILE: it works end to end
         gateway = GatewayProcess(chain, "--log-level", "debug", url=f"amqp://{user}@127.0.0.1:{port}/%2F",
-                                 env={"DELAY_GATEWAY_PASSWORD_FILE": path}).wait_consuming()
+                                 env={"DELAY_GATEWAY_PASSWORD_FILE": path}).wait_ready()
         r = gateway_cli("publish", *chain_args(chain), "--delay", "100", "--routing-key", "k",
                         "--url", f"amqp://{user}@127.0.0.1:{port}/%2F", "--password-file", path)
         assert r.returncode == 0, r.stderr
@@ -80,8 +80,8 @@ def test_tls_with_ca_and_client_certificate(own_node, node_chain, tls_files):
     tls = ["--tls-ca-file", tls_files["ca"], "--tls-cert-file", tls_files["client"]]
     # Without our CA the broker's certificate is not trusted: no connection.
     r = gateway_cli("declare", *chain_args(chain), "--url", url)
-    assert r.returncode == 2 and "CERTIFICATE_VERIFY_FAILED" in r.stderr, r.stderr
-    gateway = GatewayProcess(chain, *tls, url=url).wait_consuming()
+    assert r.returncode == 1 and "CERTIFICATE_VERIFY_FAILED" in r.stderr, r.stderr
+    gateway = GatewayProcess(chain, *tls, url=url).wait_ready()
     receiver_conn = connect(own_node.url)
     channel = receiver_conn.channel()
     queue = channel.queue_declare("", exclusive=True).method.queue
@@ -127,7 +127,7 @@ def test_least_privilege_user_runs_the_gateway(own_node):
     try:
         r = gateway_cli("declare", *chain_args(chain), "--url", url)
         assert r.returncode == 0, r.stderr
-        gateway = GatewayProcess(chain, url=url).wait_consuming()
+        gateway = GatewayProcess(chain, url=url).wait_ready()
         with pika.BlockingConnection(pika.URLParameters(url)) as connection:
             channel = connection.channel()
             # A receiver's queue must be named under the prefix too: a server-named

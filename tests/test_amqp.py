@@ -1,0 +1,41 @@
+"""Sorting broker errors into those that heal and those that do not, and the backoff (pure)."""
+
+import random
+
+import pytest
+from pika.exceptions import (AMQPConnectionError, ChannelClosedByBroker, ConnectionClosedByBroker,
+                             ProbableAuthenticationError, StreamLostError)
+
+from gateway.amqp import classify
+from gateway.worker import Backoff
+
+URL = "amqp://gw:s3cret@rabbit:5672/%2F"
+
+
+@pytest.mark.parametrize("error,heals,says", [
+    (AMQPConnectionError("refused"), True, "cannot connect"),
+    (StreamLostError("reset"), True, "cannot connect"),
+    (ConnectionClosedByBroker(320, "CONNECTION_FORCED - broker forced connection closure"), True, "FORCED"),
+    (ChannelClosedByBroker(541, "INTERNAL_ERROR"), True, "INTERNAL_ERROR"),
+    (ProbableAuthenticationError("ACCESS_REFUSED"), False, "login refused for user 'gw'"),
+    (ConnectionClosedByBroker(530, "NOT_ALLOWED - vhost x not found"), False, "virtual host"),
+    (ChannelClosedByBroker(404, "NOT_FOUND - no queue 'nosuchprefix.check-in' in vhost '/'"), False,
+     "nosuchprefix.check-in' in vhost '/': the topology is not declared"),
+    (ChannelClosedByBroker(403, "ACCESS_REFUSED - access to queue 'delay.check-in' refused"), False,
+     "grant it configure, write and read"),
+    (ChannelClosedByBroker(406, "PRECONDITION_FAILED - inequivalent arg 'x-message-ttl'"), False,
+     "exists with other arguments"),
+])
+def test_errors_are_sorted_and_explained_in_one_line(error, heals, says):
+    trouble = classify(error, URL)
+    assert trouble.heals is heals
+    assert says in trouble.message and "\n" not in trouble.message
+    assert "s3cret" not in trouble.message and "amqp://gw:***@rabbit:5672/%2F" in trouble.message
+
+
+def test_backoff_grows_to_its_ceiling_and_starts_over_only_after_a_stable_connection():
+    b = Backoff(first=0.2, longest=10, rng=random.Random(1))
+    waits = [b.next(stable=False) for _ in range(10)]
+    assert all(0.1 <= w <= 0.2 for w in waits[:1]) and all(5 <= w <= 10 for w in waits[7:])
+    assert b.next(stable=False) >= 5  # a connection that died young: no fresh start
+    assert b.next(stable=True) <= 0.2
