@@ -100,6 +100,8 @@ class Pipe:
         self._forget()
         if self._on_stopped is not None:
             return self._finish()
+        if not self._connection.is_open:
+            return  # the connection went first: the worker hears its reason
         # The broker closed it (the queue is missing, no permission, ...): start over on a
         # fresh connection; unacked deliveries return to their queue. The worker decides
         # from the reason whether that can help, and says it once.

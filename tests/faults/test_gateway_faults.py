@@ -5,6 +5,8 @@ import time
 
 import pika
 
+from gateway.envelope import Inside
+
 from ..support import GatewayProcess, Receiver, broker_url, connect, drain, now_ms
 from .load import Sink, count, publish
 
@@ -41,7 +43,7 @@ def test_unroutable_due_message_is_parked_and_does_not_wedge_its_level(make_chai
                               early=early, parked=len(parked)))
     assert sorted(arrivals) == sorted(mid for mid, _ in behind)
     [(method, properties, body)] = parked
-    assert properties.message_id == "orphan" and body == b"lost?"
+    assert Inside(properties.wire).user.text("message_id") == "orphan" and body == b"lost?"
     assert method.routing_key == "nobody.home"
     assert "unroutable" in properties.headers["x-gateway-error"]
     assert properties.headers["x-gateway-due-at"] >= sent_at + 300

@@ -70,3 +70,23 @@ def test_list_then_replay_after_the_cause_is_fixed(make_chain, run_gateway):
     again = wait_parked(chain, 1)
     assert again["count"] == 1 and again["messages"][0]["message_id"] == "bad"
     assert again["messages"][0]["reason"] == "x-delay is 'tomorrow', not a number"
+
+
+def test_listing_parked_messages_never_removes_them(make_chain, run_gateway):
+    """RabbitMQ 4 drops a quorum queue's message after 20 returns unless told otherwise;
+    every list returns what it looked at."""
+    chain = make_chain(max_level=2, resolution_ms=100)
+    run_gateway(chain)
+    with connect() as connection:
+        channel = connection.channel()
+        channel.confirm_delivery()
+        channel.basic_publish(chain.names.check_in, "bad", b"x", pika.BasicProperties(
+            message_id="kept", headers={"x-delay": "never"}), mandatory=True)
+    assert wait_parked(chain, 1)["count"] == 1
+    with connect() as connection:  # 25 looks, as `parked list` takes them
+        channel = connection.channel()
+        for _ in range(25):
+            method, _, _ = channel.basic_get(chain.names.parked)
+            channel.basic_nack(method.delivery_tag, requeue=True)
+    report = listed(chain)
+    assert report["count"] == 1 and report["messages"][0]["message_id"] == "kept"

@@ -1,0 +1,109 @@
+"""What the broker refuses, on the private node: a publish of one message (the gateway
+finds which without touching the others, and parks it), permissions the gateway lacks (one
+line, a bounded number of attempts, no traceback), and the held gauge across lost
+connections."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import pika
+
+from ..support import ROOT, GatewayProcess, chain_args, connect
+from .load import Sink, count, mixed_delays, publish, where_are_they
+from .test_broker import queue_depths, wait_until
+
+
+def gateway_cli(*args, url, timeout=60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gateway", *args, "--url", url, "--log-format", "json"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
+
+
+def test_a_message_the_broker_refuses_is_parked_and_touches_no_other(own_node, node_chain, fault_report):
+    """The broker refuses bodies above max_message_size on new channels; lowered while a big
+    message waits in the chain, its publish to pick-up closes the publishing channel. The
+    gateway must find that message alone, park it (the broker dead-letters what cannot even
+    be parked), and deliver everything else exactly once, on one connection."""
+    chain = node_chain(max_level=5, resolution_ms=200)  # meditation: 6.2 s
+    sink = Sink([own_node.url], chain)
+    gateway = GatewayProcess(chain, url=own_node.url).wait_ready()
+    limit = "max_message_size"
+    try:
+        started = time.monotonic()
+        with connect(own_node.url) as c:
+            ch = c.channel()
+            ch.confirm_delivery()
+            ch.basic_publish(chain.names.check_in, "big", b"\xa5" * 2_000_000, pika.BasicProperties(
+                message_id="big", headers={"x-delay": 9000}), mandatory=True)
+        # it waits in meditation while the limit changes (nothing of it in flight, which a
+        # lost connection would deliver twice)
+        wait_until(lambda: queue_depths(own_node, chain.prefix).get(chain.meditation) == 1, 5)
+        own_node.ctl("eval", f"application:set_env(rabbit, {limit}, 1000000).")
+        # new channels only: the gateway's publishing channels must be opened anew (well
+        # before the big message is due)
+        own_node.ctl("close_all_connections", "test: new channels take the lower limit")
+        wait_until(lambda: gateway.metric("delay_gateway_connections_total") == 2 and gateway.ready, 20)
+        connections = gateway.metric("delay_gateway_connections_total")
+        sent = publish([own_node.url], chain, mixed_delays(300, 4000, seed=12))
+        delivered = sink.wait_for([s.message_id for s in sent], timeout=30)
+        time.sleep(max(0.0, 10 - (time.monotonic() - started)))  # the big one is due at 9 s
+        whereabouts = where_are_they([own_node.url], chain)
+        listed = json.loads(gateway_cli("parked", "list", "--json", *chain_args(chain), url=own_node.url).stdout)
+        after = gateway.metric("delay_gateway_connections_total")
+    finally:
+        own_node.ctl("eval", f"application:set_env(rabbit, {limit}, 134217728).", check=False)
+        gateway.terminate()
+        sink.close()
+        sink.delete()
+    figures = fault_report(count("broker-refuses-one-message", sent, sink, 1, parked=listed["count"]))
+    assert delivered and figures.lost == 0 and figures.early == 0 and figures.duplicates == 0
+    assert "big" not in sink.arrivals, whereabouts
+    [big] = listed["messages"]
+    assert big["message_id"] == "big" and big["bytes"] == 2_000_000
+    assert "rejected by the gateway" in big["reason"], listed
+    assert after == connections, "the refusal made the gateway reconnect"
+
+
+def test_missing_permissions_are_one_line_and_a_bounded_number_of_attempts(own_node, node_chain):
+    user, password = f"gw{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    own_node.ctl("add_user", user, password)
+    own_node.ctl("set_permissions", "-p", "/", user, "^other\\.", "^other\\.", "^other\\.")
+    chain = node_chain(max_level=2, resolution_ms=100)
+    url = f"amqp://{user}:{password}@127.0.0.1:{own_node.amqp_port}/%2F"
+    try:
+        # declaring: the broker refuses (403 on a queue declare): one line, no traceback
+        r = gateway_cli("declare", *chain_args(chain), url=url)
+        assert r.returncode == 1 and "Traceback" not in r.stderr
+        assert "ACCESS_REFUSED" in r.stderr.splitlines()[-1] and "permission" in r.stderr.splitlines()[-1]
+        # running on a declared topology it may not read: gives up after a few attempts
+        start = time.monotonic()
+        r = gateway_cli("run", *chain_args(chain), "--no-declare", url=url)
+        assert r.returncode == 3 and time.monotonic() - start < 20
+        last = r.stderr.strip().splitlines()[-1]
+        assert last.startswith("delay-gateway run:") and "ACCESS_REFUSED" in last and "permission" in last
+        assert len(r.stderr.splitlines()) < 20, r.stderr
+    finally:
+        own_node.ctl("delete_user", user, check=False)
+
+
+def test_the_held_gauge_counts_what_is_held_after_connections_are_lost(own_node, node_chain):
+    chain = node_chain(max_level=2, resolution_ms=1000)
+    gateway = GatewayProcess(chain, url=own_node.url).wait_ready()
+    try:
+        for _ in range(3):
+            publish([own_node.url], chain, [1500] * 40)  # under two units: held by the distributor
+            wait_until(lambda: gateway.metric("delay_gateway_held_messages", queue=chain.names.distributor) > 0, 10)
+            own_node.ctl("close_all_connections", "test: lost connection")
+            wait_until(lambda: gateway.ready, 20)
+        unacked = lambda: sum(int(line.split("\t")[1]) for line in own_node.ctl(  # noqa: E731
+            "list_queues", "-q", "--no-table-headers", "name", "messages_unacknowledged").stdout.splitlines()
+            if line.startswith(chain.names.distributor + "\t"))
+        wait_until(lambda: gateway.metric("delay_gateway_held_messages", queue=chain.names.distributor) == unacked(),
+                   5)
+        wait_until(lambda: unacked() == 0, 15)  # all released in the end
+        assert gateway.metric("delay_gateway_held_messages", queue=chain.names.distributor) == 0
+    finally:
+        gateway.terminate()
