@@ -172,3 +172,13 @@ def remove(chain: ChainSettings, url: Optional[str] = None) -> None:
             delete(connection.channel(), build(chain))
     except pika.exceptions.AMQPError:
         pass
+
+
+# Figures a test measured, printed in pytest's terminal summary (tests/conftest.py), one
+# section each, whether or not -s is given.
+FIGURES: Dict[str, List[str]] = {}
+
+
+def report_figures(section: str, line: str) -> None:
+    FIGURES.setdefault(section, []).append(line)
+    print(line)
