@@ -118,7 +118,7 @@ class Upkeep:
             url = next(urls)
             try:
                 connection = pika.BlockingConnection(parameters(url, "delay-gateway upkeep", self.settings.tls))
-            except AMQPError as exc:
+            except Exception as exc:  # the worker reports bad settings itself
                 failures += 1
                 self.log.warning("upkeep_cannot_connect", broker=redact(url), error=repr(exc))
                 self.stop.wait(min(10.0, 0.5 * 2 ** min(failures, 5)))
