@@ -22,7 +22,7 @@ from . import codec, logs, parked, status, upkeep
 from .amqp import BrokerError, blocking_channel
 from .clock import wall_ms
 from .publish import Publisher, parse_headers
-from .settings import UsageError, add_options, chain_from, settings_from, tls_from, urls_from
+from .settings import UsageError, add_options, chain_from, integer, settings_from, tls_from, urls_from
 
 
 @dataclass(frozen=True)
@@ -128,6 +128,17 @@ def cmd_render(args) -> int:
 
 
 # -- messages -------------------------------------------------------------------------------
+def _argument(parse: Callable[[str], object]) -> Callable[[str], object]:
+    """A settings-table parser as an argparse type: its message, not argparse's own."""
+    def convert(text: str) -> object:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    convert.__name__ = parse.__name__
+    return convert
+
+
 def publish_arguments(p: argparse.ArgumentParser) -> None:
     when = p.add_mutually_exclusive_group()
     when.add_argument("--delay", type=int, metavar="MS", help="delay in ms (header x-delay)")
@@ -137,13 +148,17 @@ def publish_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--header", action="append", default=[], metavar="NAME=VALUE",
                    help="extra header (VALUE parsed as JSON when it can be)")
     p.add_argument("--message-id", help="default: a new UUID per message")
-    p.add_argument("--count", type=int, default=1, help="publish this many copies")
+    p.add_argument("--count", type=_argument(integer(1)), default=1, metavar="N",
+                   help="publish this many copies (default 1)")
 
 
 def cmd_publish(args) -> int:
-    body = sys.stdin.buffer.read() if args.body == "-" else args.body.encode()
     chain = chain_from(args)
-    headers = parse_headers(args.header)
+    try:
+        headers = parse_headers(args.header)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    body = sys.stdin.buffer.read() if args.body == "-" else args.body.encode()
     with blocking_channel(urls_from(args)[0], "delay-gateway publish", tls_from(args)) as channel:
         publisher = Publisher(channel, chain)
         for _ in range(args.count):
@@ -157,7 +172,7 @@ def cmd_publish(args) -> int:
 
 
 def explain_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("delay_ms", type=int, metavar="DELAY_MS")
+    p.add_argument("delay_ms", type=int, metavar="DELAY_MS", help="the delay to explain, in ms")
 
 
 def cmd_explain(args) -> int:
@@ -272,7 +287,17 @@ def cmd_parked(args) -> int:
 
 
 def demo_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--delays", default="3000,0,1500,4500,750,2250", help="comma-separated delays in ms")
+    p.add_argument("--delays", type=_argument(_delays), default="3000,0,1500,4500,750,2250",
+                   help="comma-separated delays in ms (default 3000,0,1500,4500,750,2250)")
+
+
+def _delays(text: str) -> str:
+    for part in text.split(","):
+        try:
+            int(part)
+        except ValueError:
+            raise ValueError(f"{part!r} in {text!r} is not a delay in ms (comma-separated integers)") from None
+    return text
 
 
 def cmd_demo(args) -> int:

@@ -146,7 +146,7 @@ OPTIONS: Tuple[Option, ...] = (
            "safety margin: a chain is retired after no gateway has used it for this long, and each of its "
            "queues this long after it must be empty", "retire", "retireAfterSeconds", metavar="SECONDS"),
     # log: every command
-    Option("log_level", "info", one_of(LOG_LEVELS), "", "log", "logLevel", choices=LOG_LEVELS),
+    Option("log_level", "info", one_of(LOG_LEVELS), "how much to log", "log", "logLevel", choices=LOG_LEVELS),
     Option("log_format", "auto", one_of(LOG_FORMATS), "auto: JSON unless stderr is a terminal", "log",
            "logFormat", choices=LOG_FORMATS),
 )
