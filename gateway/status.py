@@ -261,7 +261,7 @@ def text(r: Report) -> str:
     return "\n".join(lines) + "\n"
 
 
-def as_json(r: Report) -> str:
+def as_json(r: Report, indent: Optional[int] = 2) -> str:
     def chain(c: Chain) -> dict:
         d = asdict(c)
         d["key"] = asdict(c.key)
@@ -273,7 +273,7 @@ def as_json(r: Report) -> str:
            "chains": [chain(c) for c in r.chains], "queues": [asdict(row) for row in r.rows],
            "due_within": [asdict(w) for w in r.due_within], "held_source": r.held_source,
            "distributor_consumers": r.distributor_consumers, "problems": r.problems, "notes": r.notes}
-    return json.dumps(doc, indent=2) + "\n"
+    return json.dumps(doc, indent=indent) + "\n"
 
 
 def held_from_metrics(texts: Iterable[str], distributor: str) -> int:
@@ -339,7 +339,8 @@ def command(args, open_channel, own: ChainKey, clock) -> int:
         connection = channel.connection
         while True:
             r = one(connection, args, own, clock())
-            out = as_json(r) if args.json else text(r)
+            # --watch --json: one document per line, for a reader that follows the stream
+            out = as_json(r, None if args.watch else 2) if args.json else text(r)
             if args.watch and sys.stdout.isatty():
                 out = "\x1b[H\x1b[2J" + out  # home and clear: redraw in place
             sys.stdout.write(out)

@@ -195,6 +195,22 @@ def test_status_shows_messages_waiting_in_several_levels(make_chain, run_gateway
         ch.queue_delete(q)
 
 
+def test_status_watch_refreshes_until_interrupted(make_chain):
+    import signal
+    chain = make_chain(max_level=2, resolution_ms=100)
+    proc = subprocess.Popen([sys.executable, "-m", "gateway", "status", *chain_args(chain), "--watch", "--json",
+                             "--interval", "0.2"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "DELAY_GATEWAY_URL": broker_url()})
+    try:
+        docs = [json.loads(proc.stdout.readline()) for _ in range(3)]  # one JSON document per line
+    finally:
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(20)
+    assert code == 0, proc.stderr.read()
+    assert [d["prefix"] for d in docs] == [chain.prefix] * 3
+    assert docs[0]["at_ms"] < docs[1]["at_ms"] < docs[2]["at_ms"]
+
+
 def free_port() -> int:
     import socket
     with socket.socket() as s:
