@@ -41,7 +41,8 @@ TERRAFORM_RESOURCES = {
     ("rabbitmq_exchange", "exchange"): {
         "for_each": "${local.exchanges}", "name": "${each.key}", "vhost": "${var.vhost}",
         "settings": [{"type": "${each.value.type}", "durable": True, "auto_delete": False,
-                      "arguments": "${each.value.arguments}"}]},
+                      "arguments": "${each.value.arguments}"}],
+        "lifecycle": [{"prevent_destroy": True}]},
     ("rabbitmq_queue", "queue"): {
         "for_each": "${local.queues}", "name": "${each.key}", "vhost": "${var.vhost}",
         "settings": [{"durable": True, "auto_delete": False, "arguments_json": "${jsonencode(each.value.arguments)}"}],
@@ -51,7 +52,8 @@ TERRAFORM_RESOURCES = {
         "destination": "${each.value.destination}", "destination_type": "${each.value.destination_type}",
         "routing_key": "${each.value.routing_key}",
         "depends_on": ["${rabbitmq_exchange.exchange}", "${terraform_data.internal_exchange}",
-                       "${rabbitmq_queue.queue}"]},
+                       "${rabbitmq_queue.queue}"],
+        "lifecycle": [{"prevent_destroy": True}]},
 }
 
 

@@ -13,10 +13,11 @@ What the provider cannot say, and how the module says it anyway:
   setting, and an exchange declared without it clashes (406) with the gateway's declare.
   The module creates it with one call of RabbitMQ's HTTP API (curl, from a `terraform_data`
   provisioner) with the management URL and credentials given as variables.
-- Queues hold the delayed messages, so they carry `prevent_destroy`: a plan that would
-  delete one (a changed chain setting renames the chain's queues) stops instead. The README
-  (Changing the chain) says how to hand the old chain to the gateway, which removes it once
-  it is empty.
+- Every resource carries `prevent_destroy`: queues hold the delayed messages, and an old
+  chain's exchanges and bindings carry them down its levels until it is empty. A plan that
+  would delete one (a changed chain setting renames the chain) stops instead; the README
+  (Changing the chain) says how to hand the old chain to the gateway, which removes it
+  once it is empty.
 """
 
 import json
@@ -70,7 +71,7 @@ def render(topology: Topology, options: object = None) -> str:
     out: List[str] = [
         f"# The delay gateway's topology for prefix {s.prefix!r}: chain {s.generation}, {s.max_level} levels.",
         "# Rendered by `delay-gateway render --format terraform`: the objects `delay-gateway declare` creates,",
-        "# for the cyrilgdn/rabbitmq provider. Queues have prevent_destroy (they hold the delayed messages):",
+        "# for the cyrilgdn/rabbitmq provider. Everything has prevent_destroy (the queues hold delayed messages):",
         "# after changing a chain setting, see the README's 'Changing the chain' before applying.",
         "",
         "terraform {",
@@ -133,6 +134,9 @@ def render(topology: Topology, options: object = None) -> str:
         "    auto_delete = false",
         "    arguments   = each.value.arguments",
         "  }",
+        "  lifecycle {",
+        "    prevent_destroy = true",
+        "  }",
         "}",
         "",
         'resource "terraform_data" "internal_exchange" {',
@@ -174,6 +178,9 @@ def render(topology: Topology, options: object = None) -> str:
         "  destination_type = each.value.destination_type",
         "  routing_key      = each.value.routing_key",
         "  depends_on       = [rabbitmq_exchange.exchange, terraform_data.internal_exchange, rabbitmq_queue.queue]",
+        "  lifecycle {",
+        "    prevent_destroy = true",
+        "  }",
         "}",
     ]
     return "\n".join(out) + "\n"
