@@ -19,7 +19,7 @@ import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
-from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Iterable, List, Optional, Sequence, Set, Tuple
 
 from topology.inventory import Look, Prober, look_at_generation, read_registry
 from topology.names import Names

@@ -20,7 +20,7 @@ the same retirement once, for deployments that turn it off.
 import itertools
 import threading
 import time
-from typing import Callable, Dict, Iterable, List, Optional, Set
+from typing import Callable, List, Optional, Set
 
 import pika
 import structlog
