@@ -12,14 +12,17 @@ import structlog
 
 from topology import Enter, Meditate, build, plan
 from topology.declare import TopologyConflict, declare, delete
-from topology.render import FORMATS, render
+from topology.inventory import read_registry
+from topology.registry import ChainKey, fold
+from topology.render import DESCRIPTIONS, FORMATS, render
+from topology.retirement import DeleteExchange, DeleteQueue, MarkRetired, SealQueues, Unused
 from topology.routing import trace
 
-from . import codec, logs, parked
+from . import codec, logs, parked, status, upkeep
 from .amqp import BrokerError, blocking_channel
 from .clock import wall_ms
 from .publish import Publisher, parse_headers
-from .settings import UsageError, add_options, chain_from, settings_from, tls_from, urls_from
+from .settings import UsageError, add_options, chain_from, integer, settings_from, tls_from, urls_from
 
 
 @dataclass(frozen=True)
@@ -82,11 +85,16 @@ def cmd_run(args) -> int:
 
 # -- topology -------------------------------------------------------------------------------
 def cmd_declare(args) -> int:
-    topology = build(chain_from(args))
+    chain = chain_from(args)
+    topology = build(chain)
     with blocking_channel(urls_from(args)[0], tls=tls_from(args)) as channel:
         declare(channel, topology)
+        records = read_registry(channel.connection, chain.names)
+        upkeep.record_chain(channel.connection, chain.prefix, ChainKey.of(chain),
+                            None if records is None else fold(records))
     print(f"declared {len(topology.exchanges)} exchanges, {len(topology.queues)} queues, "
-          f"{len(topology.bindings)} bindings with prefix {topology.settings.prefix!r}")
+          f"{len(topology.bindings)} bindings with prefix {topology.settings.prefix!r} "
+          f"(chain {chain.generation}, {chain.max_level} levels)")
     return 0
 
 
@@ -97,16 +105,23 @@ def delete_arguments(p: argparse.ArgumentParser) -> None:
 def cmd_delete(args) -> int:
     if not args.yes:
         raise UsageError("delete removes every queue of the topology and the messages in them; add --yes")
+    chain = chain_from(args)
     with blocking_channel(urls_from(args)[0], tls=tls_from(args)) as channel:
-        delete(channel, build(chain_from(args)))
-    print(f"deleted the topology with prefix {args.prefix!r}")
+        # Every chain the registry knows of under the prefix, then the fixed objects and
+        # the registry itself (with the chain of the given settings).
+        records = read_registry(channel.connection, chain.names) or []
+        others = {r.chain for r in records if r.chain is not None} - {ChainKey.of(chain)}
+        for key in sorted(others):
+            delete(channel, build(key.settings(chain.prefix)))
+        delete(channel, build(chain))
+    print(f"deleted the topology with prefix {args.prefix!r} ({len(others) + 1} chain(s))")
     return 0
 
 
 def render_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--format", choices=sorted(FORMATS), default="definitions",
-                   help="definitions: JSON for rabbitmqctl import_definitions or the management UI")
-    p.add_argument("--vhost", default="/", help="the virtual host the objects belong to")
+    described = "; ".join(f"{name}: {DESCRIPTIONS.get(name, name)}" for name in sorted(FORMATS))
+    p.add_argument("--format", choices=sorted(FORMATS), default="definitions", help=described)
+    p.add_argument("--vhost", default="/", help="the virtual host the objects belong to (default /)")
 
 
 def cmd_render(args) -> int:
@@ -115,6 +130,17 @@ def cmd_render(args) -> int:
 
 
 # -- messages -------------------------------------------------------------------------------
+def _argument(parse: Callable[[str], object]) -> Callable[[str], object]:
+    """A settings-table parser as an argparse type: its message, not argparse's own."""
+    def convert(text: str) -> object:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    convert.__name__ = parse.__name__
+    return convert
+
+
 def publish_arguments(p: argparse.ArgumentParser) -> None:
     when = p.add_mutually_exclusive_group()
     when.add_argument("--delay", type=int, metavar="MS", help="delay in ms (header x-delay)")
@@ -124,13 +150,17 @@ def publish_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--header", action="append", default=[], metavar="NAME=VALUE",
                    help="extra header (VALUE parsed as JSON when it can be)")
     p.add_argument("--message-id", help="default: a new UUID per message")
-    p.add_argument("--count", type=int, default=1, help="publish this many copies")
+    p.add_argument("--count", type=_argument(integer(1)), default=1, metavar="N",
+                   help="publish this many copies (default 1)")
 
 
 def cmd_publish(args) -> int:
-    body = sys.stdin.buffer.read() if args.body == "-" else args.body.encode()
     chain = chain_from(args)
-    headers = parse_headers(args.header)
+    try:
+        headers = parse_headers(args.header)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    body = sys.stdin.buffer.read() if args.body == "-" else args.body.encode()
     with blocking_channel(urls_from(args)[0], "delay-gateway publish", tls_from(args)) as channel:
         publisher = Publisher(channel, chain)
         for _ in range(args.count):
@@ -144,7 +174,7 @@ def cmd_publish(args) -> int:
 
 
 def explain_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("delay_ms", type=int, metavar="DELAY_MS")
+    p.add_argument("delay_ms", type=int, metavar="DELAY_MS", help="the delay to explain, in ms")
 
 
 def cmd_explain(args) -> int:
@@ -169,13 +199,107 @@ def cmd_explain(args) -> int:
     return 0
 
 
+def status_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--watch", action="store_true", help="refresh every --interval seconds, in place, until Ctrl-C")
+    p.add_argument("--interval", type=_positive_seconds, default=2.0, metavar="SECONDS",
+                   help="with --watch: seconds between refreshes (default 2)")
+    p.add_argument("--json", action="store_true", help="print JSON (one document per refresh)")
+    p.add_argument("--metrics-url", metavar="URL[,URL...]",
+                   help="the gateways' metrics endpoints (http://host:port), to count the messages the "
+                        "distributor holds: AMQP cannot see them")
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} must be above 0")
+    return value
+
+
+def cmd_status(args) -> int:
+    chain = chain_from(args)
+    try:
+        return status.command(args, lambda: blocking_channel(urls_from(args)[0], "delay-gateway status",
+                                                             tls_from(args)), ChainKey.of(chain), wall_ms)
+    except KeyboardInterrupt:
+        return 0
+
+
+def migrate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--wait", action="store_true",
+                   help="keep going until every other chain is retired (queues are deleted as their time comes)")
+    p.add_argument("--dry-run", action="store_true", help="say what would be done, change nothing")
+
+
+def cmd_migrate(args) -> int:
+    chain = chain_from(args)
+    own = ChainKey.of(chain)
+    margin_ms = int(args.retire_after * 1000)
+    unused = Unused()
+
+    def report(event: str, **fields) -> None:
+        print(json.dumps({"event": event, **fields}, default=str), flush=True)
+
+    with blocking_channel(urls_from(args)[0], "delay-gateway migrate", tls_from(args)) as channel:
+        connection = channel.connection
+        while True:
+            records = read_registry(connection, chain.names)
+            if records is None:
+                raise UsageError(f"no chain registry {chain.names.registry!r} under prefix {chain.prefix!r}: "
+                                 "run `delay-gateway declare` with this version first")
+            if args.dry_run:
+                sequences = upkeep.plan_once(connection, chain.prefix, own, unused, 0, margin_ms, wall_ms,
+                                             fold(records), report)
+                for step in (step for steps in sequences for step in steps):
+                    report("would_" + _step_event(step), **_step_fields(step))
+                return 0
+            upkeep.retire_once(connection, chain.prefix, own, unused, 0, margin_ms, report,
+                               registry=fold(records))
+            r = status.one(connection, args, own, wall_ms())
+            others = [c for c in r.chains if not c.yours]
+            for c in others:
+                report("chain_remaining", chain=c.key.describe(), gateways=c.gateways,
+                       empty_by=None if c.empty_by_ms is None else status.clock_text(c.empty_by_ms))
+            if not args.wait or not others:
+                if not others:
+                    report("migrated", chain=own.describe())
+                return 0
+            connection.sleep(upkeep.tick_s(args.retire_after))
+
+
+def _step_event(step) -> str:
+    return {SealQueues: "seal", DeleteExchange: "delete_exchange", DeleteQueue: "delete_queue",
+            MarkRetired: "mark_retired"}[type(step)]
+
+
+def _step_fields(step) -> dict:
+    if isinstance(step, SealQueues):
+        return {"queues": dict(step.empty_by)}
+    if isinstance(step, MarkRetired):
+        return {"chain": step.chain.describe()}
+    return {"name": step.name}
+
+
 def cmd_parked(args) -> int:
     return parked.command(args, lambda: blocking_channel(urls_from(args)[0], "delay-gateway parked",
                                                          tls_from(args)), chain_from(args))
 
 
 def demo_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--delays", default="3000,0,1500,4500,750,2250", help="comma-separated delays in ms")
+    p.add_argument("--delays", type=_argument(_delays), default="3000,0,1500,4500,750,2250",
+                   help="comma-separated delays in ms (default 3000,0,1500,4500,750,2250)")
+
+
+def _delays(text: str) -> str:
+    for part in text.split(","):
+        try:
+            int(part)
+        except ValueError:
+            raise ValueError(f"{part!r} in {text!r} is not a delay in ms (comma-separated integers)") from None
+    return text
 
 
 def cmd_demo(args) -> int:
@@ -196,12 +320,17 @@ def bench_arguments(p: argparse.ArgumentParser) -> None:
 BROKER = ("broker", "log")
 COMMANDS = {
     "run": Command("run the consumers (check-in, distributor, or both) until SIGTERM",
-                   BROKER + ("chain", "run", "lead"), cmd_run),
+                   BROKER + ("chain", "run", "lead", "retire"), cmd_run),
     "declare": Command("declare the topology (idempotent)", BROKER + ("chain",), cmd_declare),
     "delete": Command("delete the topology and every message it holds", BROKER + ("chain",), cmd_delete,
                       delete_arguments),
-    "render": Command("print the topology as code (--format: definitions for rabbitmqctl import_definitions)", ("chain", "log"), cmd_render,
-                      render_arguments),
+    "render": Command("print the topology as code (a definitions document, a Terraform module) for your "
+                      "infrastructure's own tools", ("chain", "log"), cmd_render, render_arguments),
+    "status": Command("show how many messages wait where, and when they fall due (plain AMQP, any number "
+                      "of messages)", BROKER + ("chain", "lead"), cmd_status, status_arguments),
+    "migrate": Command("retire chains of other settings that no gateway uses, once they are empty "
+                       "(`run` does this by itself unless --no-retire)", BROKER + ("chain", "retire"),
+                       cmd_migrate, migrate_arguments),
     "publish": Command("publish delayed messages to check-in, with confirms", BROKER + ("chain",), cmd_publish,
                        publish_arguments),
     "explain": Command("show the route a delay takes through the chain", ("chain", "lead", "log"), cmd_explain,

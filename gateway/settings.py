@@ -139,14 +139,20 @@ OPTIONS: Tuple[Option, ...] = (
            metavar="PORT"),
     Option("connect_timeout", 300.0, number(0), "seconds without a broker before giving up (exit 1)", "run",
            metavar="SECONDS"),
+    Option("retire", True, boolean, "remove chains of other settings once no gateway uses them and they are "
+           "empty (README: Changing the chain)", "run", "retire"),
+    # retire: old chains
+    Option("retire_after", 600.0, number(0),
+           "safety margin: a chain is retired after no gateway has used it for this long, and each of its "
+           "queues this long after it must be empty", "retire", "retireAfterSeconds", metavar="SECONDS"),
     # log: every command
-    Option("log_level", "info", one_of(LOG_LEVELS), "", "log", "logLevel", choices=LOG_LEVELS),
+    Option("log_level", "info", one_of(LOG_LEVELS), "how much to log", "log", "logLevel", choices=LOG_LEVELS),
     Option("log_format", "auto", one_of(LOG_FORMATS), "auto: JSON unless stderr is a terminal", "log",
            "logFormat", choices=LOG_FORMATS),
 )
 BY_NAME: Dict[str, Option] = {o.name: o for o in OPTIONS}
 GROUP_TITLES = {"broker": "broker", "chain": "topology (the same for every gateway and for declare)",
-                "run": "consumers", "lead": "timing", "log": "logging"}
+                "run": "consumers", "lead": "timing", "retire": "retiring old chains", "log": "logging"}
 
 
 class UsageError(ValueError):
@@ -161,6 +167,7 @@ def add_options(parser: argparse.ArgumentParser, groups: Iterable[str], environ:
             if o.group != group:
                 continue
             raw = environ.get(o.env)
+            # argparse formats help with %: the default URL's %2F would break every --help.
             help = f"{o.help} [{o.env}; default {_shown(o.default)}]".lstrip().replace("%", "%%")
             if o.parse is boolean:
                 # --declare / --no-declare; the environment is checked here, the flag cannot be bad
@@ -233,6 +240,8 @@ class Settings:
     declare: bool = True
     metrics_port: int = 0
     connect_timeout: float = 300.0
+    retire: bool = True
+    retire_after: float = 600.0
     log_level: str = "info"
     log_format: str = "auto"
 

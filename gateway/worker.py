@@ -196,6 +196,8 @@ def main(settings: Settings) -> int:
     structlog.get_logger("gateway").info(
         "starting", role=settings.role, brokers=[redact(u) for u in settings.urls], prefix=c.prefix,
         max_level=c.max_level, resolution_ms=c.resolution_ms, queue_type=c.queue_type, zero_bits=c.zero_bits)
+    from . import upkeep
+    upkeep.start(settings, stop)  # counted as a user of the chain; retires unused chains
     return run(settings, stop, metrics, health)
 
 

@@ -48,3 +48,11 @@ def _pika_encodes_floats():
     """Test publishers send double headers as other clients do (the gateway installs this in main)."""
     from gateway import codec
     codec.install()
+
+
+def pytest_terminal_summary(terminalreporter):
+    from .support import FIGURES
+    for section, lines in FIGURES.items():
+        terminalreporter.section(section)
+        for line in lines:
+            terminalreporter.write_line(line)

@@ -61,13 +61,14 @@ class GatewayProcess:
         self.chain = chain
         self.lines: List[dict] = []
         self.raw: List[str] = []
-        self.port = free_port()
+        given = [extra[i + 1] for i, a in enumerate(extra[:-1]) if a == "--metrics-port"]
+        self.port = int(given[-1]) if given else free_port()
         full_env = dict(os.environ, **(env or {}))
         full_env["DELAY_GATEWAY_URL"] = url or broker_url()
         full_env.setdefault("PYTHONUNBUFFERED", "1")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gateway", "run", *chain_args(chain), "--log-format", "json",
-             "--metrics-port", str(self.port), *extra],
+             *([] if given else ["--metrics-port", str(self.port)]), *extra],
             cwd=ROOT, env=full_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -207,3 +208,13 @@ def remove(chain: ChainSettings, url: Optional[str] = None) -> None:
             delete(connection.channel(), build(chain))
     except pika.exceptions.AMQPError:
         pass
+
+
+# Figures a test measured, printed in pytest's terminal summary (tests/conftest.py), one
+# section each, whether or not -s is given.
+FIGURES: Dict[str, List[str]] = {}
+
+
+def report_figures(section: str, line: str) -> None:
+    FIGURES.setdefault(section, []).append(line)
+    print(line)

@@ -137,8 +137,9 @@ def test_a_due_message_nobody_is_bound_for_is_parked(chain, run_gateway):
     assert chain.names.pick_up in properties.headers["x-gateway-error"]
     # parked the same way as an unreadable header: one log line and the counter beside it
     [logged] = [e for e in gateway.events("parked") if e.get("routing_key") == "unbound.key"]
-    assert logged["queue"] == chain.names.distributor and "no queue bound" in logged["reason"]
-    assert gateway.metric("delay_gateway_parked_total", queue=chain.names.distributor) == 1
+    distributor = chain.names.exit_distributor(chain.queue_type)
+    assert logged["queue"] == distributor and "no queue bound" in logged["reason"]
+    assert gateway.metric("delay_gateway_parked_total", queue=distributor) == 1
 
 
 def wait_parked(chain, count, timeout=10.0):

@@ -39,10 +39,10 @@ def test_classic_chains_carry_no_quorum_arguments_and_have_classic_exits():
     t = build(ChainSettings(prefix="d", max_level=2, queue_type="classic"))
     exits = {"d.distributor.classic", "d.returning.classic"}
     for q in t.queues:
-        if t.in_chain(q.name) or q.name in exits:
+        if (t.in_chain(q.name) or q.name in exits) and q.role != "presence":
             assert q.arguments["x-queue-type"] == "classic"
             assert not {"x-dead-letter-strategy", "x-overflow", "x-delivery-limit"} & set(q.arguments)
-        else:
+        elif q.role != "registry":
             assert q.arguments["x-queue-type"] == "quorum"
     # a classic queue dead-letters at most once: never into a quorum queue, which is not up
     # yet while the broker starts
@@ -74,8 +74,9 @@ def test_a_chain_with_other_settings_has_other_names_and_max_level_only_adds_lev
     a, b = build(ChainSettings(prefix="d", max_level=3)), build(ChainSettings(prefix="d", max_level=5))
     c = build(ChainSettings(prefix="d", max_level=3, resolution_ms=100))
     fixed = {q.name for q in a.queues if not a.in_chain(q.name)}
-    assert fixed == {"d.check-in", "d.returning", "d.distributor", "d.parking", "d.parked"}
-    assert {q.name for q in a.queues} - {q.name for q in b.queues} == {"d.1000ms-quorum-queue.meditation.03"}
+    assert fixed == {"d.check-in", "d.returning", "d.distributor", "d.parking", "d.parked", "d.chains"}
+    assert {q.name for q in a.queues} - {q.name for q in b.queues} == {
+        "d.1000ms-quorum-queue.meditation.03", "d.1000ms-quorum-queue.gateways.03"}
     levels = {q.name: dict(q.arguments) for q in b.queues}
     assert all(levels[q.name] == dict(q.arguments) for q in a.queues if ".level." in q.name)  # the same levels
     assert not {q.name for q in c.queues if c.in_chain(q.name)} & {q.name for q in a.queues}
@@ -95,9 +96,9 @@ def test_bad_settings_say_what_is_wrong(bad, message):
 def test_definitions_list_every_object():
     t = build(ChainSettings(prefix="d", max_level=5))
     doc = json.loads(render(t, vhost="v"))
-    assert len(doc["exchanges"]) == len(t.exchanges) == 7 + 5
-    assert len(doc["queues"]) == len(t.queues) == 6 + 2 * 5
-    assert len(doc["bindings"]) == len(t.bindings) == 6 + 2 * 5
+    assert len(doc["exchanges"]) == len(t.exchanges) == 8 + 5  # with the registry's
+    assert len(doc["queues"]) == len(t.queues) == 8 + 2 * 5  # with the registry and gateways queues
+    assert len(doc["bindings"]) == len(t.bindings) == 7 + 2 * 5
     assert [e["internal"] for e in doc["exchanges"]].count(True) == 1
     assert {o["vhost"] for kind in doc.values() for o in kind} == {"v"}
 

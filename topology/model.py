@@ -22,7 +22,16 @@ PASS_THROUGH_TTL_MS = 1
 AT_LEAST_ONCE = {"x-dead-letter-strategy": "at-least-once", "x-overflow": "reject-publish"}
 
 # What each queue is for: `status` and `migrate` read these, not the names.
-ROLES = ("check-in", "returning", "distributor", "parking", "parked", "meditation", "delay", "pass")
+ROLES = ("check-in", "returning", "distributor", "parking", "parked", "meditation", "delay", "pass",
+         "registry", "presence")
+# The record of declared chains is a stream: any number of readers can read it from the
+# start at the same time without taking anything away (a queue read with basic.get hides
+# what one reader holds from the others, and on 4.x counts each look against the delivery
+# limit). It holds a few records per change of settings, so it needs no retention limit.
+REGISTRY_ARGUMENTS = {"x-queue-type": "stream"}
+# The presence queue never holds messages; quorum, so that it stays available (and its
+# consumers counted) while a node of a cluster is down.
+PRESENCE_ARGUMENTS = {"x-queue-type": "quorum"}
 
 
 def _frozen(mapping: Optional[Mapping]) -> Mapping:
@@ -47,7 +56,7 @@ class Queue:
     name: str
     arguments: Mapping = field(default_factory=dict)
     role: str = "delay"
-    level: Optional[int] = None  # delay and pass queues: their level; meditation: the chain's max_level
+    level: Optional[int] = None  # delay and pass queues: their level; meditation, presence: the chain's max_level
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -150,6 +159,9 @@ def build(settings: ChainSettings) -> Topology:
         Exchange(n.distributor, "fanout"),
         Exchange(n.parking, "fanout"),
         Exchange(n.parked, "fanout"),
+        # Records reach the registry through an exchange of the prefix, so the least
+        # privilege (README) holds: nothing is published to the default exchange.
+        Exchange(n.registry, "fanout"),
         Exchange(settings.meditation, "fanout"),
     ] + [Exchange(n.level(k), "topic", catch) for k in range(settings.max_level)]
 
@@ -159,6 +171,8 @@ def build(settings: ChainSettings) -> Topology:
         consumed(n.distributor, "distributor", n.parking),
         consumed(n.parking, "parking", n.parked),
         Queue(n.parked, {"x-queue-type": "quorum", "x-delivery-limit": PARKED_DELIVERY_LIMIT}, "parked"),
+        Queue(n.registry, REGISTRY_ARGUMENTS, "registry"),
+        Queue(n.gateways(settings.max_level), PRESENCE_ARGUMENTS, "presence", settings.max_level),
         waiting(settings.meditation, "meditation", settings.meditation_ms, n.exit_returning(settings.queue_type),
                 settings.max_level),
     ]
@@ -168,6 +182,7 @@ def build(settings: ChainSettings) -> Topology:
         Binding(n.distributor, n.distributor),
         Binding(n.parking, n.parking),
         Binding(n.parked, n.parked),
+        Binding(n.registry, n.registry),
         Binding(settings.meditation, settings.meditation),
     ]
     if settings.queue_type != "quorum":  # the chain's own exits (names.exit_distributor)

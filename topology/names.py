@@ -11,6 +11,11 @@ Two kinds of object share the prefix:
   is not in the tag: level k is the same queue whatever the number of levels above it, so
   raising or lowering it only adds or retires levels and the meditation queue, which is
   named by the level count it serves.
+
+Two more objects make changing the chain on a live broker safe (topology/registry.py):
+`<prefix>.chains`, a stream recording which generations were declared (AMQP cannot list
+queues), and per chain and level count a `gateways.NN` queue that every gateway using those
+settings consumes, so its consumer count says whether any gateway still publishes into them.
 """
 
 from dataclasses import dataclass
@@ -79,6 +84,11 @@ class Names:
     def exit_returning(self, queue_type: str) -> str:
         return self.returning if queue_type == "quorum" else f"{self.returning}.{queue_type}"
 
+    @property
+    def registry(self) -> str:
+        """The stream that records each chain declared under this prefix."""
+        return self._("chains")
+
     # -- the chain of one generation ----------------------------------------------------
     @property
     def chain(self) -> str:
@@ -87,6 +97,11 @@ class Names:
 
     def meditation(self, max_level: int) -> str:
         return f"{self.chain}.meditation.{max_level:02d}"
+
+    def gateways(self, max_level: int) -> str:
+        """Consumed (never published to) by every gateway running with this chain and level
+        count: its consumer count is how many such gateways are connected."""
+        return f"{self.chain}.gateways.{max_level:02d}"
 
     def level(self, k: int) -> str:
         return f"{self.chain}.level.{k:02d}"

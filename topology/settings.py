@@ -30,6 +30,9 @@ class ChainSettings:
             raise ValueError(f"queue_type must be one of {', '.join(QUEUE_TYPES)}, got {self.queue_type!r}")
         if self.zero_bits not in ZERO_BITS:
             raise ValueError(f"zero_bits must be one of {', '.join(ZERO_BITS)}, got {self.zero_bits!r}")
+        if self.resolution_ms > MAX_TTL_MS:
+            raise ValueError(f"resolution_ms {self.resolution_ms} is longer than RabbitMQ's longest queue TTL, "
+                             f"{MAX_TTL_MS} ms (10 years): use resolution_ms <= {MAX_TTL_MS}")
         if self.meditation_ms > MAX_TTL_MS:
             longest = max_level_for(self.resolution_ms)
             raise ValueError(

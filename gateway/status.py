@@ -1,0 +1,350 @@
+"""`delay-gateway status`: what waits where, and when it falls due.
+
+The core (`report`, `text`, `as_json`) is pure: queue counts and settings in, a table out.
+It never reads a message: a message's place in the chain bounds its due time, so counts
+alone answer "when", at any number of messages. A message in level k's delay queue waits
+at most 2^k units there and at most 2^k - 1 more in the levels below, then at most one unit
+plus the lead in the distributor: it is due within 2^(k+1) units plus the lead. One in a
+pass-through queue is due within 2^k units plus the lead; one in meditation needed more
+than the chain's maximum when it entered, and is due at least one unit from now.
+
+What AMQP cannot show is said so: the distributor's held messages (delivered to it and not
+yet acknowledged) are not in any count a passive declare returns; `--metrics-url` reads
+them from the gateways' /metrics.
+"""
+
+import json
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from typing import Iterable, List, Optional, Sequence, Set, Tuple
+
+from topology.inventory import Look, Prober, look_at_generation, read_registry
+from topology.names import Names
+from topology.registry import ChainKey, Registry, chain_queues, fold, level_queues
+from topology.retirement import Observed
+from topology.settings import MAX_LEVELS
+
+HORIZONS: Tuple[Tuple[str, int], ...] = (
+    ("1 second", 1000), ("1 minute", 60_000), ("1 hour", 3_600_000), ("1 day", 86_400_000))
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str  # the queue's full name
+    label: str  # what the table shows
+    role: str
+    messages: Optional[int]  # None: unknown (held without metrics) or the queue is missing
+    exists: bool
+    due_min_ms: Optional[int]  # from now; None with due_max_ms None: not scheduled (parking, parked)
+    due_max_ms: Optional[int]  # None: no upper bound
+    chain: Optional[str] = None  # the chain's generation
+    level: Optional[int] = None
+    note: str = ""
+
+    @property
+    def scheduled(self) -> bool:
+        return self.due_min_ms is not None
+
+
+@dataclass(frozen=True)
+class Chain:
+    key: ChainKey
+    yours: bool  # the settings `status` was given
+    declared: bool  # its gateways or meditation queue exist
+    gateways: Optional[int]  # gateways connected with these settings (None: unknown)
+    empty_by_ms: Optional[int]  # retiring: when its last sealed queue is empty
+
+
+@dataclass(frozen=True)
+class Window:
+    within: str
+    within_ms: Optional[int]  # None: later than the last horizon
+    at_least: int
+    at_most: int
+
+
+@dataclass
+class Report:
+    prefix: str
+    at_ms: int
+    lead_ms: int
+    rows: List[Row]
+    chains: List[Chain]
+    due_within: List[Window]
+    held_source: str  # "metrics" or why it is not known
+    distributor_consumers: Optional[int]
+    problems: List[str] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def missing(self) -> bool:
+        """The gateway's fixed objects are not declared under this prefix."""
+        return any(not r.exists for r in self.rows if r.role in ("check-in", "distributor"))
+
+    @property
+    def total(self) -> int:
+        return sum(r.messages or 0 for r in self.rows if r.exists)
+
+
+# -- the pure core ---------------------------------------------------------------------------
+def report(prefix: str, own: ChainKey, lead_ms: int, registry: Optional[Registry], chains: Iterable[ChainKey],
+           observed: Observed, held: Optional[int], held_source: str, now_ms: int) -> Report:
+    """The status table from what passive declares found (`observed`) for every chain in
+    `chains`, the registry (None: there is none), and the distributor's held messages if
+    the gateways' metrics told them."""
+    fixed = Names(prefix)
+    chains = sorted(set(chains) | {own})
+    problems: List[str] = []
+    notes: List[str] = []
+
+    def count(name: str) -> Tuple[bool, Optional[int]]:
+        c = observed.queues.get(name)
+        return c is not None, (c.messages if c is not None else None)
+
+    rows: List[Row] = []
+
+    def add(name: str, label: str, role: str, lo: Optional[int], hi: Optional[int], note: str = "",
+            chain: Optional[str] = None, level: Optional[int] = None) -> None:
+        exists, messages = count(name)
+        rows.append(Row(name, label, role, messages, exists, lo, hi, chain, level, note))
+
+    add(fixed.check_in, "check-in", "check-in", 0, None, "any time: not read yet")
+    add(fixed.returning, "returning", "returning", 0, None, "any time: back from meditation, planned again next")
+
+    chain_rows: List[Chain] = []
+    resolutions = []
+    for gen in sorted({k.generation for k in chains}):
+        keys = [k for k in chains if k.generation == gen]
+        names = Names(prefix, gen)
+        unit = keys[0].resolution_ms
+        present = [k for k in keys if observed.queues.get(names.meditation(k.max_level)) is not None
+                   or observed.queues.get(names.gateways(k.max_level)) is not None]
+        for k in keys:
+            declared = k in present
+            seals = [e for e in (registry.seal(q, [k]) for q in chain_queues(k, names)) if e is not None] \
+                if registry else []
+            chain_rows.append(Chain(k, k == own, declared, observed.gateways(names, k.max_level) if declared else 0,
+                                    max(seals) if seals else None))
+        if not present and own.generation != gen:
+            continue
+        resolutions.append(unit)
+        for k in sorted(keys, key=lambda k: -k.max_level):
+            if k in present or k == own:
+                chain_max = k.settings(prefix).meditation_ms
+                add(names.meditation(k.max_level), f"{gen} meditation.{k.max_level:02d}", "meditation", unit, None,
+                    f"at least 1 unit from now (entered with more than the chain's {human_ms(chain_max)})",
+                    gen, k.max_level)
+        seen = [k + 1 for k in range(MAX_LEVELS) if observed.level_seen(names, keys[0], k)]
+        top = max(seen + [own.max_level if own.generation == gen else 0])
+        for level in range(top - 1, -1, -1):
+            delay, *passing = level_queues(keys[0], names, level)
+            add(delay, f"{gen} level {level:02d} delay", "delay", 0, (2 << level) * unit + lead_ms,
+                chain=gen, level=level)
+            for q in passing:
+                add(q, f"{gen} level {level:02d} pass", "pass", 0, (1 << level) * unit + lead_ms,
+                    chain=gen, level=level)
+
+    hold = max(resolutions or [own.resolution_ms]) + lead_ms
+    add(fixed.distributor, "distributor ready", "distributor", 0, hold)
+    d = observed.queues.get(fixed.distributor)
+    consumers = d.consumers if d is not None else None
+    if held is None and consumers == 0:
+        held, held_source = 0, "no consumer"  # nobody can hold a message
+    rows.append(Row(fixed.distributor, "distributor held", "held", held, d is not None, 0, hold,
+                    note="" if held is not None else f"not visible over AMQP: {held_source}"))
+    add(fixed.parking, "parking", "parking", None, None, "being parked")
+    add(fixed.parked, "parked", "parked", None, None, "until replayed (delay-gateway parked list)")
+
+    # -- what is wrong, or worth knowing -------------------------------------------------
+    if any(not r.exists for r in rows if r.role in ("check-in", "distributor")):
+        problems.append(f"the topology is not declared under prefix {prefix!r} (no queue {fixed.check_in!r}): "
+                        "run `delay-gateway declare` with your settings, or check --prefix and --url")
+    else:
+        if registry is None:
+            problems.append(f"no chain registry {fixed.registry!r} (declared by an older version): only the chain of "
+                            "your settings is shown, and old chains are not retired; `delay-gateway declare` "
+                            "creates it")
+        mine = next(c for c in chain_rows if c.yours)
+        others = [c for c in chain_rows if not c.yours and c.declared]
+        if not mine.declared:
+            used = ", ".join(f"{c.key.describe()} ({_gateways(c.gateways)})" for c in others) or "none"
+            problems.append(f"your settings ({own.describe()}) are not declared here; chains declared: {used}. "
+                            "Give status the gateways' --max-level, --resolution-ms, --queue-type and --zero-bits")
+        if others:
+            notes.append(f"{len(others) + (1 if mine.declared else 0)} chains exist: messages in older ones keep "
+                         "their due times and the older chains are removed once empty (README: Changing the chain)")
+        if held is None and consumers:
+            notes.append(f"the distributor's {consumers} consumer(s) may each hold up to their prefetch "
+                         "(--distributor-prefetch) messages; --metrics-url shows how many")
+
+    return Report(prefix, now_ms, lead_ms, rows, [c for c in chain_rows if c.declared or c.yours],
+                  due_within(rows), "metrics" if held is not None else held_source, consumers, problems, notes)
+
+
+def due_within(rows: Sequence[Row]) -> List[Window]:
+    """Cumulative: how many messages are certainly (at least) and possibly (at most) due
+    within each horizon; 'later': beyond the last one."""
+    counted = [r for r in rows if r.scheduled and r.exists and r.messages]
+    out = []
+    for label, ms in HORIZONS:
+        at_least = sum(r.messages for r in counted if r.due_max_ms is not None and r.due_max_ms <= ms)
+        at_most = sum(r.messages for r in counted if r.due_min_ms < ms)
+        out.append(Window(label, ms, at_least, at_most))
+    last = HORIZONS[-1][1]
+    out.append(Window("later", None, sum(r.messages for r in counted if r.due_min_ms >= last),
+                      sum(r.messages for r in counted if r.due_max_ms is None or r.due_max_ms > last)))
+    return out
+
+
+def _gateways(n: Optional[int]) -> str:
+    return "gateways: unknown" if n is None else f"{n} gateway{'s' if n != 1 else ''}"
+
+
+def human_ms(ms: int) -> str:
+    for unit, size in (("d", 86_400_000), ("h", 3_600_000), ("min", 60_000), ("s", 1000)):
+        if ms >= size:
+            value = ms / size
+            return f"{value:.3g} {unit}"
+    return f"{ms} ms"
+
+
+def _window(r: Row) -> str:
+    if r.note and not r.scheduled:
+        return r.note
+    if r.due_max_ms is None:
+        return r.note or f"in {human_ms(r.due_min_ms)} or later"
+    text = f"within {human_ms(r.due_max_ms)}"
+    return f"{text} ({r.note})" if r.note else text
+
+
+def clock_text(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def text(r: Report) -> str:
+    lines = [f"prefix {r.prefix!r} at {clock_text(r.at_ms)}; lead {r.lead_ms} ms"]
+    if r.chains:
+        lines.append("chains:")
+        width = max(len(c.key.describe()) for c in r.chains)
+        for c in r.chains:
+            state = [] if c.declared else ["not declared"]
+            if c.yours:
+                state.insert(0, "your settings")
+            if c.declared:
+                state.append(_gateways(c.gateways))
+            if c.empty_by_ms is not None:
+                state.append(f"retiring, empty by {clock_text(c.empty_by_ms)}")
+            lines.append(f"  {c.key.describe():<{width}}  {', '.join(state)}")
+    width = max(len(row.label) for row in r.rows)
+    lines += ["", f"{'waiting':<{width}}  {'messages':>9}  falls due"]
+    for row in r.rows:
+        if not row.exists and row.role in ("delay", "pass", "meditation"):
+            shown = "missing"
+        elif row.messages is None:
+            shown = "?" if row.exists else "missing"
+        else:
+            shown = str(row.messages)
+        lines.append(f"{row.label:<{width}}  {shown:>9}  {_window(row)}")
+    held = next(row for row in r.rows if row.role == "held")
+    total = f"{r.total}" + ("" if held.messages is not None else " + held")
+    lines.append(f"{'total':<{width}}  {total:>9}")
+    lines += ["", f"{'due within':<12} {'at least':>9} {'at most':>9}"]
+    for w in r.due_within:
+        lines.append(f"{w.within:<12} {w.at_least:>9} {w.at_most:>9}")
+    for note in r.notes:
+        lines.append(f"note: {note}")
+    for problem in r.problems:
+        lines.append(f"problem: {problem}")
+    return "\n".join(lines) + "\n"
+
+
+def as_json(r: Report, indent: Optional[int] = 2) -> str:
+    def chain(c: Chain) -> dict:
+        d = asdict(c)
+        d["key"] = asdict(c.key)
+        d["key"]["generation"] = c.key.generation
+        d["chain"] = d.pop("key")
+        return d
+
+    doc = {"prefix": r.prefix, "at_ms": r.at_ms, "lead_ms": r.lead_ms, "total": r.total,
+           "chains": [chain(c) for c in r.chains], "queues": [asdict(row) for row in r.rows],
+           "due_within": [asdict(w) for w in r.due_within], "held_source": r.held_source,
+           "distributor_consumers": r.distributor_consumers, "problems": r.problems, "notes": r.notes}
+    return json.dumps(doc, indent=indent) + "\n"
+
+
+def held_from_metrics(texts: Iterable[str], distributor: str) -> int:
+    """The distributor's held messages, summed over the gateways' /metrics pages."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for page in texts:
+        for family in text_string_to_metric_families(page):
+            if family.name != "delay_gateway_held_messages":
+                continue
+            for sample in family.samples:
+                if sample.labels.get("queue") == distributor:
+                    total += sample.value
+    return int(total)
+
+
+# -- the adapter -----------------------------------------------------------------------------
+def observe(connection, prefix: str, own: ChainKey) -> Tuple[Optional[Registry], Set[ChainKey], Observed]:
+    """Everything `report` needs from the broker: the registry, and passive declares of the
+    fixed queues and of every queue any known chain can have."""
+    fixed = Names(prefix)
+    records = read_registry(connection, fixed)
+    registry = None if records is None else fold(records)
+    look = Look(Prober(connection))
+    for name in (fixed.check_in, fixed.returning, fixed.distributor, fixed.parking, fixed.parked):
+        look.queue(name)
+    known = set(registry.declared if registry else ()) | {own}
+    chains: Set[ChainKey] = set(known)
+    for key in {k.generation: k for k in sorted(known)}.values():
+        chains |= look_at_generation(look, prefix, key, exchanges=False)
+    look.prober.close()
+    return registry, chains, look.observed()
+
+
+def fetch_metrics(urls: Sequence[str], timeout: float = 2.0) -> List[str]:
+    pages = []
+    for url in urls:
+        if not url.rstrip("/").endswith("/metrics"):
+            url = url.rstrip("/") + "/metrics"
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            pages.append(response.read().decode())
+    return pages
+
+
+def one(connection, args, own: ChainKey, now_ms: int) -> Report:
+    registry, chains, observed = observe(connection, args.prefix, own)
+    held, source = None, "give --metrics-url with the gateways' metrics ports to see them"
+    urls = [u.strip() for u in (getattr(args, "metrics_url", None) or "").split(",") if u.strip()]
+    if urls:
+        try:
+            held = held_from_metrics(fetch_metrics(urls), Names(args.prefix).distributor)
+            source = "metrics"
+        except (OSError, ValueError) as exc:
+            source = f"--metrics-url failed: {exc}"
+    return report(args.prefix, own, getattr(args, "lead_ms", 50), registry, chains, observed, held, source, now_ms)
+
+
+def command(args, open_channel, own: ChainKey, clock) -> int:
+    """Print the report once, or every --interval seconds with --watch (redrawn in place
+    on a terminal). Exit 3 when the topology is not declared (once)."""
+    with open_channel() as channel:
+        connection = channel.connection
+        while True:
+            r = one(connection, args, own, clock())
+            # --watch --json: one document per line, for a reader that follows the stream
+            out = as_json(r, None if args.watch else 2) if args.json else text(r)
+            if args.watch and sys.stdout.isatty():
+                out = "\x1b[H\x1b[2J" + out  # home and clear: redraw in place
+            sys.stdout.write(out)
+            sys.stdout.flush()
+            if not args.watch:
+                return 3 if r.missing else 0
+            time.sleep(args.interval)

@@ -1,0 +1,196 @@
+"""The gateway's housekeeping beside its consumers: being counted as a user of its chain,
+recording the chain in the registry, and retiring chains no gateway uses any more.
+
+It runs in a thread of its own with its own connection (`start`, called once from
+worker.main), so the consumers never wait for it and it never touches their connection:
+
+- it consumes the chain's `gateways.NN` queue (nothing is ever published there); the queue's
+  consumer count is how other gateways and `status` know that this chain is in use;
+- it appends a `declared` record for its chain when the registry lacks one, or when
+  retiring some of the chain's queues had begun (this cancels that retirement);
+- every tick, with `--retire` (the default), it retires chains of the same prefix that
+  have had no gateway for `--retire-after` seconds (topology/retirement.py says how).
+
+Automatic rather than a separate step because a `helm upgrade` that changes the chain is
+then complete by itself: old replicas stop, their chain drains into the shared queues and
+is removed once empty, with nothing for a person to remember. `delay-gateway migrate` runs
+the same retirement once, for deployments that turn it off.
+"""
+
+import itertools
+import threading
+import time
+from typing import Callable, List, Optional, Set
+
+import pika
+import structlog
+from pika.exceptions import AMQPError
+
+from topology.inventory import Executor, Look, Prober, append, look_at_generation, read_registry
+from topology.model import PRESENCE_ARGUMENTS
+from topology.registry import ChainKey, Record, Registry, fold
+from topology.retirement import Step, Unused, plan
+
+from .amqp import parameters
+from .clock import wall_ms
+from .settings import Settings, redact
+
+TICK_MAX_S = 30.0
+TICK_MIN_S = 0.5
+
+
+def tick_s(retire_after_s: float) -> float:
+    """How often to look: often enough that a retirement is not much later than its margin."""
+    return min(TICK_MAX_S, max(TICK_MIN_S, retire_after_s / 10))
+
+
+def record_chain(connection, prefix: str, key: ChainKey, registry: Optional[Registry],
+                 clock: Callable[[], int] = wall_ms) -> bool:
+    """Append `declared` for `key` if the registry needs it; False if there is no registry."""
+    names = key.settings(prefix).names
+    if registry is None:
+        return False
+    if registry.needs_record(key, prefix):
+        append(connection, names, [Record("declared", clock(), key)])
+    return True
+
+
+def plan_once(connection, prefix: str, own: ChainKey, unused: Unused, grace_ms: int, margin_ms: int,
+              clock: Callable[[], int], registry: Registry,
+              report: Callable[..., None] = lambda event, **fields: None) -> List[List[Step]]:
+    """Look at every chain the registry knows of under `prefix` and plan the next steps of
+    retiring those that no gateway has used for `grace_ms` (never `own`)."""
+    known = set(registry.declared) | {own}
+    if all(k == own for k in known):
+        return []
+    look = Look(Prober(connection))
+    chains: Set[ChainKey] = set()
+    for gen, key in {k.generation: k for k in sorted(known)}.items():
+        if {k for k in known if k.generation == gen} == {own}:
+            continue  # only ours: nothing to retire there
+        errors = len(look.errors)
+        found = look_at_generation(look, prefix, key, every_level=True)
+        if len(look.errors) > errors:
+            report("retire_blocked", generation=gen, reason="; ".join(look.errors[errors:]))
+            continue  # a look failed: decide nothing about this generation
+        chains |= found | {k for k in known if k.generation == gen}
+    look.prober.close()
+    observed = look.observed()
+    now = clock()
+    unused.update({k: (None if k == own else observed.gateways(k.settings(prefix).names, k.max_level))
+                   for k in chains}, now)
+    keep = (chains - unused.retiring(now, grace_ms)) | {own}
+    return plan(prefix, registry, chains, keep, observed, now, margin_ms)
+
+
+def retire_once(connection, prefix: str, own: ChainKey, unused: Unused, grace_ms: int, margin_ms: int,
+                report: Callable[..., None], clock: Callable[[], int] = wall_ms,
+                registry: Optional[Registry] = None) -> List[Step]:
+    """Take the next steps of retiring the chains no gateway has used for `grace_ms`;
+    returns the steps done."""
+    names = own.settings(prefix).names
+    if registry is None:
+        records = read_registry(connection, names)
+        if records is None:
+            return []
+        registry = fold(records)
+    sequences = plan_once(connection, prefix, own, unused, grace_ms, margin_ms, clock, registry, report)
+    if not sequences:
+        return []
+    return Executor(connection, names, clock, report).run(sequences)
+
+
+class Upkeep:
+    def __init__(self, settings: Settings, stop: threading.Event) -> None:
+        self.settings, self.stop = settings, stop
+        self.chain = settings.chain
+        self.key = ChainKey.of(self.chain)
+        self.names = self.chain.names
+        self.log = structlog.get_logger("gateway").bind(part="upkeep")
+        self.unused = Unused()
+        self.attached = threading.Event()  # counted as a user of the chain
+        self._cancelled = False
+
+    def run(self) -> None:
+        urls = itertools.cycle(self.settings.urls)
+        failures = 0
+        while not self.stop.is_set():
+            url = next(urls)
+            try:
+                connection = pika.BlockingConnection(parameters(url, "delay-gateway upkeep", self.settings.tls))
+            except Exception as exc:  # the worker reports bad settings itself
+                failures += 1
+                self.log.warning("upkeep_cannot_connect", broker=redact(url), error=repr(exc))
+                self.stop.wait(min(10.0, 0.5 * 2 ** min(failures, 5)))
+                continue
+            failures = 0
+            try:
+                self._session(connection)
+            except AMQPError as exc:
+                self.log.warning("upkeep_connection_lost", broker=redact(url), error=repr(exc))
+            except Exception:  # housekeeping must never take the consumers down with it
+                self.log.exception("upkeep_failed")
+            finally:
+                self.attached.clear()
+                if connection.is_open:
+                    try:
+                        connection.close()
+                    except AMQPError:
+                        pass
+            self.stop.wait(1.0)
+
+    def _attach(self, connection) -> None:
+        channel = connection.channel()
+        queue = self.names.gateways(self.chain.max_level)
+        channel.queue_declare(queue, durable=True, arguments=dict(PRESENCE_ARGUMENTS),
+                              passive=not self.settings.declare)
+        channel.basic_qos(prefetch_count=1)
+
+        def on_cancel(frame) -> None:  # the queue was deleted: declare it again next tick
+            self._cancelled = True
+
+        channel.add_on_cancel_callback(on_cancel)
+        # Nothing is published to this queue; the consumer is only there to be counted.
+        channel.basic_consume(queue, lambda *args: None)
+        self._cancelled = False
+        self.attached.set()
+        self.log.info("presence_attached", queue=queue)
+
+    def _session(self, connection) -> None:
+        self._attach(connection)
+        grace_ms = margin_ms = int(self.settings.retire_after * 1000)
+        misses = 0
+        while not self.stop.is_set():
+            if self._cancelled:
+                self._attach(connection)
+            records = read_registry(connection, self.names)
+            registry = None if records is None else fold(records)
+            tick = tick_s(self.settings.retire_after)
+            if not record_chain(connection, self.chain.prefix, self.key, registry):
+                # At start the worker may not have declared the registry yet: look again soon,
+                # and say so only if it stays missing.
+                misses += 1
+                tick = min(tick, 2.0)
+                if misses == 3:
+                    self.log.warning("registry_missing", queue=self.names.registry,
+                                     fix="run `delay-gateway declare` with this version, or start without "
+                                         "--no-declare; until then old chains are not retired")
+            elif self.settings.retire:
+                misses = 0
+                retire_once(connection, self.chain.prefix, self.key, self.unused, grace_ms, margin_ms,
+                            self._report, registry=registry)
+            deadline = time.monotonic() + tick
+            while not self.stop.is_set() and time.monotonic() < deadline:
+                connection.process_data_events(time_limit=min(0.2, max(0.0, deadline - time.monotonic())))
+
+    def _report(self, event: str, **fields) -> None:
+        level = "warning" if event in ("retire_blocked", "retire_queue_not_empty") else \
+            "error" if event == "retire_deleted_messages" else "info"
+        getattr(self.log, level)(event, **fields)
+
+
+def start(settings: Settings, stop: threading.Event) -> Upkeep:
+    """Run the upkeep in a daemon thread until `stop` is set."""
+    upkeep = Upkeep(settings, stop)
+    threading.Thread(target=upkeep.run, name="upkeep", daemon=True).start()
+    return upkeep

@@ -1,0 +1,224 @@
+"""`delay-gateway status`: the pure table from queue counts, and the command against a real
+broker with messages waiting in several levels, in meditation and held by the distributor."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pika
+import pytest
+
+from gateway.status import HORIZONS, Row, due_within, held_from_metrics, report, text
+from topology import plan
+from topology.encoding import Enter, Meditate, ToDistributor
+from topology.names import Names
+from topology.registry import ChainKey, Record, chain_queues, fold
+from topology.retirement import Count, Observed
+
+from .support import ROOT, broker_url, chain_args, connect, now_ms
+
+P = "p"
+
+
+def observed(keys, counts=None, consumers=None, fixed=True):
+    """Every queue of these chains and the fixed ones exists, holding counts.get(name, 0)."""
+    counts, consumers = counts or {}, consumers or {}
+    queues = {}
+    names = Names(P)
+    if fixed:
+        for q in (names.check_in, names.returning, names.distributor, names.parking, names.parked):
+            queues[q] = Count(counts.get(q, 0), consumers.get(q, 0))
+    for k in keys:
+        for q in chain_queues(k, Names(P, k.generation)):
+            queues[q] = Count(counts.get(q, 0), consumers.get(q, 0))
+    return Observed(queues, {})
+
+
+def rows_by_label(r):
+    return {row.label: row for row in r.rows}
+
+
+OWN = ChainKey(1000, "quorum", "queue", 4)
+N = Names(P, OWN.generation)
+
+
+@pytest.mark.parametrize("label,due_min,due_max", [
+    ("check-in", 0, None),
+    ("returning", 0, None),
+    ("1000ms-quorum-queue meditation.04", 1000, None),  # at least one unit, no upper bound
+    ("1000ms-quorum-queue level 03 delay", 0, 16_000 + 50),  # 2^(k+1) units + lead
+    ("1000ms-quorum-queue level 03 pass", 0, 8000 + 50),  # 2^k units + lead
+    ("1000ms-quorum-queue level 00 delay", 0, 2000 + 50),
+    ("1000ms-quorum-queue level 00 pass", 0, 1000 + 50),
+    ("distributor ready", 0, 1050),
+    ("distributor held", 0, 1050),
+    ("parking", None, None),
+    ("parked", None, None),
+])
+def test_each_place_has_its_window(label, due_min, due_max):
+    r = report(P, OWN, 50, fold([Record("declared", 1, OWN)]), [OWN], observed([OWN]), 0, "metrics", 0)
+    row = rows_by_label(r)[label]
+    assert (row.due_min_ms, row.due_max_ms) == (due_min, due_max)
+
+
+def test_due_within_counts_what_is_certainly_and_what_is_possibly_due():
+    def row(messages, lo, hi):
+        return Row("q", "q", "delay", messages, True, lo, hi)
+
+    rows = [row(3, 0, 900), row(5, 0, 50_000), row(7, 0, 4_000_000), row(11, 1000, None), row(13, 0, None),
+            Row("parked", "parked", "parked", 17, True, None, None)]
+    got = [(w.within, w.at_least, w.at_most) for w in due_within(rows)]
+    assert got == [("1 second", 3, 3 + 5 + 7 + 13), ("1 minute", 3 + 5, 39), ("1 hour", 8, 39),
+                   ("1 day", 15, 39), ("later", 0, 11 + 13)]
+    assert [h for h, _ in HORIZONS] == ["1 second", "1 minute", "1 hour", "1 day"]
+
+
+def test_counts_add_up_and_held_messages_count_when_the_metrics_say_so():
+    counts = {N.delay_queue(2): 4, N.meditation(4): 2, Names(P).distributor: 1, Names(P).parked: 9}
+    r = report(P, OWN, 50, fold([Record("declared", 1, OWN)]), [OWN], observed([OWN], counts), 6, "metrics", 0)
+    assert r.total == 4 + 2 + 1 + 9 + 6
+    first_second = r.due_within[0]
+    assert (first_second.at_least, first_second.at_most) == (0, 4 + 1 + 6 + 2 * 0)  # meditation: >= 1 s
+    hour = r.due_within[2]
+    assert (hour.at_least, hour.at_most) == (4 + 1 + 6, 4 + 1 + 6 + 2)
+    assert not r.problems
+    assert "distributor held" in text(r) and "             6" in text(r)
+
+
+def test_held_messages_are_unknown_without_metrics_and_zero_without_consumers():
+    obs = observed([OWN], consumers={Names(P).distributor: 2})
+    r = report(P, OWN, 50, fold([Record("declared", 1, OWN)]), [OWN], obs, None, "give --metrics-url", 0)
+    held = rows_by_label(r)["distributor held"]
+    assert held.messages is None and "not visible over AMQP" in held.note
+    assert any("2 consumer(s)" in n for n in r.notes)
+    r = report(P, OWN, 50, fold([Record("declared", 1, OWN)]), [OWN], observed([OWN]), None, "x", 0)
+    assert rows_by_label(r)["distributor held"].messages == 0
+
+
+def test_a_missing_topology_is_said_plainly():
+    r = report(P, OWN, 50, None, [OWN], Observed({}, {}), None, "x", 0)
+    assert r.missing
+    assert r.problems == [f"the topology is not declared under prefix {P!r} (no queue 'p.check-in'): run "
+                          "`delay-gateway declare` with your settings, or check --prefix and --url"]
+
+
+def test_other_settings_than_the_gateways_use_are_named():
+    theirs = ChainKey(100, "quorum", "queue", 5)
+    obs = observed([theirs], consumers={Names(P, theirs.generation).gateways(5): 2})
+    r = report(P, OWN, 50, fold([Record("declared", 1, theirs)]), [OWN, theirs], obs, 0, "metrics", 0)
+    assert r.problems == ["your settings (1000ms-quorum-queue, 4 levels) are not declared here; chains declared: "
+                          "100ms-quorum-queue, 5 levels (2 gateways). Give status the gateways' --max-level, "
+                          "--resolution-ms, --queue-type and --zero-bits"]
+    assert "100ms-quorum-queue level 04 delay" in rows_by_label(r)
+
+
+def test_several_chains_are_listed_and_a_retiring_one_says_when_it_is_empty():
+    old = ChainKey(1000, "quorum", "queue", 5)
+    seal = Record("sealed", 2, queues={N.meditation(5): 1_700_000_000_000})
+    obs = observed([OWN, old], consumers={N.gateways(4): 3})
+    r = report(P, OWN, 50, fold([Record("declared", 1, old), Record("declared", 1, OWN), seal]), [OWN, old],
+               obs, 0, "metrics", 0)
+    chains = {c.key: c for c in r.chains}
+    assert chains[OWN].gateways == 3 and chains[OWN].yours and chains[OWN].empty_by_ms is None
+    assert chains[old].gateways == 0 and chains[old].empty_by_ms == 1_700_000_000_000
+    assert "retiring, empty by 2023-11-14 22:13:20 UTC" in text(r)
+    assert any("2 chains exist" in n for n in r.notes)
+
+
+def test_held_messages_are_read_from_prometheus_text():
+    page = ('# TYPE delay_gateway_held_messages gauge\n'
+            'delay_gateway_held_messages{queue="p.distributor"} 7.0\n'
+            'delay_gateway_held_messages{queue="p.parking"} 3.0\n')
+    assert held_from_metrics([page, page], "p.distributor") == 14
+
+
+# -- against the broker ------------------------------------------------------------------
+def cli(*args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "gateway", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "DELAY_GATEWAY_URL": broker_url()})
+
+
+def where(delay_ms, chain, lead_ms=50):
+    route = plan(delay_ms, chain, lead_ms)
+    if isinstance(route, Meditate):
+        return chain.meditation
+    if isinstance(route, ToDistributor):
+        return chain.names.distributor
+    assert isinstance(route, Enter)
+    return chain.names.delay_queue(route.level)  # it enters at its highest 1 bit
+
+
+def test_status_shows_messages_waiting_in_several_levels(make_chain, run_gateway, capsys):
+    """Resolution 20 s, so that messages stay where they entered while status looks, even
+    on a loaded machine (the distributor holds what is due within a unit); a receiver is
+    bound so that nothing is parked meanwhile."""
+    chain = make_chain(max_level=3, resolution_ms=20_000)
+    port = free_port()
+    run_gateway(chain, "--metrics-port", str(port))
+    with connect() as c:
+        ch = c.channel()
+        q = ch.queue_declare("", exclusive=True).method.queue
+        ch.queue_bind(q, chain.names.pick_up, "#")
+        ch.confirm_delivery()
+        delays = {15_000: 3, 30_000: 2, 50_000: 4, 90_000: 1, 200_000: 2, 400_000: 1}  # ms: how many
+        for delay, n in delays.items():
+            for _ in range(n):
+                ch.basic_publish(chain.names.check_in, "s", b"x", pika.BasicProperties(headers={"x-delay": delay}),
+                                 mandatory=True)
+        expected = {}
+        for delay, n in delays.items():
+            expected[where(delay, chain)] = expected.get(where(delay, chain), 0) + n
+        time.sleep(0.3)
+        started = time.monotonic()
+        shown = cli("status", *chain_args(chain), "--metrics-url", f"http://127.0.0.1:{port}")
+        took = time.monotonic() - started
+        assert shown.returncode == 0, shown.stderr
+        with capsys.disabled():
+            print(f"\n--- status with messages in several levels (took {took:.2f} s) ---\n{shown.stdout}")
+        r = cli("status", *chain_args(chain), "--json", "--metrics-url", f"http://127.0.0.1:{port}")
+        assert r.returncode == 0, r.stderr
+        doc = json.loads(r.stdout)
+        queues = {row["name"]: row for row in doc["queues"]}
+        held = next(row for row in doc["queues"] if row["role"] == "held")
+        for name, n in expected.items():
+            if name == chain.names.distributor:
+                assert held["messages"] == n, held  # held by the distributor, seen through /metrics
+            else:
+                assert queues[name]["messages"] == n, (name, queues[name])
+        assert doc["total"] == sum(delays.values())
+        # within a minute: certainly what is held (<= 20 s) and in level 0 (<= 40 s); possibly
+        # levels 1 and 2 (<= 80 s, 160 s) and meditation (>= 20 s)
+        minute = doc["due_within"][1]
+        assert (minute["within"], minute["at_least"], minute["at_most"]) == ("1 minute", 3 + 2, 13)
+        ch.queue_delete(q)
+
+
+def test_status_watch_refreshes_until_interrupted(make_chain):
+    import signal
+    chain = make_chain(max_level=2, resolution_ms=100)
+    proc = subprocess.Popen([sys.executable, "-m", "gateway", "status", *chain_args(chain), "--watch", "--json",
+                             "--interval", "0.2"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "DELAY_GATEWAY_URL": broker_url()})
+    try:
+        docs = [json.loads(proc.stdout.readline()) for _ in range(3)]  # one JSON document per line
+    finally:
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(20)
+    assert code == 0, proc.stderr.read()
+    assert [d["prefix"] for d in docs] == [chain.prefix] * 3
+    assert docs[0]["at_ms"] < docs[1]["at_ms"] < docs[2]["at_ms"]
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_status_says_when_the_topology_is_missing_and_exits_3(broker):
+    r = cli("status", "--prefix", "nothing-here-" + str(now_ms()))
+    assert r.returncode == 3
+    assert "problem: the topology is not declared under prefix" in r.stdout

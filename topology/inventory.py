@@ -1,0 +1,263 @@
+"""What the broker holds, read with plain AMQP, and the steps that retire old chains.
+
+Only what every broker allows: passive declares (does a queue or exchange exist; a queue's
+ready messages and consumers), reading the registry stream from its start, appending to it
+with publisher confirms, and deletes. No management plugin. A passive declare of something
+missing closes its channel (404), so the Prober opens another one.
+"""
+
+import logging
+import threading
+import time
+from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple
+
+import pika
+from pika.exceptions import ChannelClosedByBroker
+
+from . import registry as reg
+from .names import Names
+from .registry import ChainKey, Record, level_queues
+from .retirement import (Count, DeleteExchange, DeleteQueue, MarkRetired, Observed, SealQueues, Step)
+from .settings import MAX_LEVELS
+
+# Reading the registry: the stream has no "end" that AMQP reports (a stream's passive
+# declare says 0 messages), so reading stops once nothing more arrives for this long. A
+# record missed under heavy load only keeps an old chain a little longer (registry.py).
+REGISTRY_IDLE_S = 0.25
+REGISTRY_PREFETCH = 500
+
+
+_quiet = threading.local()
+
+
+class _ExpectedCloses(logging.Filter):
+    """pika logs every channel the broker closes as a warning; a look at something that
+    does not exist is an answer here, not a problem."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(_quiet, "on", False)
+
+
+logging.getLogger("pika.channel").addFilter(_ExpectedCloses())
+
+
+class Unknown(RuntimeError):
+    """A passive declare failed for another reason than "not found"."""
+
+
+class Prober:
+    """Passive declares on one connection; a 404 costs a channel, which is replaced."""
+
+    def __init__(self, connection) -> None:
+        self.connection = connection
+        self._channel = None
+        self.looks = 0
+
+    @property
+    def channel(self):
+        if self._channel is None or not self._channel.is_open:
+            self._channel = self.connection.channel()
+        return self._channel
+
+    def queue(self, name: str) -> Optional[Count]:
+        """Its ready messages and consumers, or None if it does not exist."""
+        ok = self._look("queue", name, lambda ch: ch.queue_declare(name, passive=True))
+        return None if ok is None else Count(ok.method.message_count, ok.method.consumer_count)
+
+    def exchange(self, name: str) -> bool:
+        return self._look("exchange", name, lambda ch: ch.exchange_declare(name, passive=True)) is not None
+
+    def _look(self, kind: str, name: str, declare):
+        self.looks += 1
+        _quiet.on = True
+        try:
+            return declare(self.channel)
+        except ChannelClosedByBroker as exc:
+            self._channel = None
+            if exc.reply_code == 404:
+                return None
+            raise Unknown(f"{kind} {name!r}: {exc.reply_text}") from None
+        finally:
+            _quiet.on = False
+
+    def close(self) -> None:
+        if self._channel is not None and self._channel.is_open:
+            self._channel.close()
+
+
+class Look:
+    """Collects what a Prober finds into an Observed; failed looks stay unknown."""
+
+    def __init__(self, prober: Prober) -> None:
+        self.prober = prober
+        self.queues: Dict[str, Optional[Count]] = {}
+        self.exchanges: Dict[str, bool] = {}
+        self.errors: List[str] = []
+
+    def queue(self, name: str) -> Optional[Count]:
+        if name not in self.queues:
+            try:
+                self.queues[name] = self.prober.queue(name)
+            except Unknown as exc:
+                self.errors.append(str(exc))
+                return None
+        return self.queues[name]
+
+    def exchange(self, name: str) -> Optional[bool]:
+        if name not in self.exchanges:
+            try:
+                self.exchanges[name] = self.prober.exchange(name)
+            except Unknown as exc:
+                self.errors.append(str(exc))
+                return None
+        return self.exchanges[name]
+
+    def observed(self) -> Observed:
+        return Observed(dict(self.queues), dict(self.exchanges))
+
+
+def look_at_generation(look: Look, prefix: str, key: ChainKey, every_level: bool = False,
+                       exchanges: bool = True) -> Set[ChainKey]:
+    """Look at every object a chain of `key`'s generation can have: each level (up to the
+    highest that exists, or all MAX_LEVELS with `every_level`), and the meditation and
+    gateways queues of every level count (the level counts cannot be listed either, but
+    there are only MAX_LEVELS of them). Returns the chains found by those queues."""
+    names = Names(prefix, key.generation)
+    found = set()
+    for n in range(1, MAX_LEVELS + 1):
+        meditation = look.queue(names.meditation(n))
+        if exchanges:
+            look.exchange(names.meditation(n))
+        gateways = look.queue(names.gateways(n))
+        if meditation is not None or gateways is not None:
+            found.add(key.with_levels(n))
+    highest = max([k.max_level for k in found] + [key.max_level])
+    for k in range(MAX_LEVELS):
+        exists = bool(look.exchange(names.level(k))) if exchanges else False
+        for q in level_queues(key, names, k):
+            exists = (look.queue(q) is not None) or exists
+        if not exists and not every_level and k >= highest:
+            break
+    return found
+
+
+# -- the registry stream --------------------------------------------------------------------
+def read_registry(connection, names: Names, idle_s: float = REGISTRY_IDLE_S) -> Optional[List[Record]]:
+    """Every record, oldest first; None if the registry stream does not exist."""
+    channel = connection.channel()
+    try:
+        channel.queue_declare(names.registry, passive=True)
+    except ChannelClosedByBroker as exc:
+        if exc.reply_code == 404:
+            return None
+        raise
+    bodies: List[bytes] = []
+
+    def on_message(ch, method, properties, body) -> None:
+        bodies.append(body)
+        ch.basic_ack(method.delivery_tag)
+
+    channel.basic_qos(prefetch_count=REGISTRY_PREFETCH)
+    tag = channel.basic_consume(names.registry, on_message, arguments={"x-stream-offset": "first"})
+    seen, quiet_since = 0, time.monotonic()
+    while time.monotonic() - quiet_since < idle_s:
+        connection.process_data_events(time_limit=0.02)
+        if len(bodies) != seen:
+            seen, quiet_since = len(bodies), time.monotonic()
+    channel.basic_cancel(tag)
+    channel.close()
+    return [r for r in (reg.decode(b) for b in bodies) if r is not None]
+
+
+def append(connection, names: Names, records: Iterable[Record]) -> None:
+    """Publish records to the registry; returns once the broker confirmed them."""
+    channel = connection.channel()
+    channel.confirm_delivery()
+    for record in records:
+        channel.basic_publish(names.registry, "", reg.encode(record),
+                              pika.BasicProperties(content_type="application/json", delivery_mode=2),
+                              mandatory=True)
+    channel.close()
+
+
+# -- carrying out retirement steps ----------------------------------------------------------
+class Executor:
+    """Runs the planned sequences; each stops at its first step that cannot be done.
+    `report(event, **fields)` is told what happened (the caller logs it)."""
+
+    def __init__(self, connection, names: Names, clock: Callable[[], int],
+                 report: Callable[..., None]) -> None:
+        self.connection, self.names, self.clock, self.report = connection, names, clock, report
+        self.prober = Prober(connection)
+        self.done: List[Step] = []
+
+    def run(self, sequences: Iterable[List[Step]]) -> List[Step]:
+        for steps in sequences:
+            for step in steps:
+                if not self._do(step):
+                    break
+                self.done.append(step)
+        self.prober.close()
+        return self.done
+
+    def _in_use(self, guard: Tuple[str, ...]) -> Optional[str]:
+        for name in guard:
+            try:
+                count = self.prober.queue(name)
+            except Unknown as exc:
+                return str(exc)
+            if count is not None and count.consumers:
+                return f"{count.consumers} gateway(s) on {name}"
+        return None
+
+    def _do(self, step: Step) -> bool:
+        if isinstance(step, SealQueues):
+            append(self.connection, self.names, [Record("sealed", self.clock(), queues=step.empty_by)])
+            self.report("chain_queues_sealed", queues=dict(step.empty_by))
+            return True
+        if isinstance(step, MarkRetired):
+            append(self.connection, self.names, [Record("retired", self.clock(), step.chain)])
+            self.report("chain_retired", chain=step.chain.describe())
+            return True
+        busy = self._in_use(step.guard)
+        if busy:
+            self.report("retire_blocked", object=step.name, reason=busy)
+            return False
+        if isinstance(step, DeleteExchange):
+            self.prober.channel.exchange_delete(step.name)
+            self.report("chain_exchange_deleted", exchange=step.name)
+            return True
+        return self._delete_queue(step)
+
+    def _delete_queue(self, step: DeleteQueue) -> bool:
+        try:
+            count = self.prober.queue(step.name)
+        except Unknown as exc:
+            self.report("retire_blocked", object=step.name, reason=str(exc))
+            return False
+        if count is None:
+            return True
+        if count.messages:
+            return self._not_empty(step, count.messages)
+        try:
+            # Classic queues: "if empty" makes the check and the delete one step. Quorum and
+            # stream queues refuse that flag (540, closing the connection); for them the
+            # seal's time and the count just read are the proof.
+            ok = self.prober.channel.queue_delete(step.name, if_empty=step.classic)
+        except ChannelClosedByBroker as exc:
+            self.prober._channel = None
+            if exc.reply_code == 406:
+                return self._not_empty(step, None)
+            raise
+        deleted = ok.method.message_count
+        if deleted:  # cannot happen when the seal holds; say so loudly if it ever does
+            self.report("retire_deleted_messages", queue=step.name, messages=deleted)
+        self.report("chain_queue_deleted", queue=step.name)
+        return True
+
+    def _not_empty(self, step: DeleteQueue, messages: Optional[int]) -> bool:
+        if step.reseal_ms:
+            empty_by = self.clock() + step.reseal_ms
+            append(self.connection, self.names, [Record("sealed", self.clock(), queues={step.name: empty_by})])
+        self.report("retire_queue_not_empty", queue=step.name, messages=messages)
+        return False
