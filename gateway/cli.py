@@ -103,12 +103,23 @@ def cmd_delete(args) -> int:
 
 def render_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=sorted(FORMATS), default="definitions",
-                   help="definitions: JSON for rabbitmqctl import_definitions or the management UI")
+                   help="definitions: JSON for rabbitmqctl import_definitions or the management UI; "
+                        "operator: YAML for kubectl apply (messaging-topology-operator Exchange, Queue, Binding)")
     p.add_argument("--vhost", default="/", help="the virtual host the objects belong to")
+    operator = p.add_argument_group("operator format: the RabbitmqCluster the resources belong to")
+    operator.add_argument("--cluster-name", help="name of the RabbitmqCluster object")
+    operator.add_argument("--cluster-namespace", help="its namespace (default: the resources' own)")
+    operator.add_argument("--connection-secret", metavar="SECRET",
+                          help="instead of --cluster-name: a Secret with the HTTP API's uri, username, password")
 
 
 def cmd_render(args) -> int:
-    sys.stdout.write(render(args.format, build(chain_from(args)), args))
+    topology = build(chain_from(args))
+    try:
+        text = render(args.format, topology, args)
+    except ValueError as exc:  # options the format cannot work with
+        raise UsageError(str(exc)) from None
+    sys.stdout.write(text)
     return 0
 
 

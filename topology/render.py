@@ -3,13 +3,16 @@ Topology (what `declare` creates) and the command's options."""
 
 from typing import Callable, Dict
 
-from . import definitions
+from . import definitions, operator
 from .model import Topology
 
 Renderer = Callable[[Topology, object], str]
 
 FORMATS: Dict[str, Renderer] = {
     "definitions": lambda topology, options: definitions.render(topology, getattr(options, "vhost", "/")),
+    # messaging-topology-operator resources; options: cluster_name, cluster_namespace,
+    # connection_secret, vhost
+    "operator": operator.render,
 }
 
 
