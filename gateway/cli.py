@@ -15,7 +15,7 @@ from topology.declare import TopologyConflict, declare, delete
 from topology.render import FORMATS, render
 from topology.routing import trace
 
-from . import codec, logs, parked
+from . import codec, logs, parked, selftest
 from .amqp import BrokerError, blocking_channel
 from .clock import wall_ms
 from .publish import Publisher, parse_headers
@@ -183,6 +183,11 @@ def cmd_parked(args) -> int:
                                                          tls_from(args)), chain_from(args))
 
 
+def cmd_selftest(args) -> int:
+    return selftest.run(args, lambda: blocking_channel(urls_from(args)[0], "delay-gateway selftest",
+                                                       tls_from(args)), chain_from(args))
+
+
 def demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--delays", default="3000,0,1500,4500,750,2250", help="comma-separated delays in ms")
 
@@ -217,6 +222,8 @@ COMMANDS = {
                        explain_arguments),
     "parked": Command("list parked messages, or replay them once their cause is fixed", BROKER + ("chain",),
                       cmd_parked, parked.add_options),
+    "selftest": Command("publish one delayed message through the running gateway and wait for it at pick-up",
+                        BROKER + ("chain",), cmd_selftest, selftest.add_arguments),
     "demo": Command("start the gateway, publish a few delayed messages and watch them arrive",
                     BROKER + ("chain",), cmd_demo, demo_arguments),
     "bench": Command("measure lateness, throughput and memory against a real broker", BROKER, cmd_bench,
