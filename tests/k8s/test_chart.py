@@ -100,6 +100,11 @@ def test_generated_files_are_up_to_date():
     assert schema(current) == current
 
 
+def chart_defaults() -> dict:
+    with helm.Chart.load(str(CHART)) as chart:
+        return chart.values
+
+
 def load_schema() -> dict:
     return json.loads((CHART / "values.schema.json").read_text())
 
@@ -108,7 +113,7 @@ def test_the_schema_allows_exactly_the_chains_rabbitmq_can_hold():
     """Every max level at the resolutions around each boundary of the 10-year TTL cap: the
     schema and ChainSettings agree."""
     validator = jsonschema.Draft7Validator(load_schema())
-    defaults = helm.Chart.load(str(CHART)).values
+    defaults = chart_defaults()
     resolutions = {1, 2, 3, 999, 1000, 1001, 60_000, 315_360_000_000, 315_360_000_001}
     for level in range(1, MAX_LEVELS + 1):
         boundary = 315_360_000_000 // ((1 << level) - 1)
@@ -168,7 +173,7 @@ def test_settings_are_the_gateways_options_and_its_parser_reads_them(tmp_path):
     [config_map] = by_kind(docs, "ConfigMap").values()
     helm_options = [o for o in OPTIONS if o.helm]
     assert set(config_map["data"]) == {o.env for o in helm_options}
-    defaults = helm.Chart.load(str(CHART)).values
+    defaults = chart_defaults()
     for o in helm_options:
         assert defaults[o.helm] == CHART_DEFAULTS.get(o.helm, o.default), o.helm
         assert config_map["data"][o.env] == str(values[o.helm]).lower() if isinstance(values[o.helm], bool) \
