@@ -47,7 +47,7 @@ def _group(chain: ChainSettings, d: dict) -> Tuple[str, int]:
     for k in range(chain.max_level):
         if name == n.level(k) or name.startswith(n.level(k) + "."):
             return "level", k
-    if chain.max_level and build(chain).in_chain(name):
+    if name.startswith(n.chain + "."):
         raise ValueError(f"chain object {name} belongs to no level")
     return "fixed", 0
 
@@ -88,9 +88,7 @@ def chain_data(queue_type: str, zero_bits: str) -> dict:
     # Rendered at resolutions 1 and 2 (the comparison tells which numbers are in units).
     # The top level and meditation size fit RabbitMQ's TTL cap at 1 ms only, where a unit is
     # a millisecond, so for them the 1 ms rendering alone is exact.
-    top = max_level_for(1)
-    at = {r: ChainSettings(prefix=_MARK, max_level=max_level_for(r), resolution_ms=r, queue_type=queue_type,
-                           zero_bits=zero_bits) for r in (1, 2)}
+    top, top_at_2 = max_level_for(1), max_level_for(2)
     fixed: List[dict] = []
     levels: List[List[dict]] = [[] for _ in range(top)]
     meditation: List[List[dict]] = [[] for _ in range(top)]
@@ -98,7 +96,7 @@ def chain_data(queue_type: str, zero_bits: str) -> dict:
     for size in range(1, top + 1):
         one = ChainSettings(prefix=_MARK, max_level=size, resolution_ms=1, queue_type=queue_type, zero_bits=zero_bits)
         two = _rendered(ChainSettings(prefix=_MARK, max_level=size, resolution_ms=2, queue_type=queue_type,
-                                      zero_bits=zero_bits)) if size <= at[2].max_level else {}
+                                      zero_bits=zero_bits)) if size <= top_at_2 else {}
         tag_one, tag_two = generation(1, queue_type, zero_bits), generation(2, queue_type, zero_bits)
         for key, d in _rendered(one).items():
             other = two.get((key[0], key[1].replace(tag_one, tag_two)))
