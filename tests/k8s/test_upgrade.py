@@ -130,15 +130,20 @@ def test_helm_upgrade_changes_the_chain_without_losing_or_delaying_a_message(bro
         [job] = by_kind(new_docs, "Job").values()
         declared = kubelet.run_to_completion(job, new_docs)
         assert declared.returncode == 0, declared.stderr
-        new_pods, threads = {}, []
+        new_pods, errors, threads = {}, [], []
+
+        def rollout(name: str, deployment: dict) -> None:
+            try:
+                new_pods[name] = roll(kubelet, old_pods[name], deployment, new_docs)
+            except Exception as exc:  # reported below, in the test's thread
+                errors.append(f"{name}: {exc}")
+
         for name, deployment in by_kind(new_docs, "Deployment").items():
-            t = threading.Thread(target=lambda n=name, d=deployment: new_pods.__setitem__(
-                n, roll(kubelet, old_pods[n], d, new_docs)))
-            threads.append(t)
-            t.start()
+            threads.append(threading.Thread(target=rollout, args=(name, deployment)))
+            threads[-1].start()
         for t in threads:
             t.join(60)
-        assert sorted(new_pods) == sorted(old_pods), "a rollout did not finish"
+        assert not errors and sorted(new_pods) == sorted(old_pods), errors or "a rollout did not finish"
         exits = [pod.wait() for pods in old_pods.values() for pod in pods]
         assert exits == [0] * len(exits), [p.logs()[-1500:] for ps in old_pods.values() for p in ps]
         publisher.join(SPREAD_S + 10)
