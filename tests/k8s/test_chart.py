@@ -10,6 +10,7 @@ import helm_python as helm
 import jsonschema
 import kubernetes_validate
 import pytest
+import yaml
 
 from gateway.cli import COMMANDS, parser
 from gateway.metrics import Metrics
@@ -19,7 +20,8 @@ from topology.chart import data_text, schema
 from topology.operator import ClusterReference, resources
 from topology.settings import MAX_LEVELS, max_level_for
 
-from .manifests import CHART, by_kind, effective_env, is_built_in, notes, pod_spec, render
+from ..test_cli import cli
+from .manifests import CHART, by_kind, effective_env, is_built_in, kustomize, notes, pod_spec, render
 
 KUBERNETES = ("1.25", kubernetes_validate.latest_version())  # the chart's kubeVersion floor, and the newest
 OPERATOR = {"mode": "operator", "clusterName": "rabbitmq", "clusterNamespace": "messaging", "vhost": "/"}
@@ -295,3 +297,24 @@ def test_notes_say_how_to_check_it():
     text = notes({})
     assert "helm test delay-gateway -n messaging" in text and "delay.check-in" in text
     assert "declared by the gateway itself" in notes({"topology": OPERATOR})
+
+
+def test_kubernetes_tooling_reads_every_rendered_document(tmp_path):
+    """kustomize (kyaml) parses strictly, as kubectl does: a duplicate key, which PyYAML
+    would let pass, is an error there. Every template's output, in both topology modes, and
+    the CLI's operator rendering."""
+    texts = []
+    for values, namespace in (({}, "job"), ({"topology": OPERATOR, "maxLevel": 5}, "operator")):
+        with helm.Chart.load(str(CHART)) as chart:  # two namespaces: no object appears twice
+            texts += [t for p, t in chart.render(values, name="delay-gateway", namespace=namespace).items()
+                      if not p.endswith("NOTES.txt") and t.strip()]
+    r = cli("render", "--format", "operator", "--cluster-name", "rabbitmq", "--max-level", "5", "--prefix", "cli")
+    assert r.returncode == 0, r.stderr
+    texts.append(r.stdout)
+    names = []
+    for i, text in enumerate(texts):
+        (tmp_path / f"{i}.yaml").write_text(text)
+        names.append(f"{i}.yaml")
+    (tmp_path / "kustomization.yaml").write_text(json.dumps({"resources": names}))
+    expected = sum(1 for t in texts for d in yaml.safe_load_all(t) if d)
+    assert len(kustomize(tmp_path)) == expected
