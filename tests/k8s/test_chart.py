@@ -27,13 +27,19 @@ KUBERNETES = ("1.25", kubernetes_validate.latest_version())  # the chart's kubeV
 OPERATOR = {"mode": "operator", "clusterName": "rabbitmq", "clusterNamespace": "messaging", "vhost": "/"}
 CASES = [{}] + [{"maxLevel": level, "zeroBits": zero_bits, "topology": topology}
                 for level in (1, 16, 28) for zero_bits in ("queue", "exchange")
-                for topology in ({"mode": "job"}, OPERATOR)]
+                for topology in ({"mode": "job"}, OPERATOR)] + [
+    {"tls": {"caSecret": "rabbit-ca", "clientSecret": "gateway-cert"}, "networkPolicy": {
+        "metricsFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]},
+     "metrics": {"serviceMonitor": {"enabled": True}, "dashboard": {"enabled": True}},
+     "nodeSelector": {"kubernetes.io/os": "linux"}, "imagePullSecrets": [{"name": "registry"}]}]
 # Settings whose chart default differs from the gateway's, and why
 CHART_DEFAULTS = {"metricsPort": 9090,  # the probes need the health endpoints
                   "logFormat": "json"}  # explicit: no terminal in a pod
 
 
 def case_id(values: dict) -> str:
+    if "tls" in values:
+        return "tls,metricsFrom,serviceMonitor,dashboard,nodeSelector,imagePullSecrets"
     return ",".join(f"{k}={v.get('mode') if isinstance(v, dict) else v}" for k, v in values.items()) or "defaults"
 
 
