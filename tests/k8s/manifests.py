@@ -130,3 +130,37 @@ def _clean_meta(meta: dict) -> None:
         meta["annotations"] = annotations
     else:
         meta.pop("annotations", None)
+
+
+# -- messaging-topology-operator resources ----------------------------------------------
+# The fields of the operator's rabbitmq.com/v1beta1 specs (its api/v1beta1 *_types.go: names
+# and enums, written out here rather than copied): the API server drops a field its CRD
+# does not know without a word, so a misspelt one would silently change what is declared.
+_REFERENCE = {"type": "object", "additionalProperties": False,
+              "properties": {"name": {"type": "string"}, "namespace": {"type": "string"},
+                             "connectionSecret": {"type": "object", "required": ["name"],
+                                                  "properties": {"name": {"type": "string"}}}},
+              "oneOf": [{"required": ["name"]}, {"required": ["connectionSecret"]}]}
+_COMMON = {"vhost": {"type": "string"}, "arguments": {"type": "object"}, "rabbitmqClusterReference": _REFERENCE}
+OPERATOR_SPECS = {
+    "Exchange": {"required": ["name", "rabbitmqClusterReference"], "properties": {
+        **_COMMON, "name": {"type": "string", "minLength": 1},
+        "type": {"enum": ["direct", "fanout", "headers", "topic"]},
+        "durable": {"type": "boolean"}, "autoDelete": {"type": "boolean"}}},
+    "Queue": {"required": ["name", "rabbitmqClusterReference"], "properties": {
+        **_COMMON, "name": {"type": "string", "minLength": 1}, "type": {"type": "string"},
+        "durable": {"type": "boolean"}, "autoDelete": {"type": "boolean"}, "deleteIfEmpty": {"type": "boolean"},
+        "deleteIfUnused": {"type": "boolean"}, "deletionPolicy": {"enum": ["delete", "retain"]}}},
+    "Binding": {"required": ["rabbitmqClusterReference"], "properties": {
+        **_COMMON, "source": {"type": "string"}, "destination": {"type": "string"},
+        "destinationType": {"enum": ["exchange", "queue"]}, "routingKey": {"type": "string"}}},
+}
+
+
+def check_operator_resource(doc: dict) -> None:
+    import jsonschema
+
+    assert doc["apiVersion"] == "rabbitmq.com/v1beta1"
+    spec_schema = {"type": "object", "additionalProperties": False, **OPERATOR_SPECS[doc["kind"]]}
+    jsonschema.validate(doc["spec"], spec_schema)
+    assert set(doc) <= {"apiVersion", "kind", "metadata", "spec"}

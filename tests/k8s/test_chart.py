@@ -21,7 +21,8 @@ from topology.operator import ClusterReference, resources
 from topology.settings import MAX_LEVELS, max_level_for
 
 from ..test_cli import cli
-from .manifests import CHART, by_kind, effective_env, is_built_in, kustomize, notes, pod_spec, render
+from .manifests import (CHART, by_kind, check_operator_resource, effective_env, is_built_in, kustomize, notes,
+                        pod_spec, render)
 
 KUBERNETES = ("1.25", kubernetes_validate.latest_version())  # the chart's kubeVersion floor, and the newest
 OPERATOR = {"mode": "operator", "clusterName": "rabbitmq", "clusterNamespace": "messaging", "vhost": "/"}
@@ -61,6 +62,8 @@ def test_every_rendered_object_is_valid(values):
     crs = [d for d in docs if d["apiVersion"] == "rabbitmq.com/v1beta1"]
     assert bool(crs) == operator
     assert bool(by_kind(docs, "Job")) == (not operator)
+    for doc in crs:
+        check_operator_resource(doc)
     if operator:
         chain = ChainSettings(**{k: v for k, v in (("max_level", values.get("maxLevel")),
                                                    ("zero_bits", values.get("zeroBits"))) if v})

@@ -27,6 +27,7 @@ from topology.render import render
 
 from ..support import chain_args, connect, remove, unique_prefix
 from ..test_cli import cli
+from .manifests import check_operator_resource
 
 SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 COMBOS = [(q, z) for q in ("quorum", "classic") for z in ("queue", "exchange")]
@@ -127,6 +128,7 @@ def test_operator_resources_are_the_definitions_less_the_internal_exchange(queue
     assert [e.name for e in left_out(t)] == ["p.returning"]
     assert sort(as_definitions(docs)) == sort(without(definitions(t, "prod"), left_out(t)))
     for d in docs:
+        check_operator_resource(d)
         assert SUBDOMAIN.match(d["metadata"]["name"]) and len(d["metadata"]["name"]) <= 253
         assert d["spec"]["rabbitmqClusterReference"] == {"name": "rabbit", "namespace": "messaging"}
         # the operator's webhook refuses a quorum queue that is not durable
