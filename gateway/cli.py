@@ -18,7 +18,7 @@ from topology.render import DESCRIPTIONS, FORMATS, render
 from topology.retirement import DeleteExchange, DeleteQueue, MarkRetired, SealQueues, Unused
 from topology.routing import trace
 
-from . import codec, logs, parked, status, upkeep
+from . import codec, logs, parked, selftest, status, upkeep
 from .amqp import BrokerError, blocking_channel
 from .clock import wall_ms
 from .publish import Publisher, parse_headers
@@ -122,10 +122,20 @@ def render_arguments(p: argparse.ArgumentParser) -> None:
     described = "; ".join(f"{name}: {DESCRIPTIONS.get(name, name)}" for name in sorted(FORMATS))
     p.add_argument("--format", choices=sorted(FORMATS), default="definitions", help=described)
     p.add_argument("--vhost", default="/", help="the virtual host the objects belong to (default /)")
+    operator = p.add_argument_group("operator format: the RabbitmqCluster the resources belong to")
+    operator.add_argument("--cluster-name", help="name of the RabbitmqCluster object")
+    operator.add_argument("--cluster-namespace", help="its namespace (default: the resources' own)")
+    operator.add_argument("--connection-secret", metavar="SECRET",
+                          help="instead of --cluster-name: a Secret with the HTTP API's uri, username, password")
 
 
 def cmd_render(args) -> int:
-    sys.stdout.write(render(args.format, build(chain_from(args)), args))
+    topology = build(chain_from(args))
+    try:
+        text = render(args.format, topology, args)
+    except ValueError as exc:  # options the format cannot work with
+        raise UsageError(str(exc)) from None
+    sys.stdout.write(text)
     return 0
 
 
@@ -288,6 +298,11 @@ def cmd_parked(args) -> int:
                                                          tls_from(args)), chain_from(args))
 
 
+def cmd_selftest(args) -> int:
+    return selftest.run(args, lambda: blocking_channel(urls_from(args)[0], "delay-gateway selftest",
+                                                       tls_from(args)), chain_from(args))
+
+
 def demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--delays", type=_argument(_delays), default="3000,0,1500,4500,750,2250",
                    help="comma-separated delays in ms (default 3000,0,1500,4500,750,2250)")
@@ -337,6 +352,8 @@ COMMANDS = {
                        explain_arguments),
     "parked": Command("list parked messages, or replay them once their cause is fixed", BROKER + ("chain",),
                       cmd_parked, parked.add_options),
+    "selftest": Command("publish one delayed message through the running gateway and wait for it at pick-up",
+                        BROKER + ("chain",), cmd_selftest, selftest.add_arguments),
     "demo": Command("start the gateway, publish a few delayed messages and watch them arrive",
                     BROKER + ("chain",), cmd_demo, demo_arguments),
     "bench": Command("measure lateness, throughput and memory against a real broker", BROKER, cmd_bench,

@@ -8,7 +8,7 @@ tests/test_render.py proves every entry against a real broker, with one reader p
 
 from typing import Callable, Dict
 
-from . import definitions, terraform
+from . import definitions, operator, terraform
 from .model import Topology
 
 Renderer = Callable[[Topology, object], str]
@@ -16,6 +16,9 @@ Renderer = Callable[[Topology, object], str]
 FORMATS: Dict[str, Renderer] = {
     "definitions": lambda topology, options: definitions.render(topology, getattr(options, "vhost", "/")),
     "terraform": terraform.render,
+    # messaging-topology-operator resources; options: cluster_name, cluster_namespace,
+    # connection_secret, vhost
+    "operator": operator.render,
 }
 
 # One line each for `delay-gateway render --help`.
@@ -23,6 +26,8 @@ DESCRIPTIONS: Dict[str, str] = {
     "definitions": "JSON for `rabbitmqctl import_definitions` or the management UI",
     "terraform": "a Terraform module for the cyrilgdn/rabbitmq provider (variables: vhost, and the HTTP API "
                  "for the one internal exchange)",
+    "operator": "YAML for kubectl apply: messaging-topology-operator Exchange, Queue and Binding resources "
+                "(the internal exchange is left to the gateway's own declare)",
 }
 
 

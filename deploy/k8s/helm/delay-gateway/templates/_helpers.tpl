@@ -1,0 +1,269 @@
+{{/* Names ------------------------------------------------------------------------------ */}}
+{{- define "delay-gateway.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "delay-gateway.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "delay-gateway.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "delay-gateway.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "delay-gateway.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "delay-gateway.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* Labels: the standard app.kubernetes.io set; call with (dict "root" $ "component" "check-in") */}}
+{{- define "delay-gateway.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "delay-gateway.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+{{- if .component }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+{{- end -}}
+
+{{- define "delay-gateway.labels" -}}
+helm.sh/chart: {{ include "delay-gateway.chart" .root }}
+{{ include "delay-gateway.selectorLabels" . }}
+app.kubernetes.io/part-of: delay-gateway
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+{{- end -}}
+
+{{/* The gateway's settings, DELAY_GATEWAY_* of gateway/settings.py's OPTIONS (each option
+     that has a Helm value name); the ConfigMap holds them, the topology Job sets them
+     directly (it runs before an upgrade changes the ConfigMap). */}}
+{{- define "delay-gateway.settings" -}}
+DELAY_GATEWAY_PREFIX: {{ .Values.prefix | quote }}
+DELAY_GATEWAY_MAX_LEVEL: {{ int64 .Values.maxLevel | quote }}
+DELAY_GATEWAY_RESOLUTION_MS: {{ int64 .Values.resolutionMs | quote }}
+DELAY_GATEWAY_QUEUE_TYPE: {{ .Values.queueType | quote }}
+DELAY_GATEWAY_ZERO_BITS: {{ .Values.zeroBits | quote }}
+DELAY_GATEWAY_PREFETCH: {{ int64 .Values.prefetch | quote }}
+DELAY_GATEWAY_DISTRIBUTOR_PREFETCH: {{ int64 .Values.distributorPrefetch | quote }}
+DELAY_GATEWAY_LEAD_MS: {{ int64 .Values.leadMs | quote }}
+DELAY_GATEWAY_STAMP_DUE_AT: {{ .Values.stampDueAt | toString | quote }}
+DELAY_GATEWAY_METRICS_PORT: {{ int64 .Values.metricsPort | quote }}
+DELAY_GATEWAY_LOG_LEVEL: {{ .Values.logLevel | quote }}
+DELAY_GATEWAY_LOG_FORMAT: {{ .Values.logFormat | quote }}
+DELAY_GATEWAY_RETIRE: {{ .Values.retire | toString | quote }}
+DELAY_GATEWAY_RETIRE_AFTER: {{ .Values.retireAfterSeconds | toString | quote }}
+{{- end -}}
+
+{{/* Where the broker's secrets appear inside the container */}}
+{{- define "delay-gateway.brokerEnv" -}}
+- name: DELAY_GATEWAY_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.broker.secretName }}
+      key: {{ .Values.broker.urlKey }}
+- name: DELAY_GATEWAY_PASSWORD_FILE
+  value: /etc/delay-gateway/broker/password
+{{- if .Values.tls.caSecret }}
+- name: DELAY_GATEWAY_TLS_CA_FILE
+  value: /etc/delay-gateway/tls-ca/ca.crt
+{{- end }}
+{{- if .Values.tls.clientSecret }}
+- name: DELAY_GATEWAY_TLS_CERT_FILE
+  value: /etc/delay-gateway/tls-client/tls.crt
+- name: DELAY_GATEWAY_TLS_KEY_FILE
+  value: /etc/delay-gateway/tls-client/tls.key
+{{- end }}
+{{- end -}}
+
+{{- define "delay-gateway.volumeMounts" -}}
+- name: broker
+  mountPath: /etc/delay-gateway/broker
+  readOnly: true
+- name: tmp
+  mountPath: /tmp
+{{- if .Values.tls.caSecret }}
+- name: tls-ca
+  mountPath: /etc/delay-gateway/tls-ca
+  readOnly: true
+{{- end }}
+{{- if .Values.tls.clientSecret }}
+- name: tls-client
+  mountPath: /etc/delay-gateway/tls-client
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "delay-gateway.volumes" -}}
+- name: broker
+  secret:
+    secretName: {{ .Values.broker.secretName }}
+    defaultMode: 0440
+    items:
+      - key: {{ .Values.broker.passwordKey }}
+        path: password
+- name: tmp
+  emptyDir:
+    sizeLimit: 16Mi
+{{- if .Values.tls.caSecret }}
+- name: tls-ca
+  secret:
+    secretName: {{ .Values.tls.caSecret }}
+    defaultMode: 0440
+    items:
+      - key: {{ .Values.tls.caKey }}
+        path: ca.crt
+{{- end }}
+{{- if .Values.tls.clientSecret }}
+- name: tls-client
+  secret:
+    secretName: {{ .Values.tls.clientSecret }}
+    defaultMode: 0440
+    items:
+      - key: tls.crt
+        path: tls.crt
+      - key: tls.key
+        path: tls.key
+{{- end }}
+{{- end -}}
+
+{{/* Non-root, read-only root filesystem, no privilege escalation, no capabilities */}}
+{{- define "delay-gateway.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: 10001
+runAsGroup: 10001
+fsGroup: 10001
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{- define "delay-gateway.securityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+runAsNonRoot: true
+capabilities:
+  drop: [ALL]
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{/* The pod spec parts every gateway pod shares; call with the root context */}}
+{{- define "delay-gateway.podCommon" -}}
+serviceAccountName: {{ include "delay-gateway.serviceAccountName" . }}
+automountServiceAccountToken: false
+securityContext:
+  {{- include "delay-gateway.podSecurityContext" . | nindent 2 }}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* One role's Deployment; call with (dict "root" $ "role" "check-in" "values" .Values.checkIn) */}}
+{{- define "delay-gateway.deployment" -}}
+{{- $root := .root -}}
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {{ include "delay-gateway.fullname" $root }}-{{ .role }}
+  namespace: {{ $root.Release.Namespace }}
+  labels:
+    {{- include "delay-gateway.labels" (dict "root" $root "component" .role) | nindent 4 }}
+spec:
+  replicas: {{ int64 .values.replicas }}
+  revisionHistoryLimit: 5
+  # a new pod must be consuming (ready) before an old one stops: no gap in consumers
+  strategy:
+    type: RollingUpdate
+    rollingUpdate:
+      maxSurge: 1
+      maxUnavailable: 0
+  selector:
+    matchLabels:
+      {{- include "delay-gateway.selectorLabels" (dict "root" $root "component" .role) | nindent 6 }}
+  template:
+    metadata:
+      labels:
+        {{- include "delay-gateway.labels" (dict "root" $root "component" .role) | nindent 8 }}
+      annotations:
+        checksum/settings: {{ include "delay-gateway.settings" $root | sha256sum }}
+        {{- with $root.Values.podAnnotations }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+    spec:
+      {{- include "delay-gateway.podCommon" $root | nindent 6 }}
+      # SIGTERM: stop consuming, hand back held messages, wait up to 10 s for confirms
+      terminationGracePeriodSeconds: 30
+      containers:
+        - name: gateway
+          image: {{ include "delay-gateway.image" $root }}
+          imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+          args: [run, --role, {{ .role }}]
+          envFrom:
+            - configMapRef:
+                name: {{ include "delay-gateway.fullname" $root }}-settings
+          env:
+            {{- include "delay-gateway.brokerEnv" $root | nindent 12 }}
+          ports:
+            - name: metrics
+              containerPort: {{ int64 $root.Values.metricsPort }}
+              protocol: TCP
+          # alive: the worker's loop reports (a hung process is restarted; one waiting for
+          # the broker with backoff is not)
+          livenessProbe:
+            httpGet: {path: /healthz, port: metrics}
+            periodSeconds: 10
+            timeoutSeconds: 3
+            failureThreshold: 3
+          # ready: connected and consuming every queue of the role
+          readinessProbe:
+            httpGet: {path: /readyz, port: metrics}
+            periodSeconds: 5
+            timeoutSeconds: 3
+            failureThreshold: 2
+          resources:
+            {{- toYaml .values.resources | nindent 12 }}
+          securityContext:
+            {{- include "delay-gateway.securityContext" $root | nindent 12 }}
+          volumeMounts:
+            {{- include "delay-gateway.volumeMounts" $root | nindent 12 }}
+      volumes:
+        {{- include "delay-gateway.volumes" $root | nindent 8 }}
+{{- end -}}
+
+{{/* One role's PodDisruptionBudget */}}
+{{- define "delay-gateway.pdb" -}}
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ include "delay-gateway.fullname" .root }}-{{ .role }}
+  namespace: {{ .root.Release.Namespace }}
+  labels:
+    {{- include "delay-gateway.labels" (dict "root" .root "component" .role) | nindent 4 }}
+spec:
+  maxUnavailable: {{ .root.Values.podDisruptionBudget.maxUnavailable }}
+  selector:
+    matchLabels:
+      {{- include "delay-gateway.selectorLabels" (dict "root" .root "component" .role) | nindent 6 }}
+{{- end -}}
