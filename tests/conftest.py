@@ -6,6 +6,17 @@ import pytest
 from .support import GatewayProcess, broker_url, chains
 
 
+# Fixtures that talk to a broker: a test using one (directly or through another) is marked
+# `broker`, so `pytest -m "not broker"` runs the pure tests in seconds with no broker at all.
+BROKER_FIXTURES = {"broker", "make_chain", "run_gateway", "own_cluster", "own_node", "node_chain"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if BROKER_FIXTURES & set(getattr(item, "fixturenames", ())) or "/faults/" in str(item.fspath):
+            item.add_marker(pytest.mark.broker)
+
+
 @pytest.fixture(scope="session")
 def broker() -> str:
     """A reachable broker, or a failure that says how to get one (never a skip)."""

@@ -61,7 +61,7 @@ def test_publish_and_declare_commands_end_to_end(make_chain, run_gateway):
         assert m.at_ms >= before + 400
 
 
-def test_demo_runs_and_checks_its_own_result():
+def test_demo_runs_and_checks_its_own_result(broker):
     prefix = "demo" + str(now_ms())
     r = cli("demo", "--prefix", prefix, "--max-level", "4", "--delays", "600,0,300", timeout=120)
     try:

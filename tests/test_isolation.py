@@ -129,7 +129,7 @@ def test_a_publisher_cannot_reach_the_returning_entrance(make_chain):
         assert refused.value.reply_code == 403
 
 
-def test_a_missing_topology_is_one_line_and_an_exit_not_a_loop():
+def test_a_missing_topology_is_one_line_and_an_exit_not_a_loop(broker):
     start = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "gateway", "run", "--no-declare", "--prefix", "nosuchprefix",
                         "--url", broker_url(), "--log-format", "json"],
