@@ -1,8 +1,9 @@
 """The values that pass between a consumer and its handler (pure)."""
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
+from .carrier import Entry
 from .wire import Properties
 
 
@@ -27,3 +28,18 @@ class Forward:
     not_before_ms: Optional[int] = None  # hold until then (epoch ms)
     reason: Optional[str] = None  # why it is parked
     mandatory: bool = False  # pick-up: a message nobody is bound for comes back, to be parked
+    entry: Optional[Entry] = None  # the one publisher's message it carries, if it is one
+
+
+@dataclass(frozen=True)
+class Enqueue:
+    """Send this publisher's message on this route, in a carrier with others going the same
+    way (carrier.Batcher), or alone."""
+
+    exchange: str
+    routing_key: bytes
+    outcome: str  # chain, meditation, distributor
+    entry: Entry
+
+
+Action = Union[Forward, Enqueue]

@@ -4,25 +4,27 @@ It consumes and acknowledges on one channel and publishes, with confirms, on ano
 that a publish the broker refuses with a channel error closes only the publishing channel:
 nothing consumed goes back to its queue, nothing is delivered twice, and the channel is
 opened again at once. Everything about which delivery may be acknowledged when lives in
-`Deliveries`; this class only turns pika's callbacks into its events and its answers into
-frames.
+`Deliveries`; batching into carriers in `carrier.Batcher`; this class turns pika's
+callbacks into their events and their answers into frames.
 """
 
 import logging
-from typing import Callable, Dict, Optional
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import structlog
 from pika import spec
 from pika.exceptions import AMQPError
 
-from . import codec, handlers
-from .actions import Delivery, Forward
+from . import codec, envelope, handlers
+from .actions import Action, Delivery, Enqueue, Forward
+from .carrier import Batch, Batcher, Entry
 from .clock import wall_ms
 from .deliveries import Deliveries, Outcome, Publication
-from .envelope import as_bytes
 from .metrics import Metrics
 
-Handler = Callable[[Delivery], Forward]
+Handler = Callable[[Delivery], List[Action]]
 ACK_FLUSH_S = 0.005
 ACK_BATCH = 500
 # A publish the broker refuses (basic.nack: a quorum queue without a leader during a
@@ -38,14 +40,26 @@ REFUSED_RECONNECT = 3
 # retrying the message cannot help (the worker reports them and gives up).
 NOT_THE_MESSAGE = (403, 404)
 
+Member = Tuple[int, Optional[Entry]]  # a delivery tag, and the publisher's message if it is one
+
+
+@dataclass
+class Out:
+    """What one publication is: the frame to send, and whose messages it holds."""
+
+    forward: Forward
+    members: Sequence[Member]
+
 
 class Pipe:
     def __init__(self, connection, queue: str, handler: Handler, prefetch: int, metrics: Metrics,
                  names, clock: Callable[[], int] = wall_ms,
-                 on_fatal: Optional[Callable[[Exception], None]] = None) -> None:
+                 on_fatal: Optional[Callable[[Exception], None]] = None,
+                 batcher: Optional[Batcher] = None) -> None:
         self._connection, self._queue, self._handler = connection, queue, handler
         self._prefetch, self._metrics, self._clock, self._names = prefetch, metrics, clock, names
         self._on_fatal = on_fatal or (lambda exc: None)
+        self._batcher = batcher or Batcher(1, 1, 0)
         self._log = structlog.get_logger("gateway").bind(queue=queue)
         # Per-message hot path: a debug event costs structlog's processors even when the
         # level filters it out later, and .labels() a lock and a lookup; decide/look up once.
@@ -54,9 +68,12 @@ class Pipe:
         self._held_gauge = metrics.held.labels(queue)
         self._state = Deliveries()
         self._delivered: Dict[int, Delivery] = {}  # outstanding deliveries (to park them)
-        self._timers: Dict[int, object] = {}  # held delivery tag -> timer
+        self._left: Counter = Counter()  # tag -> its messages not yet in a sent publication
+        self._held: Dict[Tuple[int, int], Tuple[object, Forward]] = {}  # (tag, n) -> timer, release
+        self._batch_timer = None
         self._consume = None
         self._publish = None
+        self._refusal = "?"
         self._consumer_tag: Optional[str] = None
         self._flush_timer = None
         self._on_stopped: Optional[Callable[[], None]] = None
@@ -106,8 +123,7 @@ class Pipe:
         # fresh connection; unacked deliveries return to their queue. The worker decides
         # from the reason whether that can help, and says it once.
         self._on_fatal(reason)
-        if self._connection.is_open:
-            self._connection.close()
+        self._connection.close()
 
     def _on_publish_closed(self, channel, reason) -> None:
         self._publish = None
@@ -127,7 +143,8 @@ class Pipe:
         self._connection.channel(on_open_callback=self._on_publish_open)
 
     def stop(self, on_stopped: Callable[[], None]) -> None:
-        """Stop consuming, hand back held messages, wait for outstanding confirms."""
+        """Stop consuming; send on what waits in batches; hand held messages back to the
+        distributor queue (for another gateway); wait for outstanding confirms."""
         self._on_stopped = on_stopped
         if self._consume is None or not self._consume.is_open:
             return self._finish()
@@ -138,15 +155,21 @@ class Pipe:
     def _drain(self) -> None:
         self._consumer_tag = None
         self.consuming = False
-        returned = 0
-        for tag in self._state.held_tags():
-            self._connection.ioloop.remove_timeout(self._timers.pop(tag))
-            self._state.reject(tag)
-            self._delivered.pop(tag, None)
-            self._consume.basic_nack(tag, requeue=True)
-            returned += 1
+        for batch in self._batcher.drain():
+            self._flush_batch(batch)
+        # A held message is due within a unit or so: it goes back into the distributor
+        # queue, where another gateway (or this one, restarted) holds it until due. Handing
+        # back the delivery instead would repeat those of a carrier already published.
+        held = sorted(self._held.items())
+        for (tag, _), (timer, release) in held:
+            self._connection.ioloop.remove_timeout(timer)
+            self._state.release(tag)
+            e = release.entry
+            self._send([tag], Forward(self._names.distributor, b"", envelope.inside(e.user, e.routing_key, e.due_ms),
+                                      e.body, "handed back", entry=e), [(tag, e)])
+        self._held.clear()
         self._held_gauge.set(self._state.held)
-        self._log.info("stopping", returned=returned, unconfirmed=self._state.unconfirmed)
+        self._log.info("stopping", returned=len(held), unconfirmed=self._state.unconfirmed)
         self._maybe_finished()
 
     def _maybe_finished(self) -> None:
@@ -160,58 +183,97 @@ class Pipe:
             callback()
 
     def _forget(self) -> None:
-        for tag in self._state.lost():
-            self._connection.ioloop.remove_timeout(self._timers.pop(tag))
-        self._timers.clear()
+        self._state.lost()
+        for timer, _ in self._held.values():
+            self._connection.ioloop.remove_timeout(timer)
+        self._held.clear()
+        self._batcher.drain()
         self._delivered.clear()
+        self._left.clear()
         self._held_gauge.set(0)
 
     # -- messages ----------------------------------------------------------------------
     def _on_message(self, channel, method, properties, body) -> None:
         tag = method.delivery_tag
-        d = Delivery(method.exchange, as_bytes(method.routing_key), properties.wire, body, method.redelivered)
+        d = Delivery(method.exchange, envelope.as_bytes(method.routing_key), properties.wire, body,
+                     method.redelivered)
         self._state.received(tag)
         self._delivered[tag] = d
         try:
-            action = self._handler(d)
+            actions = self._handler(d)
         except Exception as exc:  # a bug must not stop the gateway, nor lose the message
             self._log.exception("handler_failed", routing_key=method.routing_key)
-            action = handlers.park_inside(self._names, d, f"the gateway failed on it: {exc!r}") \
-                if self._queue != self._names.check_in else handlers.park(
-                    self._names, d.props, d.routing_key, d.body, f"the gateway failed on it: {exc!r}")
-        self._count(action)
-        wait_ms = (action.not_before_ms - self._clock()) if action.not_before_ms else 0
-        if wait_ms > 0:
-            self._state.hold(tag)
-            self._held_gauge.set(self._state.held)
-            self._timers[tag] = self._connection.ioloop.call_later(wait_ms / 1000, lambda: self._release(tag, action))
-        else:
-            self._send(tag, action)
+            reason = f"the gateway failed on it: {exc!r}"
+            actions = [handlers.park(self._names, d.props, d.routing_key, d.body, reason)] \
+                if self._queue == self._names.check_in else handlers.park_delivery(self._names, d, reason)
+        self._left[tag] = len(actions)
+        if not actions:
+            self._state.finish(tag)
+        now = self._clock()
+        for n, action in enumerate(actions):
+            self._count(action)
+            if isinstance(action, Enqueue):
+                for batch in self._batcher.add((action.exchange, action.routing_key, action.outcome), tag,
+                                               action.entry, now):
+                    self._flush_batch(batch)
+            elif action.not_before_ms is not None and action.not_before_ms > now:
+                self._state.hold(tag)
+                self._held[(tag, n)] = (self._connection.ioloop.call_later(
+                    (action.not_before_ms - now) / 1000, lambda key=(tag, n): self._release(key)), action)
+            else:
+                self._send([tag], action, [(tag, action.entry)])
+        self._held_gauge.set(self._state.held)
+        self._schedule_batches()
 
-    def _count(self, action: Forward) -> None:
+    def _count(self, action: Action) -> None:
         counter = self._counters.get(action.outcome)
         if counter is None:
             counter = self._counters[action.outcome] = self._metrics.forwarded.labels(self._queue, action.outcome)
         counter.inc()
         if action.outcome == "parked":
             self._metrics.parked.labels(self._queue).inc()
-            self._log.warning("parked", reason=action.reason, routing_key=action.routing_key.decode(
-                "utf-8", "backslashreplace"))
+            self._log.warning("parked", reason=action.reason, routing_key=envelope.shown(action.routing_key))
 
-    def _release(self, tag: int, action: Forward) -> None:
-        self._timers.pop(tag, None)
-        if self._state.release(tag):
+    def _release(self, key: Tuple[int, int]) -> None:
+        held = self._held.pop(key, None)
+        if held is not None and self._state.release(key[0]):
             self._held_gauge.set(self._state.held)
-            self._send(tag, action)
+            self._send([key[0]], held[1], [(key[0], held[1].entry)])
 
-    def _send(self, tag: int, action: Forward, parking: bool = False) -> None:
-        if action.not_before_ms is not None:
-            self._metrics.lateness.observe(max(0, self._clock() - action.not_before_ms) / 1000)
-        self._do(self._state.publish((tag,), action, parking=parking or action.outcome == "parked"))
+    def _schedule_batches(self) -> None:
+        deadline = self._batcher.next_deadline()
+        if deadline is None or self._batch_timer is not None:
+            return
+        self._batch_timer = self._connection.ioloop.call_later(
+            max(0, deadline - self._clock()) / 1000, self._batches_due)
+
+    def _batches_due(self) -> None:
+        self._batch_timer = None
+        for batch in self._batcher.expired(self._clock()):
+            self._flush_batch(batch)
+        self._schedule_batches()
+
+    def _flush_batch(self, batch: Batch) -> None:
+        exchange, key, outcome = batch.key
+        self._send([tag for tag, _ in batch.items],
+                   handlers.carry(exchange, key, outcome, [e for _, e in batch.items]), batch.items)
+
+    def _send(self, tags: List[int], forward: Forward, members: Sequence[Member]) -> None:
+        """Publish `forward` for the messages of these deliveries (one tag per message)."""
+        if forward.not_before_ms is not None:
+            self._metrics.lateness.observe(max(0, self._clock() - forward.not_before_ms) / 1000)
+        finishing = []
+        for tag, n in Counter(tags).items():
+            self._left[tag] -= n
+            if self._left[tag] <= 0:
+                del self._left[tag]
+                finishing.append(tag)
+        self._do(self._state.publish(tuple(dict.fromkeys(tags)), Out(forward, members), finishing,
+                                     parking=forward.outcome == "parked"))
 
     def _do(self, outcome: Outcome) -> None:
         for pub in outcome.send:
-            f: Forward = pub.payload
+            f: Forward = pub.payload.forward
             try:
                 self._publish.basic_publish(f.exchange, f.routing_key, f.body, codec.RawProperties(f.props),
                                             mandatory=f.mandatory)
@@ -219,28 +281,33 @@ class Pipe:
                 self._log.warning("publish_failed", error=str(exc))
                 return
             if self._debug:
-                self._log.debug(f.outcome, exchange=f.exchange, routing_key=f.routing_key)
+                self._log.debug(f.outcome, exchange=f.exchange, routing_key=envelope.shown(f.routing_key))
         for pub in outcome.refused:
             self._refused(pub)
         for pub in outcome.returned:
-            self._park(pub, lambda d: self._handler.unroutable(d))
+            self._park(pub, lambda e: self._handler.unroutable(e))
         for pub in outcome.guilty:
-            reason = f"the broker refused to take it: {getattr(self, '_refusal', '?')}"
-            self._park(pub, lambda d: handlers.park_inside(self._names, d, reason)
-                       if self._queue != self._names.check_in else
-                       handlers.park(self._names, d.props, d.routing_key, d.body, reason))
+            reason = f"the broker refused to take it: {self._refusal}"
+            self._park(pub, lambda e: handlers.park_entry(self._names, e, reason), reason)
         for tag in outcome.reject:
             self._log.error("rejected_to_dead_letter", delivery_tag=tag)
             self._delivered.pop(tag, None)
             self._consume.basic_nack(tag, requeue=False)
 
-    def _park(self, pub: Publication, parked: Callable[[Delivery], Forward]) -> None:
-        for tag in pub.tags:
-            d = self._delivered.get(tag)
-            if d is not None:
-                action = parked(d)
-                self._count(action)
-                self._do(self._state.publish((tag,), action, parking=True))
+    def _park(self, pub: Publication, parked: Callable[[Entry], Forward], reason: str = "") -> None:
+        """Publish a parked copy of each message of a publication that cannot go on."""
+        for tag, entry in pub.payload.members:
+            if tag not in self._state:
+                continue
+            if entry is not None:
+                copies = [parked(entry)]
+            else:  # not a publisher's message of its own: park the delivery it came from
+                d = self._delivered[tag]
+                copies = [handlers.park(self._names, d.props, d.routing_key, d.body, reason)] \
+                    if self._queue == self._names.check_in else handlers.park_delivery(self._names, d, reason)
+            for copy in copies:
+                self._count(copy)
+                self._do(self._state.publish((tag,), Out(copy, [(tag, copy.entry)]), (), parking=True))
 
     def _refused(self, pub: Publication) -> None:
         if pub.refused > REFUSED_RECONNECT:
@@ -252,9 +319,9 @@ class Pipe:
         self._connection.ioloop.call_later(RETRY_REFUSED_S, lambda: self._do(self._state.retry(pub)))
 
     def _on_return(self, channel, method, properties, body) -> None:
-        key = as_bytes(method.routing_key)
+        key = envelope.as_bytes(method.routing_key)
         for pub in self._state.inflight():
-            f: Forward = pub.payload
+            f: Forward = pub.payload.forward
             if f.mandatory and f.routing_key == key and f.body == body and f.props.raw == properties.wire.raw:
                 self._state.returned(pub.seq)
                 return

@@ -25,7 +25,7 @@ does what the answers say. The rules:
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, Optional, Set, Tuple
+from typing import Any, Deque, Dict, Iterable, List, Optional, Set, Tuple
 
 
 @dataclass
@@ -54,7 +54,7 @@ class Outcome:
 class _Delivery:
     finished: bool = False
     pending: int = 0  # publishes made for it and not yet confirmed
-    held: bool = False
+    holds: int = 0  # its messages held until their time (a carrier holds several)
     done: bool = False
 
 
@@ -68,7 +68,7 @@ class Deliveries:
         self._isolated: Optional[Publication] = None  # the one suspect on the channel
         self._seq = 0
         self._open = False
-        self.held = 0  # deliveries held until their time (a gauge)
+        self.held = 0  # messages held until their time (a gauge)
 
     # -- queries --------------------------------------------------------------------------
     def __contains__(self, tag: int) -> bool:
@@ -90,7 +90,7 @@ class Deliveries:
         return list(self._inflight.values())
 
     def held_tags(self) -> List[int]:
-        return [t for t, d in self._deliveries.items() if d.held]
+        return [t for t, d in self._deliveries.items() if d.holds]
 
     # -- deliveries -----------------------------------------------------------------------
     def received(self, tag: int) -> None:
@@ -99,17 +99,16 @@ class Deliveries:
         self._deliveries[tag] = _Delivery()
 
     def hold(self, tag: int) -> None:
-        d = self._deliveries[tag]
-        if not d.held:
-            d.held = True
-            self.held += 1
+        """One of its messages waits for its time."""
+        self._deliveries[tag].holds += 1
+        self.held += 1
 
     def release(self, tag: int) -> bool:
-        """The hold is over; False if the delivery is no longer outstanding (a stale timer)."""
+        """A hold is over; False if the delivery is no longer outstanding (a stale timer)."""
         d = self._deliveries.get(tag)
-        if d is None or not d.held:
+        if d is None or not d.holds:
             return False
-        d.held = False
+        d.holds -= 1
         self.held -= 1
         return True
 
@@ -123,8 +122,7 @@ class Deliveries:
         """The consumer hands it back (requeue) or gives it up (dead-letter): it is gone."""
         d = self._deliveries.pop(tag)
         self._done.discard(tag)
-        if d.held:
-            self.held -= 1
+        self.held -= d.holds
 
     def acks(self) -> Tuple[Optional[int], List[int], List[int]]:
         """(acknowledge every tag up to this one with `multiple`, these singly, and all the
@@ -150,19 +148,19 @@ class Deliveries:
         return len(self._done)
 
     def _settle(self, tag: int, d: _Delivery) -> None:
-        if d.finished and d.pending == 0 and not d.held and not d.done:
+        if d.finished and d.pending == 0 and not d.holds and not d.done:
             d.done = True
             self._done.add(tag)
 
     # -- publishes ------------------------------------------------------------------------
-    def publish(self, tags: Tuple[int, ...], payload: Any, finishes: bool = True,
+    def publish(self, tags: Tuple[int, ...], payload: Any, finishing: Optional[Iterable[int]] = None,
                 parking: bool = False) -> Outcome:
-        """Publish `payload` for these deliveries (`finishes`: their last publish)."""
+        """Publish `payload` for these deliveries; for those in `finishing` (default: all) it
+        is the last publish they will become."""
         for tag in tags:
-            d = self._deliveries[tag]
-            d.pending += 1
-            if finishes:
-                d.finished = True
+            self._deliveries[tag].pending += 1
+        for tag in (tags if finishing is None else finishing):
+            self._deliveries[tag].finished = True
         self._waiting.append(Publication(tuple(tags), payload, parking=parking))
         return Outcome(send=self._pump())
 

@@ -1,11 +1,13 @@
-"""What each consumer does with a delivery: pure functions from a Delivery to a Forward.
+"""What each consumer does with a delivery: pure functions from a Delivery to the actions it
+becomes (messages to publish now or later, or to send on in a carrier).
 
-check-in:    a publisher's message: read its due time once, put it in the gateway's format,
-             send it to the level of the chain, meditation, or the distributor.
-returning:   back from meditation (the gateway's format, and only the broker can put
-             messages there): send it on by its due time, as check-in would.
-distributor: hold until due, then publish the publisher's routing key, properties and body
-             to pick-up; one that comes back unroutable is parked.
+check-in:    a publisher's message: read its due time once, and send it on to the level of
+             the chain, meditation, or the distributor (in a carrier with others going the
+             same way: carrier.py).
+returning:   back from meditation (the gateway's format; only the broker can put messages
+             there): send each message on by its due time, as check-in would.
+distributor: hold each message until due, then publish the publisher's routing key,
+             properties and body to pick-up; one that comes back unroutable is parked.
 parking:     say why a message could not go on, and park it.
 
 Which queue a message came from decides how it is read. Only the check-in queue holds
@@ -14,13 +16,14 @@ publisher's data; the other queues can only be reached through the gateway's own
 and the broker's dead-lettering (with the least-privilege permissions in the README).
 """
 
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Tuple
 
 from topology import ChainSettings, Enter, Meditate, plan
 from topology.names import Names
 
-from . import envelope
-from .actions import Delivery, Forward
+from . import carrier, envelope
+from .actions import Action, Delivery, Enqueue, Forward
+from .carrier import Damaged, Entry
 from .envelope import Inside, Unreadable
 from .wire import Properties
 
@@ -34,49 +37,77 @@ def park(names: Names, user: Properties, routing_key: bytes, body: bytes, reason
                    "parked", reason=reason)
 
 
-def park_inside(names: Names, d: Delivery, reason: str) -> Forward:
-    """Park a message that is in the gateway's format (keeping its due time), or, where
-    that format is damaged, the delivery itself as it is."""
+def park_entry(names: Names, entry: Entry, reason: str) -> Forward:
+    return park(names, entry.user, entry.routing_key, entry.body, reason, entry.due_ms)
+
+
+def entries(d: Delivery) -> List[Entry]:
+    """The publishers' messages in a delivery in the gateway's format: a carrier's, or the
+    one. Raises Damaged for anything else."""
+    if d.props.headers.get(carrier.COUNT) is not None:
+        return carrier.unpack(d.body)
     inside = Inside(d.props)
-    if inside.complete:
-        return park(names, inside.user, inside.routing_key, d.body, reason, inside.due_ms)
-    return park(names, d.props, d.routing_key, d.body, f"{reason} (not in the gateway's format)")
+    if not inside.complete or inside.due_ms is None:
+        raise Damaged("not in the gateway's format (no due time)")
+    return [Entry(inside.routing_key, inside.user, d.body, inside.due_ms)]
 
 
-def onward(chain: ChainSettings, props: Properties, body: bytes, remaining_ms: int, lead_ms: int) -> Forward:
-    """Into the chain, meditation or the distributor, by the time that remains."""
-    names = chain.names
-    route = plan(remaining_ms, chain, lead_ms)
-    if isinstance(route, Meditate):
-        return Forward(chain.meditation, b"", props, body, "meditation")
-    if isinstance(route, Enter):
-        return Forward(names.level(route.level), route.key.encode(), props, body, "chain")
-    return Forward(names.distributor, b"", props, body, "distributor")
+def park_delivery(names: Names, d: Delivery, reason: str) -> List[Forward]:
+    """Park each message of a delivery in the gateway's format, or the delivery itself as it
+    is when that format is damaged."""
+    try:
+        return [park_entry(names, e, reason) for e in entries(d)]
+    except Damaged as exc:
+        inside = Inside(d.props)
+        if inside.complete:  # a parked message's own format (no due time): keep what it has
+            return [park(names, inside.user, inside.routing_key, d.body, reason)]
+        return [park(names, d.props, d.routing_key, d.body, f"{reason} ({exc})")]
+
+
+def route(chain: ChainSettings, remaining_ms: int, lead_ms: int) -> Tuple[str, bytes, str]:
+    """Where a message with this much time to go goes next: (exchange, routing key, outcome)."""
+    step = plan(remaining_ms, chain, lead_ms)
+    if isinstance(step, Meditate):
+        return chain.meditation, b"", "meditation"
+    if isinstance(step, Enter):
+        return chain.names.level(step.level), step.key.encode(), "chain"
+    return chain.names.distributor, b"", "distributor"
+
+
+def carry(exchange: str, routing_key: bytes, outcome: str, batch: List[Entry]) -> Forward:
+    """One publish for the messages of a batch: alone in the plain format, or a carrier."""
+    if len(batch) == 1:
+        e = batch[0]
+        return Forward(exchange, routing_key, envelope.inside(e.user, e.routing_key, e.due_ms), e.body,
+                       outcome, entry=e)
+    return Forward(exchange, routing_key, carrier.properties(batch), carrier.pack(batch), outcome)
 
 
 class CheckIn:
-    def __init__(self, chain: ChainSettings, lead_ms: int, clock: Clock) -> None:
-        self.chain, self.lead_ms, self.clock = chain, lead_ms, clock
+    def __init__(self, chain: ChainSettings, lead_ms: int, clock: Clock, wait_ms: int = 0) -> None:
+        # A message may wait up to wait_ms for others going the same way: the chain leaves
+        # that much more to the distributor, so waiting never makes it late.
+        self.chain, self.lead_ms, self.clock = chain, lead_ms + wait_ms, clock
 
-    def __call__(self, d: Delivery) -> Forward:
+    def __call__(self, d: Delivery) -> List[Action]:
         now = self.clock()
         user = envelope.publishers(d.props)
         try:
             due = envelope.due_at(user.headers, now)
         except Unreadable as exc:
-            return park(self.chain.names, user, d.routing_key, d.body, str(exc))
-        return onward(self.chain, envelope.inside(user, d.routing_key, due), d.body, due - now, self.lead_ms)
+            return [park(self.chain.names, user, d.routing_key, d.body, str(exc))]
+        return [Enqueue(*route(self.chain, due - now, self.lead_ms), Entry(d.routing_key, user, d.body, due))]
 
 
-class Returning:
-    def __init__(self, chain: ChainSettings, lead_ms: int, clock: Clock) -> None:
-        self.chain, self.lead_ms, self.clock = chain, lead_ms, clock
-
-    def __call__(self, d: Delivery) -> Forward:
-        inside = Inside(d.props)
-        if not inside.complete or inside.due_ms is None:
-            return park_inside(self.chain.names, d, "came back from meditation without a due time")
-        return onward(self.chain, inside.again(), d.body, inside.due_ms - self.clock(), self.lead_ms)
+class Returning(CheckIn):
+    def __call__(self, d: Delivery) -> List[Action]:
+        try:
+            back = entries(d)
+        except Damaged as exc:
+            return [park(self.chain.names, d.props, d.routing_key, d.body,
+                         f"came back from meditation not in the gateway's format ({exc})")]
+        now = self.clock()
+        return [Enqueue(*route(self.chain, e.due_ms - now, self.lead_ms), e) for e in back]
 
 
 class Distributor:
@@ -87,23 +118,28 @@ class Distributor:
         # chain instead of sitting in our memory.
         self.max_hold_ms = max(10 * (chain.resolution_ms + lead_ms), 60_000)
 
-    def __call__(self, d: Delivery) -> Forward:
-        inside = Inside(d.props)
-        if not inside.complete or inside.due_ms is None:
-            return park_inside(self.chain.names, d, "reached the distributor without a due time")
+    def __call__(self, d: Delivery) -> List[Action]:
+        try:
+            arrived = entries(d)
+        except Damaged as exc:
+            return park_delivery(self.chain.names, d, f"reached the distributor {exc}")
         now = self.clock()
-        if inside.due_ms - now > self.max_hold_ms:
-            recheck = onward(self.chain, inside.again(), d.body, inside.due_ms - now, self.lead_ms)
-            return Forward(recheck.exchange, recheck.routing_key, recheck.props, recheck.body, "recheck")
-        user = envelope.stamped(inside.user, inside.due_ms) if self.stamp else inside.user
-        return Forward(self.chain.names.pick_up, inside.routing_key, user, d.body, "delivered",
-                       not_before_ms=inside.due_ms, mandatory=True)
+        return [self.release(e, now) for e in arrived]
 
-    def unroutable(self, d: Delivery) -> Forward:
+    def release(self, e: Entry, now: int) -> Forward:
+        if e.due_ms - now > self.max_hold_ms:
+            exchange, key, _ = route(self.chain, e.due_ms - now, self.lead_ms)
+            return Forward(exchange, key, envelope.inside(e.user, e.routing_key, e.due_ms), e.body, "recheck",
+                           entry=e)
+        user = envelope.stamped(e.user, e.due_ms) if self.stamp else e.user
+        return Forward(self.chain.names.pick_up, e.routing_key, user, e.body, "delivered",
+                       not_before_ms=e.due_ms, mandatory=True, entry=e)
+
+    def unroutable(self, e: Entry) -> Forward:
         """It came back from pick-up: no queue is bound for its routing key."""
-        key = envelope.shown(Inside(d.props).routing_key)
-        return park_inside(self.chain.names, d, f"unroutable: no queue bound to exchange "
-                                                f"{self.chain.names.pick_up!r} matches routing key {key!r}")
+        return park_entry(self.chain.names, e, f"unroutable: no queue bound to exchange "
+                                               f"{self.chain.names.pick_up!r} matches routing key "
+                                               f"{envelope.shown(e.routing_key)!r}")
 
 
 DEATH_REASONS = {
@@ -121,7 +157,7 @@ class Parking:
     def __init__(self, names: Names) -> None:
         self.names = names
 
-    def __call__(self, d: Delivery) -> Forward:
+    def __call__(self, d: Delivery) -> List[Action]:
         death = envelope.death(d.props.headers)
         if death is None:
             reason = (f"unroutable in the chain: no queue bound to exchange {d.exchange!r} "
@@ -130,8 +166,8 @@ class Parking:
             why = str(death.get("reason", "?"))
             reason = f"dead-lettered from queue {death.get('queue', '?')}: {DEATH_REASONS.get(why, why)}"
         if d.routing_key == b"check-in":  # as its publisher sent it
-            return park(self.names, envelope.publishers(d.props), _first_key(death, d), d.body, reason)
-        return park_inside(self.names, d, reason)
+            return [park(self.names, envelope.publishers(d.props), _first_key(death, d), d.body, reason)]
+        return park_delivery(self.names, d, reason)
 
 
 def _first_key(death: Optional[dict], d: Delivery) -> bytes:

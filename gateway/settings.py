@@ -130,6 +130,15 @@ OPTIONS: Tuple[Option, ...] = (
            "distributorPrefetch", metavar="N"),
     Option("lead_ms", 50, integer(0), "how much earlier than due the chain hands a message to the distributor, "
            "to absorb hop latency", "lead", "leadMs", metavar="MS"),
+    Option("carrier_messages", 1000, integer(1, 100_000),
+           "carry up to this many messages going the same way through the chain as one (1: each alone)",
+           "lead", "carrierMessages", metavar="N"),
+    Option("carrier_wait_ms", 20, integer(0, 10_000),
+           "wait at most this long for messages going the same way (0: send each at once)", "lead",
+           "carrierWaitMs", metavar="MS"),
+    Option("carrier_bytes", 1_048_576, integer(1024, 8 * 1_048_576),
+           "and at most this many bytes in one carrier (a bigger message travels alone)", "lead",
+           "carrierBytes", metavar="BYTES"),
     Option("stamp_due_at", False, boolean,
            "add the header x-gateway-due-at (epoch ms) to every delivered message (for `record`)", "run",
            "stampDueAt"),
@@ -236,6 +245,9 @@ class Settings:
     prefetch: int = 1000
     distributor_prefetch: int = 10000
     lead_ms: int = 50
+    carrier_messages: int = 1000
+    carrier_wait_ms: int = 20
+    carrier_bytes: int = 1_048_576
     stamp_due_at: bool = False
     declare: bool = True
     metrics_port: int = 0

@@ -257,6 +257,15 @@ class Properties:
         values = {k: _normal(k, v) for k, v in values.items() if v is not None}
         return cls(_encode_properties(values), values)
 
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Properties) and self.raw == other.raw
+
+    def __hash__(self) -> int:
+        return hash(self.raw)
+
+    def __repr__(self) -> str:
+        return f"Properties({self.raw!r})"
+
     @property
     def headers(self) -> Table:
         return self.values.get("headers") or Table()

@@ -25,6 +25,7 @@ from topology.settings import QUEUE_TYPES
 from . import health as health_http
 from .amqp import BrokerError, Trouble, blocking_channel, classify, parameters
 from .clock import wall_ms
+from .carrier import Batcher
 from .consumer import Pipe
 from .handlers import CheckIn, Distributor, Parking, Returning
 from .health import Health
@@ -81,16 +82,17 @@ class Session:
         self.metrics.connections.inc()
         s, chain, names = self.settings, self.settings.chain, self.settings.chain.names
 
-        def pipe(queue: str, handler, prefetch: int) -> None:
+        def pipe(queue: str, handler, prefetch: int, batched: bool = False) -> None:
+            batcher = Batcher(s.carrier_messages, s.carrier_bytes, s.carrier_wait_ms) if batched else None
             self.pipes.append(Pipe(connection, queue, handler, prefetch, self.metrics, names,
-                                   on_fatal=self._on_fatal))
+                                   on_fatal=self._on_fatal, batcher=batcher))
 
         returning = [names.returning] + [q for q in self.exits if q.startswith(names.returning + ".")]
         distributors = [names.distributor] + [q for q in self.exits if q.startswith(names.distributor + ".")]
         if s.role in ("all", "check-in"):
-            pipe(names.check_in, CheckIn(chain, s.lead_ms, wall_ms), s.prefetch)
+            pipe(names.check_in, CheckIn(chain, s.lead_ms, wall_ms, s.carrier_wait_ms), s.prefetch, batched=True)
             for queue in returning:
-                pipe(queue, Returning(chain, s.lead_ms, wall_ms), s.prefetch)
+                pipe(queue, Returning(chain, s.lead_ms, wall_ms, s.carrier_wait_ms), s.prefetch, batched=True)
         if s.role in ("all", "distributor"):
             for queue in distributors:
                 pipe(queue, Distributor(chain, s.lead_ms, wall_ms, s.stamp_due_at), s.distributor_prefetch)

@@ -42,7 +42,7 @@ def test_broker_restart_with_messages_everywhere(own_node, node_chain, fault_rep
         deadline = time.monotonic() + 10
         while True:
             depths = queue_depths(own_node, chain.prefix)
-            waiting = [q for q in [chain.meditation, chain.names.distributor] +
+            waiting = [q for q in [chain.meditation, chain.names.exit_distributor(queue_type)] +
                        [chain.names.delay_queue(k) for k in range(4)] if depths.get(q, 0) == 0]
             if not waiting or time.monotonic() > deadline:
                 break

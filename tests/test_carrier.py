@@ -1,0 +1,47 @@
+"""Carriers: packing many messages exactly, and closing batches by count, bytes and age (pure)."""
+
+import pytest
+from hypothesis import given, strategies as st
+
+from gateway.carrier import Batcher, Damaged, Entry, pack, unpack
+from gateway.wire import Properties, Table
+
+entries = st.builds(Entry, st.binary(max_size=255), st.binary(max_size=300).map(Properties.parse),
+                    st.binary(max_size=2000), st.integers(-2**63, 2**63 - 1))
+
+
+@given(st.lists(entries, min_size=1, max_size=20))
+def test_a_carrier_gives_back_every_message_byte_for_byte(batch):
+    assert unpack(pack(batch)) == batch
+
+
+@pytest.mark.parametrize("body", [b"", b"plain body", pack([Entry(b"k", Properties.parse(b"\x00\x00"), b"b", 1)])[:-1]])
+def test_anything_else_is_not_a_carrier(body):
+    with pytest.raises(Damaged):
+        unpack(body)
+
+
+def entry(size: int = 10, due: int = 0) -> Entry:
+    return Entry(b"k", Properties.build(headers=Table()), b"x" * size, due)
+
+
+def test_batches_close_by_count_bytes_and_age():
+    b = Batcher(max_messages=3, max_bytes=10_000, wait_ms=20)
+    assert b.add("a", 1, entry(), 0) == [] and b.add("b", 2, entry(), 5) == []
+    assert b.add("a", 3, entry(), 6) == []
+    [full] = b.add("a", 4, entry(), 7)  # the third of route a
+    assert [t for t, _ in full.items] == [1, 3, 4] and len(b) == 1
+    assert b.next_deadline() == 25 and b.expired(24) == []
+    [old] = b.expired(25)
+    assert old.key == "b" and len(b) == 0 and b.next_deadline() is None
+    b.add("c", 5, entry(6000), 30)
+    [first] = b.add("c", 6, entry(6000), 31)  # would pass 10,000 bytes: the first goes alone
+    assert [t for t, _ in first.items] == [5] and len(b) == 1
+    [alone] = b.add("c", 7, entry(20_000), 32)  # too big for any carrier
+    assert [t for t, _ in alone.items] == [7] and len(b) == 1
+    assert [t for batch in b.drain() for t, _ in batch.items] == [6]
+
+
+def test_without_waiting_every_message_goes_alone():
+    b = Batcher(max_messages=1000, max_bytes=10_000, wait_ms=0)
+    assert [len(x.items) for x in b.add("a", 1, entry(), 0)] == [1] and len(b) == 0
