@@ -255,6 +255,8 @@ class Pipe:
 
     def _flush_batch(self, batch: Batch) -> None:
         exchange, key, outcome = batch.key
+        self._metrics.batch_publishes.labels(self._queue, outcome).inc()
+        self._metrics.batched_messages.labels(self._queue, outcome).inc(len(batch.items))
         self._send([tag for tag, _ in batch.items],
                    handlers.carry(exchange, key, outcome, [e for _, e in batch.items]), batch.items)
 

@@ -20,6 +20,13 @@ class Metrics:
         self.held = Gauge(
             "delay_gateway_held_messages", "Messages held until their due time, by consumer",
             ["queue"], registry=self.registry)
+        self.batch_publishes = Counter(
+            "delay_gateway_batch_publishes", "Publishes into the chain, meditation or the distributor "
+            "(each a carrier or a message alone), by consumer and what was sent", ["queue", "outcome"],
+            registry=self.registry)
+        self.batched_messages = Counter(
+            "delay_gateway_batched_messages", "Messages in those publishes", ["queue", "outcome"],
+            registry=self.registry)
         self.connections = Counter(
             "delay_gateway_connections", "Connections opened to the broker", registry=self.registry)
         self.ready = Gauge(

@@ -19,13 +19,13 @@ import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
-from typing import Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from topology.inventory import Look, Prober, look_at_generation, read_registry
 from topology.names import Names
 from topology.registry import ChainKey, Registry, chain_queues, fold, level_queues
 from topology.retirement import Observed
-from topology.settings import MAX_LEVELS
+from topology.settings import MAX_LEVELS, QUEUE_TYPES
 
 HORIZONS: Tuple[Tuple[str, int], ...] = (
     ("1 second", 1000), ("1 minute", 60_000), ("1 hour", 3_600_000), ("1 day", 86_400_000))
@@ -43,6 +43,7 @@ class Row:
     chain: Optional[str] = None  # the chain's generation
     level: Optional[int] = None
     note: str = ""
+    carriers: Optional[int] = None  # the broker's count when `messages` is estimated from it
 
     @property
     def scheduled(self) -> bool:
@@ -91,10 +92,17 @@ class Report:
 
 # -- the pure core ---------------------------------------------------------------------------
 def report(prefix: str, own: ChainKey, lead_ms: int, registry: Optional[Registry], chains: Iterable[ChainKey],
-           observed: Observed, held: Optional[int], held_source: str, now_ms: int) -> Report:
+           observed: Observed, held: Optional[int], held_source: str, now_ms: int,
+           carried: Optional[Dict[str, float]] = None) -> Report:
     """The status table from what passive declares found (`observed`) for every chain in
     `chains`, the registry (None: there is none), and the distributor's held messages if
-    the gateways' metrics told them."""
+    the gateways' metrics told them.
+
+    A broker message in the chain may be a carrier of several of the publishers' messages
+    (gateway/carrier.py). `carried` (from the gateways' metrics: messages per publish, by
+    what was sent: "chain", "meditation", "distributor") turns the broker's counts of the
+    chain's queues into estimates of the messages they hold; without it they are counts of
+    broker messages, and a note says so."""
     fixed = Names(prefix)
     chains = sorted(set(chains) | {own})
     problems: List[str] = []
@@ -107,9 +115,13 @@ def report(prefix: str, own: ChainKey, lead_ms: int, registry: Optional[Registry
     rows: List[Row] = []
 
     def add(name: str, label: str, role: str, lo: Optional[int], hi: Optional[int], note: str = "",
-            chain: Optional[str] = None, level: Optional[int] = None) -> None:
+            chain: Optional[str] = None, level: Optional[int] = None, sent_as: Optional[str] = None) -> None:
         exists, messages = count(name)
-        rows.append(Row(name, label, role, messages, exists, lo, hi, chain, level, note))
+        carriers = None
+        ratio = (carried or {}).get(sent_as) if sent_as else None
+        if messages and ratio and ratio > 1:
+            carriers, messages = messages, round(messages * ratio)
+        rows.append(Row(name, label, role, messages, exists, lo, hi, chain, level, note, carriers))
 
     add(fixed.check_in, "check-in", "check-in", 0, None, "any time: not read yet")
     add(fixed.returning, "returning", "returning", 0, None, "any time: back from meditation, planned again next")
@@ -136,19 +148,25 @@ def report(prefix: str, own: ChainKey, lead_ms: int, registry: Optional[Registry
                 chain_max = k.settings(prefix).meditation_ms
                 add(names.meditation(k.max_level), f"{gen} meditation.{k.max_level:02d}", "meditation", unit, None,
                     f"at least 1 unit from now (entered with more than the chain's {human_ms(chain_max)})",
-                    gen, k.max_level)
+                    gen, k.max_level, "meditation")
         seen = [k + 1 for k in range(MAX_LEVELS) if observed.level_seen(names, keys[0], k)]
         top = max(seen + [own.max_level if own.generation == gen else 0])
         for level in range(top - 1, -1, -1):
             delay, *passing = level_queues(keys[0], names, level)
             add(delay, f"{gen} level {level:02d} delay", "delay", 0, (2 << level) * unit + lead_ms,
-                chain=gen, level=level)
+                chain=gen, level=level, sent_as="chain")
             for q in passing:
                 add(q, f"{gen} level {level:02d} pass", "pass", 0, (1 << level) * unit + lead_ms,
-                    chain=gen, level=level)
+                    chain=gen, level=level, sent_as="chain")
 
     hold = max(resolutions or [own.resolution_ms]) + lead_ms
-    add(fixed.distributor, "distributor ready", "distributor", 0, hold)
+    add(fixed.distributor, "distributor ready", "distributor", 0, hold, sent_as="distributor")
+    for queue_type in QUEUE_TYPES:  # the exits of chains of another queue type, where they exist
+        if queue_type != "quorum" and observed.queues.get(fixed.exit_distributor(queue_type)) is not None:
+            add(fixed.exit_returning(queue_type), f"returning ({queue_type} chains)", "returning", 0, None,
+                "any time: back from meditation, planned again next", sent_as="meditation")
+            add(fixed.exit_distributor(queue_type), f"distributor ready ({queue_type} chains)", "distributor", 0,
+                hold, sent_as="chain")
     d = observed.queues.get(fixed.distributor)
     consumers = d.consumers if d is not None else None
     if held is None and consumers == 0:
@@ -179,6 +197,13 @@ def report(prefix: str, own: ChainKey, lead_ms: int, registry: Optional[Registry
         if held is None and consumers:
             notes.append(f"the distributor's {consumers} consumer(s) may each hold up to their prefetch "
                          "(--distributor-prefetch) messages; --metrics-url shows how many")
+        if carried is None:
+            notes.append("counts in the chain are of broker messages: gateways send messages going the same "
+                         "way as one carrier (--carrier-messages), so each may hold several; --metrics-url "
+                         "estimates how many")
+        elif any(r.carriers is not None for r in rows):
+            notes.append("≈: messages estimated from the broker's count of carriers and the gateways' "
+                         "messages per carrier so far (their /metrics)")
 
     return Report(prefix, now_ms, lead_ms, rows, [c for c in chain_rows if c.declared or c.yours],
                   due_within(rows), "metrics" if held is not None else held_source, consumers, problems, notes)
@@ -246,7 +271,7 @@ def text(r: Report) -> str:
         elif row.messages is None:
             shown = "?" if row.exists else "missing"
         else:
-            shown = str(row.messages)
+            shown = ("≈" if row.carriers is not None else "") + str(row.messages)
         lines.append(f"{row.label:<{width}}  {shown:>9}  {_window(row)}")
     held = next(row for row in r.rows if row.role == "held")
     total = f"{r.total}" + ("" if held.messages is not None else " + held")
@@ -277,18 +302,35 @@ def as_json(r: Report, indent: Optional[int] = 2) -> str:
 
 
 def held_from_metrics(texts: Iterable[str], distributor: str) -> int:
-    """The distributor's held messages, summed over the gateways' /metrics pages."""
+    """The distributors' held messages (every exit queue of the prefix), summed over the
+    gateways' /metrics pages."""
+    total = 0.0
+    for name, labels, value in _samples(texts):
+        queue = labels.get("queue", "")
+        if name == "delay_gateway_held_messages" and (queue == distributor or queue.startswith(distributor + ".")):
+            total += value
+    return int(total)
+
+
+def carried_from_metrics(texts: Iterable[str]) -> Optional[Dict[str, float]]:
+    """Messages per publish into the chain, by what was sent (chain, meditation,
+    distributor), summed over the gateways' /metrics pages; None if none were sent yet."""
+    sums: Dict[str, List[float]] = {}
+    for name, labels, value in _samples(texts):
+        if name in ("delay_gateway_batched_messages_total", "delay_gateway_batch_publishes_total"):
+            pair = sums.setdefault(labels.get("outcome", ""), [0.0, 0.0])
+            pair[0 if name == "delay_gateway_batched_messages_total" else 1] += value
+    ratios = {outcome: m / p for outcome, (m, p) in sums.items() if p}
+    return ratios or None
+
+
+def _samples(texts: Iterable[str]):
     from prometheus_client.parser import text_string_to_metric_families
 
-    total = 0.0
     for page in texts:
         for family in text_string_to_metric_families(page):
-            if family.name != "delay_gateway_held_messages":
-                continue
             for sample in family.samples:
-                if sample.labels.get("queue") == distributor:
-                    total += sample.value
-    return int(total)
+                yield sample.name, sample.labels, sample.value
 
 
 # -- the adapter -----------------------------------------------------------------------------
@@ -299,7 +341,8 @@ def observe(connection, prefix: str, own: ChainKey) -> Tuple[Optional[Registry],
     records = read_registry(connection, fixed)
     registry = None if records is None else fold(records)
     look = Look(Prober(connection))
-    for name in (fixed.check_in, fixed.returning, fixed.distributor, fixed.parking, fixed.parked):
+    for name in (fixed.check_in, fixed.returning, fixed.distributor, fixed.parking, fixed.parked,
+                 *(f(t) for t in QUEUE_TYPES if t != "quorum" for f in (fixed.exit_returning, fixed.exit_distributor))):
         look.queue(name)
     known = set(registry.declared if registry else ()) | {own}
     chains: Set[ChainKey] = set(known)
@@ -321,15 +364,18 @@ def fetch_metrics(urls: Sequence[str], timeout: float = 2.0) -> List[str]:
 
 def one(connection, args, own: ChainKey, now_ms: int) -> Report:
     registry, chains, observed = observe(connection, args.prefix, own)
-    held, source = None, "give --metrics-url with the gateways' metrics ports to see them"
+    held, source, carried = None, "give --metrics-url with the gateways' metrics ports to see them", None
     urls = [u.strip() for u in (getattr(args, "metrics_url", None) or "").split(",") if u.strip()]
     if urls:
         try:
-            held = held_from_metrics(fetch_metrics(urls), Names(args.prefix).distributor)
+            pages = fetch_metrics(urls)
+            held = held_from_metrics(pages, Names(args.prefix).distributor)
+            carried = carried_from_metrics(pages) or {}
             source = "metrics"
         except (OSError, ValueError) as exc:
             source = f"--metrics-url failed: {exc}"
-    return report(args.prefix, own, getattr(args, "lead_ms", 50), registry, chains, observed, held, source, now_ms)
+    return report(args.prefix, own, getattr(args, "lead_ms", 50), registry, chains, observed, held, source, now_ms,
+                  carried)
 
 
 def command(args, open_channel, own: ChainKey, clock) -> int:

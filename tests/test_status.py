@@ -10,7 +10,7 @@ import time
 import pika
 import pytest
 
-from gateway.status import HORIZONS, Row, due_within, held_from_metrics, report, text
+from gateway.status import HORIZONS, Row, carried_from_metrics, due_within, held_from_metrics, report, text
 from topology import plan
 from topology.encoding import Enter, Meditate, ToDistributor
 from topology.names import Names
@@ -222,3 +222,25 @@ def test_status_says_when_the_topology_is_missing_and_exits_3(broker):
     r = cli("status", "--prefix", "nothing-here-" + str(now_ms()))
     assert r.returncode == 3
     assert "problem: the topology is not declared under prefix" in r.stdout
+
+
+def test_carriers_are_counted_as_the_messages_they_carry_when_the_metrics_say_how_many():
+    counts = {N.delay_queue(2): 4, N.meditation(4): 2, Names(P).distributor: 1}
+    registry = fold([Record("declared", 1, OWN)])
+    plain = report(P, OWN, 50, registry, [OWN], observed([OWN], counts), 0, "metrics", 0)
+    assert rows_by_label(plain)["1000ms-quorum-queue level 02 delay"].messages == 4
+    assert any("carrier" in note for note in plain.notes)  # said: these are broker messages
+    page = "\n".join([
+        'delay_gateway_batch_publishes_total{queue="p.check-in",outcome="chain"} 10.0',
+        'delay_gateway_batched_messages_total{queue="p.check-in",outcome="chain"} 250.0',
+        'delay_gateway_batch_publishes_total{queue="p.returning",outcome="chain"} 10.0',
+        'delay_gateway_batched_messages_total{queue="p.returning",outcome="chain"} 50.0',
+        'delay_gateway_batch_publishes_total{queue="p.check-in",outcome="meditation"} 4.0',
+        'delay_gateway_batched_messages_total{queue="p.check-in",outcome="meditation"} 4.0', ""])
+    carried = carried_from_metrics([page])
+    assert carried == {"chain": 15.0, "meditation": 1.0}
+    r = report(P, OWN, 50, registry, [OWN], observed([OWN], counts), 0, "metrics", 0, carried)
+    level = rows_by_label(r)["1000ms-quorum-queue level 02 delay"]
+    assert (level.messages, level.carriers) == (60, 4)
+    assert rows_by_label(r)["1000ms-quorum-queue meditation.04"].carriers is None  # one each: exact
+    assert "≈60" in text(r)
