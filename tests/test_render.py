@@ -89,20 +89,32 @@ def read_terraform(text: str) -> Tuple[dict, Set[str]]:
     return {"exchanges": exchanges, "queues": queues, "bindings": bindings}, set()
 
 
+def read_operator(text: str) -> Tuple[dict, Set[str]]:
+    """The operator's resources as the RabbitMQ objects it asks for (tests/k8s has how it
+    translates each), and the internal exchanges the header says it leaves to the gateway."""
+    import re
+
+    import yaml
+
+    from .k8s.test_operator_rendering import as_definitions
+    left_out = set(re.findall(r"^# Not included: the internal exchange '([^']+)'", text, re.M))
+    return as_definitions([d for d in yaml.safe_load_all(text) if d]), left_out
+
+
 READERS: Dict[str, Reader] = {
     "definitions": lambda text: (json.loads(text), set()),
     "terraform": read_terraform,
+    "operator": read_operator,
 }
 # Options `render` needs for a format, beyond the vhost.
-OPTIONS: Dict[str, dict] = {}
+OPTIONS: Dict[str, dict] = {"operator": dict(cluster_name="rabbitmq", cluster_namespace=None, connection_secret=None)}
 
 
 def canonical(doc: dict, left_out: Set[str] = frozenset()) -> dict:
     def key(o):
         return json.dumps(o, sort_keys=True)
 
-    return {kind: sorted((o for o in doc[kind] if o.get("name", o.get("source")) not in left_out
-                          or kind == "bindings"), key=key)
+    return {kind: sorted((o for o in doc[kind] if kind != "exchanges" or o["name"] not in left_out), key=key)
             for kind in ("exchanges", "queues", "bindings")}
 
 

@@ -10,6 +10,7 @@ import time
 import uuid
 
 import pika
+import pytest
 
 from topology import ChainSettings
 
@@ -110,7 +111,7 @@ def test_tls_with_ca_and_client_certificate(own_node, node_chain, tls_files):
 def readme_permissions_line() -> str:
     """The README's set_permissions line, read from the README: the test runs exactly it."""
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        [line] = [x.strip() for x in f if x.startswith("rabbitmqctl set_permissions")]
+        [line] = [x.strip() for x in f if x.startswith("rabbitmqctl set_permissions -p / delay-gateway ")]
     return line
 
 
@@ -157,3 +158,56 @@ def test_least_privilege_user_runs_the_gateway(own_node):
             gateway.kill()
         r = gateway_cli("delete", *chain_args(chain), "--yes", "--url", own_node.url)
         own_node.ctl("delete_user", "delay-gateway", check=False)
+
+
+def readme_publisher_line() -> str:
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        [line] = [x.strip() for x in f if x.startswith("rabbitmqctl set_permissions -p / app ")]
+    return line
+
+
+def test_a_least_privileged_publisher_reaches_check_in_and_pick_up_only(own_node):
+    """The README's line for applications: check-in to publish, pick-up to bind; nothing
+    else of the gateway's, not even by dead-lettering into its internal entrance."""
+    password = uuid.uuid4().hex
+    own_node.ctl("add_user", "app", password)
+    own_node.ctl(*shlex.split(readme_publisher_line())[1:])
+    chain = ChainSettings(prefix="delay", max_level=3, resolution_ms=100)
+    url = f"amqp://app:{password}@127.0.0.1:{own_node.amqp_port}/%2F"
+    gateway = None
+    try:
+        assert gateway_cli("declare", *chain_args(chain), "--url", own_node.url).returncode == 0
+        gateway = GatewayProcess(chain, url=own_node.url).wait_ready()
+        with pika.BlockingConnection(pika.URLParameters(url)) as connection:
+            channel = connection.channel()
+            channel.queue_declare("app.reminders", durable=False, auto_delete=True)
+            channel.queue_bind("app.reminders", "delay.pick-up", "#")
+            channel.confirm_delivery()
+            sent = now_ms()
+            channel.basic_publish("delay.check-in", "app.key", b"hi", pika.BasicProperties(
+                headers={"x-delay": 200}), mandatory=True)
+            deadline = time.monotonic() + 10
+            method = None
+            while method is None and time.monotonic() < deadline:
+                method, _, body = channel.basic_get("app.reminders", auto_ack=True)
+                connection.sleep(0.02)
+            assert method is not None and body == b"hi" and now_ms() - sent >= 200
+            refused = []
+            for exchange in (chain.names.level(0), chain.names.distributor, chain.names.parked,
+                             chain.names.returning, chain.meditation):
+                ch = connection.channel()
+                try:
+                    ch.basic_publish(exchange, "1", b"forged", pika.BasicProperties(headers={"x-gateway-due-at": 1}))
+                    ch.basic_get("app.reminders")  # the refusal arrives on the next round trip
+                except pika.exceptions.ChannelClosedByBroker as exc:
+                    refused.append(exc.reply_code)
+            assert refused == [403] * 5
+            with pytest.raises(pika.exceptions.ChannelClosedByBroker) as dlx:
+                connection.channel().queue_declare("app.sneaky", arguments={
+                    "x-dead-letter-exchange": chain.names.returning, "x-message-ttl": 1})
+            assert dlx.value.reply_code == 403
+    finally:
+        if gateway is not None:
+            gateway.terminate()
+        gateway_cli("delete", *chain_args(chain), "--yes", "--url", own_node.url)
+        own_node.ctl("delete_user", "app", check=False)
