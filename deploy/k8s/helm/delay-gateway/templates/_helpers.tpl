@@ -56,6 +56,9 @@ DELAY_GATEWAY_ZERO_BITS: {{ .Values.zeroBits | quote }}
 DELAY_GATEWAY_PREFETCH: {{ int64 .Values.prefetch | quote }}
 DELAY_GATEWAY_DISTRIBUTOR_PREFETCH: {{ int64 .Values.distributorPrefetch | quote }}
 DELAY_GATEWAY_LEAD_MS: {{ int64 .Values.leadMs | quote }}
+DELAY_GATEWAY_CARRIER_MESSAGES: {{ int64 .Values.carrierMessages | quote }}
+DELAY_GATEWAY_CARRIER_WAIT_MS: {{ int64 .Values.carrierWaitMs | quote }}
+DELAY_GATEWAY_CARRIER_BYTES: {{ int64 .Values.carrierBytes | quote }}
 DELAY_GATEWAY_STAMP_DUE_AT: {{ .Values.stampDueAt | toString | quote }}
 DELAY_GATEWAY_METRICS_PORT: {{ int64 .Values.metricsPort | quote }}
 DELAY_GATEWAY_LOG_LEVEL: {{ .Values.logLevel | quote }}
