@@ -14,6 +14,7 @@ A batch is closed by count, by bytes (far below RabbitMQ's 16 MiB body limit) or
 message too big for a carrier travels alone in the plain format.
 """
 
+import heapq
 import struct
 from dataclasses import dataclass, field
 from typing import Dict, Hashable, List, Optional, Tuple
@@ -131,4 +132,35 @@ class Batcher:
     def drain(self) -> List[Batch]:
         out = list(self._open.values())
         self._open.clear()
+        return out
+
+
+# -- holding messages until their time ------------------------------------------------------
+class Holds:
+    """Messages waiting for their due time, earliest first (same time: first come, first)."""
+
+    def __init__(self) -> None:
+        self._heap: List[Tuple[int, int, Hashable, object]] = []
+        self._n = 0
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def add(self, due_ms: int, key: Hashable, item: object) -> None:
+        self._n += 1
+        heapq.heappush(self._heap, (due_ms, self._n, key, item))
+
+    def next_due(self) -> Optional[int]:
+        return self._heap[0][0] if self._heap else None
+
+    def due(self, now_ms: int) -> List[Tuple[Hashable, object]]:
+        out = []
+        while self._heap and self._heap[0][0] <= now_ms:
+            _, _, key, item = heapq.heappop(self._heap)
+            out.append((key, item))
+        return out
+
+    def drain(self) -> List[Tuple[Hashable, object]]:
+        out = [(key, item) for _, _, key, item in sorted(self._heap)]
+        self._heap.clear()
         return out

@@ -19,7 +19,7 @@ from pika.exceptions import AMQPError
 
 from . import codec, envelope, handlers
 from .actions import Action, Delivery, Enqueue, Forward
-from .carrier import Batch, Batcher, Entry
+from .carrier import Batch, Batcher, Entry, Holds
 from .clock import wall_ms
 from .deliveries import Deliveries, Outcome, Publication
 from .metrics import Metrics
@@ -69,7 +69,9 @@ class Pipe:
         self._state = Deliveries()
         self._delivered: Dict[int, Delivery] = {}  # outstanding deliveries (to park them)
         self._left: Counter = Counter()  # tag -> its messages not yet in a sent publication
-        self._held: Dict[Tuple[int, int], Tuple[object, Forward]] = {}  # (tag, n) -> timer, release
+        self._holds = Holds()  # (tag, n) -> the Forward to release at its due time
+        self._hold_timer = None
+        self._hold_timer_at: Optional[int] = None
         self._batch_timer = None
         self._consume = None
         self._publish = None
@@ -160,14 +162,13 @@ class Pipe:
         # A held message is due within a unit or so: it goes back into the distributor
         # queue, where another gateway (or this one, restarted) holds it until due. Handing
         # back the delivery instead would repeat those of a carrier already published.
-        held = sorted(self._held.items())
-        for (tag, _), (timer, release) in held:
-            self._connection.ioloop.remove_timeout(timer)
+        self._cancel_hold_timer()
+        held = self._holds.drain()
+        for (tag, _), release in held:
             self._state.release(tag)
             e = release.entry
             self._send([tag], Forward(self._names.distributor, b"", envelope.inside(e.user, e.routing_key, e.due_ms),
                                       e.body, "handed back", entry=e), [(tag, e)])
-        self._held.clear()
         self._held_gauge.set(self._state.held)
         self._log.info("stopping", returned=len(held), unconfirmed=self._state.unconfirmed)
         self._maybe_finished()
@@ -184,9 +185,8 @@ class Pipe:
 
     def _forget(self) -> None:
         self._state.lost()
-        for timer, _ in self._held.values():
-            self._connection.ioloop.remove_timeout(timer)
-        self._held.clear()
+        self._cancel_hold_timer()
+        self._holds.drain()
         self._batcher.drain()
         self._delivered.clear()
         self._left.clear()
@@ -194,6 +194,7 @@ class Pipe:
 
     # -- messages ----------------------------------------------------------------------
     def _on_message(self, channel, method, properties, body) -> None:
+        self._release_due()  # a stream of deliveries must not keep due messages waiting
         tag = method.delivery_tag
         d = Delivery(method.exchange, envelope.as_bytes(method.routing_key), properties.wire, body,
                      method.redelivered)
@@ -218,11 +219,11 @@ class Pipe:
                     self._flush_batch(batch)
             elif action.not_before_ms is not None and action.not_before_ms > now:
                 self._state.hold(tag)
-                self._held[(tag, n)] = (self._connection.ioloop.call_later(
-                    (action.not_before_ms - now) / 1000, lambda key=(tag, n): self._release(key)), action)
+                self._holds.add(action.not_before_ms, (tag, n), action)
             else:
                 self._send([tag], action, [(tag, action.entry)])
         self._held_gauge.set(self._state.held)
+        self._schedule_holds()
         self._schedule_batches()
 
     def _count(self, action: Action) -> None:
@@ -234,11 +235,32 @@ class Pipe:
             self._metrics.parked.labels(self._queue).inc()
             self._log.warning("parked", reason=action.reason, routing_key=envelope.shown(action.routing_key))
 
-    def _release(self, key: Tuple[int, int]) -> None:
-        held = self._held.pop(key, None)
-        if held is not None and self._state.release(key[0]):
+    def _release_due(self) -> None:
+        """Publish every held message whose time has come, in due order."""
+        released = self._holds.due(self._clock()) if self._holds.next_due() is not None else ()
+        for (tag, _), action in released:
+            if self._state.release(tag):
+                self._send([tag], action, [(tag, action.entry)])
+        if released:
             self._held_gauge.set(self._state.held)
-            self._send([key[0]], held[1], [(key[0], held[1].entry)])
+
+    def _schedule_holds(self) -> None:
+        due = self._holds.next_due()
+        if due is None or due == self._hold_timer_at:
+            return
+        self._cancel_hold_timer()
+        self._hold_timer_at = due
+        self._hold_timer = self._connection.ioloop.call_later(max(0, due - self._clock()) / 1000, self._holds_due)
+
+    def _cancel_hold_timer(self) -> None:
+        if self._hold_timer is not None:
+            self._connection.ioloop.remove_timeout(self._hold_timer)
+        self._hold_timer = self._hold_timer_at = None
+
+    def _holds_due(self) -> None:
+        self._hold_timer = self._hold_timer_at = None
+        self._release_due()
+        self._schedule_holds()
 
     def _schedule_batches(self) -> None:
         deadline = self._batcher.next_deadline()

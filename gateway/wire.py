@@ -237,19 +237,26 @@ class Properties:
     ints, headers as a Table.
     """
 
-    __slots__ = ("raw", "values")
+    __slots__ = ("raw", "_values")
 
-    def __init__(self, raw: bytes, values: Dict[str, Any]) -> None:
+    def __init__(self, raw: bytes, values: Optional[Dict[str, Any]] = None) -> None:
         self.raw = raw
-        self.values = values
+        self._values = values
 
     @classmethod
     def parse(cls, raw: bytes) -> "Properties":
-        """Never raises: bytes that are not properties at all keep only their raw form."""
-        try:
-            return cls(bytes(raw), _parse_properties(raw))
-        except (Malformed, struct.error, IndexError):
-            return cls(bytes(raw), {})
+        """Never raises: bytes that are not properties at all keep only their raw form. The
+        fields are read when first asked for: most messages only pass through."""
+        return cls(bytes(raw))
+
+    @property
+    def values(self) -> Dict[str, Any]:
+        if self._values is None:
+            try:
+                self._values = _parse_properties(self.raw)
+            except (Malformed, struct.error, IndexError):
+                self._values = {}
+        return self._values
 
     @classmethod
     def build(cls, **values: Any) -> "Properties":

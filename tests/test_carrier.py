@@ -45,3 +45,13 @@ def test_batches_close_by_count_bytes_and_age():
 def test_without_waiting_every_message_goes_alone():
     b = Batcher(max_messages=1000, max_bytes=10_000, wait_ms=0)
     assert [len(x.items) for x in b.add("a", 1, entry(), 0)] == [1] and len(b) == 0
+
+
+def test_holds_release_in_due_order_and_first_come_first_for_the_same_time():
+    from gateway.carrier import Holds
+    h = Holds()
+    for due, key in [(30, "c"), (10, "a"), (20, "b"), (10, "a2")]:
+        h.add(due, key, key.upper())
+    assert h.next_due() == 10 and h.due(9) == []
+    assert h.due(20) == [("a", "A"), ("a2", "A2"), ("b", "B")]
+    assert len(h) == 1 and h.drain() == [("c", "C")] and h.next_due() is None
