@@ -46,6 +46,22 @@ def chain_args(chain: ChainSettings) -> List[str]:
             "--zero-bits", chain.zero_bits]
 
 
+def sent_headers(properties) -> dict:
+    """Headers as the publisher sent them: without the arrival stamp RabbitMQ 3.12+ adds to
+    every incoming message when its timestamp interceptor is on (`timestamp_in_ms`)."""
+    return {k: v for k, v in (properties.headers or {}).items() if k != "timestamp_in_ms"}
+
+
+def same_entries(got, sent) -> bool:
+    """Two header tables (wire.Table) hold the same entries, each with its wire type and
+    bytes, in any order, the broker's arrival stamp aside (RabbitMQ 4 re-encodes a table in
+    name order when its timestamp interceptor adds to it)."""
+    def entries(table, stamp_allowed):
+        return sorted((e.name, e.kind, e.raw) for e in table.entries
+                      if not (stamp_allowed and e.name == b"timestamp_in_ms"))
+    return entries(got, "timestamp_in_ms" not in sent) == entries(sent, False) and got.tail == sent.tail
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -5,7 +5,7 @@ import pytest
 
 from gateway.wire import Properties
 
-from .support import Receiver, connect, drain, now_ms
+from .support import Receiver, connect, drain, now_ms, same_entries, sent_headers
 
 MODES = [("quorum", "queue"), ("quorum", "exchange"), ("classic", "queue"), ("classic", "exchange")]
 # A small chain so that long delays need meditation: 3 levels x 100 ms = 700 ms at most.
@@ -87,12 +87,11 @@ def test_what_the_user_sent_survives_exactly(chain, run_gateway):
     assert sorted(m.routing_key for m in got) == sorted(keys)
     for m in got:
         assert m.body == body
-        assert m.properties.headers == headers  # no x-gateway-*, x-death, x-delivery-count
+        assert sent_headers(m.properties) == headers  # no x-gateway-*, x-death, x-delivery-count
         for name, value in properties.items():
             assert getattr(m.properties, name) == value, name
         # byte for byte, every header with its wire type (the broker may add its arrival stamp)
-        assert m.properties.wire.headers.without(lambda n: n == "timestamp_in_ms") == \
-            Properties.parse(b"".join(sent.encode())).headers
+        assert same_entries(m.properties.wire.headers, Properties.parse(b"".join(sent.encode())).headers)
 
 
 def test_a_short_expiration_does_not_cut_the_delay_short(chain, run_gateway):
@@ -163,3 +162,33 @@ def test_competing_gateways_deliver_each_message_once(make_chain, run_gateway):
     receiver.collect(n, timeout=20)
     receiver.collect(n + 1, timeout=1)  # nothing more may come
     assert sorted(int(m.body) for m in receiver.messages) == list(range(n))
+
+
+def broker_stamps_arrival() -> bool:
+    """Whether the broker adds `timestamp_in_ms` to what it receives (RabbitMQ 3.12+ with the
+    message interceptor on): then x-delay counts from arrival."""
+    with connect() as c:
+        ch = c.channel()
+        q = ch.queue_declare("", exclusive=True).method.queue
+        ch.basic_publish("", q, b"probe")
+        c.sleep(0.2)
+        _, properties, _ = ch.basic_get(q, auto_ack=True)
+        return "timestamp_in_ms" in (properties.headers or {})
+
+
+def test_x_delay_counts_from_arrival_where_the_broker_stamps_it_else_from_check_in(make_chain, run_gateway):
+    """Published while no gateway runs (a check-in backlog of 2 s): with the broker's
+    arrival stamp the message is due 3 s after its publish; without it, 3 s after the
+    gateway read it."""
+    chain = make_chain(**SMALL)
+    receiver = Receiver(chain)
+    sent = publish(chain, [("backlog", b"b", delayed(3000))])[b"b"]
+    stamps = broker_stamps_arrival()
+    connect().sleep(2.0)
+    started = now_ms()
+    run_gateway(chain)
+    [m] = receiver.collect(1, timeout=15)
+    if stamps:
+        assert sent + 3000 <= m.at_ms < started + 3000  # from arrival: before read + 3 s
+    else:
+        assert m.at_ms >= started + 3000  # from when check-in read it
