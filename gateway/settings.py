@@ -161,7 +161,8 @@ def add_options(parser: argparse.ArgumentParser, groups: Iterable[str], environ:
             if o.group != group:
                 continue
             raw = environ.get(o.env)
-            help = f"{o.help} [{o.env}; default {_shown(o.default)}]".lstrip()
+            # argparse expands %-formats in help: the default URL's %2F must stay literal
+            help = f"{o.help} [{o.env}; default {_shown(o.default)}]".lstrip().replace("%", "%%")
             if o.parse is boolean:
                 # --declare / --no-declare; the environment is checked here, the flag cannot be bad
                 default = o.default if raw is None else _checked(o, o.env, UsageError)(raw)
