@@ -120,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
     exchange = chain_from(args).names.check_in
     urls, tls = urls_from(args), tls_from(args)
     confs = session.conf_pairs(args.spark_conf)
+    input_format(args)  # usage errors before Spark starts (that takes a while)
     check_exchange(urls[0], tls, exchange)
     spark, owned = session.start("delay-gateway schedule", args.master, confs)
     try:
