@@ -88,8 +88,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="unconfirmed publishes per connection (default 1000)")
     pub.add_argument("--max-rate", type=_non_negative, default=0, metavar="ROWS_PER_S",
                      help="publish at most this many rows a second in all (default 0: no limit)")
-    pub.add_argument("--rows-per-partition", type=_positive, default=50_000, metavar="N",
-                     help="rows per published partition, the unit of resuming (default 50000)")
+    pub.add_argument("--rows-per-partition", type=_positive, default=10_000, metavar="N",
+                     help="rows per published partition, the unit of resuming and of progress (default 10000)")
     spark = p.add_argument_group("spark")
     spark.add_argument("--master", help="Spark master URL (default: spark-submit's, else local[*])")
     spark.add_argument("--spark-conf", action="append", default=[], metavar="KEY=VALUE",
@@ -174,6 +174,7 @@ class Tally:
     lock: threading.Lock = field(default_factory=threading.Lock)
     published: int = 0
     partitions: int = 0
+    seconds: float = 0.0  # of the publishing phase
     failures: List[Tuple[int, str]] = field(default_factory=list)
 
 
@@ -237,6 +238,9 @@ class Job:
             "partitions_failed": len(tally.failures),
             "errors": self.errors_path, "state": self.state_dir,
             "started_at_ms": now_ms, "seconds": round(time.monotonic() - started, 3),
+            # confirmed rows per second while publishing (reading and checking come before)
+            "publish_seconds": round(tally.seconds, 3),
+            "rows_per_second": round(tally.published / tally.seconds) if tally.seconds else 0,
             "complete": not_published == 0,
         }
         if tally.failures:
@@ -446,6 +450,7 @@ class Job:
             with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="publish") as pool:
                 list(pool.map(one, todo))
         finally:
+            tally.seconds = time.monotonic() - started
             stop.set()
             printer.join()
             self._print_progress(tally, to_publish, len(todo), started)
