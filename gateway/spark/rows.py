@@ -75,10 +75,11 @@ class Rejected(ValueError):
 def check(routing_key: Optional[str], payload_bytes: Optional[int], delay: Optional[str],
           deliver_at: Optional[str], deliver_at_ts_ms: Optional[int], message_id: Optional[str],
           headers: Optional[str], row_json: Optional[str], unparseable: Optional[str],
-          limits: Limits) -> Checked:
+          limits: Limits, due_expr: bool = False) -> Checked:
     """Check one row. `delay` and `deliver_at` are the raw values as text (None: absent);
     `deliver_at_ts_ms` is Spark's reading of `deliver_at` as a timestamp, if it is one;
-    `row_json` is the row as JSON (for the message id when the row has none)."""
+    `row_json` is the row as JSON (for the message id when the row has none); `due_expr`:
+    `deliver_at` is the value of the user's expression, not a column."""
     try:
         if unparseable is not None:
             raise Rejected(UNPARSEABLE, f"the input line could not be parsed: {_short(unparseable)}")
@@ -87,6 +88,9 @@ def check(routing_key: Optional[str], payload_bytes: Optional[int], delay: Optio
         if len(routing_key.encode("utf-8")) > SHORTSTR:
             raise Rejected(KEY_TOO_LONG, f"routing key of {len(routing_key.encode('utf-8'))} bytes "
                                          f"(AMQP allows {SHORTSTR})")
+        if due_expr and deliver_at is None:
+            raise Rejected(DUE_MISSING, "--due-expr gave no value for this row (a column it reads is empty, or "
+                                        "not readable as its type)")
         deliver_at_ms, delay_ms = due(delay, deliver_at, deliver_at_ts_ms, limits)
         if payload_bytes is not None and payload_bytes > limits.max_payload_bytes:
             raise Rejected(PAYLOAD_TOO_LARGE, f"payload of {payload_bytes} bytes "

@@ -123,10 +123,24 @@ def run(args: argparse.Namespace) -> int:
     input_format(args)  # usage errors before Spark starts (that takes a while)
     check_exchange(urls[0], tls, exchange)
     spark, owned = session.start("delay-gateway schedule", args.master, confs)
+    # Without ANSI mode a value that does not convert (to_timestamp('soon') in --due-expr, a
+    # cast) is null, and that row is rejected with its reason; with it, one bad row would
+    # fail the whole job. Restored afterwards for a session that is not ours.
+    ansi = spark.conf.get("spark.sql.ansi.enabled", None)
+    spark.conf.set("spark.sql.ansi.enabled", "false")
     try:
         job = Job(spark, args, Target(urls, exchange, tls, args.confirm_window))
         summary = job.run()
+    except UsageError:
+        raise
+    except Exception as exc:  # a Spark failure: one line, not a Java stack trace
+        if type(exc).__module__.startswith(("pyspark", "py4j")):
+            print(f"delay-gateway schedule: Spark failed: {session.one_line(exc)}", file=sys.stderr)
+            return 1
+        raise
     finally:
+        if ansi is not None:
+            spark.conf.set("spark.sql.ansi.enabled", ansi)
         if owned:
             spark.stop()
     print(json.dumps(summary, indent=1))
@@ -379,7 +393,7 @@ class Job:
             T.StructField("reason", T.StringType()), T.StructField("detail", T.StringType()),
             T.StructField("message_id", T.StringType()), T.StructField("deliver_at_ms", T.LongType()),
             T.StructField("delay_ms", T.LongType()), T.StructField("headers", T.StringType())])
-        udf = F.udf(functools.partial(_check_row, limits), result, useArrow=False)
+        udf = F.udf(functools.partial(_check_row, limits, bool(self.args.due_expr)), result, useArrow=False)
         checked = df.select(
             "*", rk.alias("__rk"), body.alias("__body"),
             udf(rk, F.octet_length(body), delay_raw, at_raw, at_ts, mid, headers,
@@ -477,8 +491,8 @@ class Job:
                  partitions=parts, failed=failed, rows_per_second=round(rate))
 
 
-def _check_row(limits, rk, size, delay, at, at_ts, mid, headers, row_json, corrupt):
-    c = rows.check(rk, size, delay, at, at_ts, mid, headers, row_json, corrupt, limits)
+def _check_row(limits, due_expr, rk, size, delay, at, at_ts, mid, headers, row_json, corrupt):
+    c = rows.check(rk, size, delay, at, at_ts, mid, headers, row_json, corrupt, limits, due_expr)
     return (c.reason, c.detail, c.message_id, c.deliver_at_ms, c.delay_ms, c.headers)
 
 

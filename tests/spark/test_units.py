@@ -125,7 +125,7 @@ def test_delay_buckets(delay, label):
 
 def test_the_example_orders_fall_due_within_the_window():
     now = NOW
-    rows = example.orders(300, 6, 120_000, now, seed=1)
+    rows = example.orders(300, 6, 60_000, 120_000, now, seed=1)
     assert len(rows) == 300 and len({r["order_id"] for r in rows}) == 300
     from datetime import datetime
     broken = 0
@@ -138,7 +138,7 @@ def test_the_example_orders_fall_due_within_the_window():
         if due < now:
             broken += 1
         else:
-            assert now + 5_000 <= due <= now + 120_000
+            assert now + 60_000 <= due <= now + 180_000
     assert broken == 6
 
 
@@ -187,3 +187,8 @@ def test_the_publisher_confirms_every_message_and_refuses_a_check_in_without_que
         with pytest.raises(PublishError, match="routed a message to no queue.*delay-gateway declare"):
             PartitionPublisher(Target((broker,), chain.prefix + ".lonely"), iter([1]), make).run()
         ch.exchange_delete(chain.prefix + ".lonely")
+
+
+def test_a_due_expression_without_a_value_rejects_the_row_not_the_job():
+    c = R.check("k", 1, None, None, None, None, None, "{}", None, LIMITS, due_expr=True)
+    assert c.reason == R.DUE_MISSING and "--due-expr" in c.detail
