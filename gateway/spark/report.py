@@ -22,8 +22,9 @@ from . import require
 
 log = structlog.get_logger("report")
 
-# Delay buckets: (label, upper bound in ms, exclusive); the last has none.
-BUCKETS = (("0-1s", 1_000), ("1-10s", 10_000), ("10s-1m", 60_000), ("1-10m", 600_000),
+# Delay buckets: (label, upper bound in ms, exclusive); the last has none. "overdue": due
+# before it was published (a due time in the past, or a late publish).
+BUCKETS = (("overdue", 0), ("0-1s", 1_000), ("1-10s", 10_000), ("10s-1m", 60_000), ("1-10m", 600_000),
            ("10m-1h", 3_600_000), ("1h-1d", 86_400_000), ("1d+", None))
 UNKNOWN = "unknown"
 PERCENTILES = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("p999", 0.999))

@@ -16,7 +16,7 @@ from ..support import chain_args
 
 pytestmark = pytest.mark.spark
 
-EDGES = [(1_000, "0-1s"), (10_000, "1-10s"), (60_000, "10s-1m"), (600_000, "1-10m"), (3_600_000, "10m-1h"),
+EDGES = [(0, "overdue"), (1_000, "0-1s"), (10_000, "1-10s"), (60_000, "10s-1m"), (600_000, "1-10m"), (3_600_000, "10m-1h"),
          (86_400_000, "1h-1d")]
 
 
@@ -120,7 +120,8 @@ def test_report_numbers_match_a_direct_computation(spark, broker, make_chain, ru
              dict(first, message_id="slow-1", due_at=first["arrived_at"] - 250, delay_ms=7_200_000,
                   routing_key="k.other"),
              dict(first, message_id="no-due", due_at=None, due_source=None, delay_ms=None),
-             dict(first, message_id=None, due_at=first["arrived_at"] - 5)]
+             dict(first, message_id=None, due_at=first["arrived_at"] - 5),
+             dict(first, message_id="overdue-1", due_at=first["arrived_at"] - 900, delay_ms=-800)]
     lines += [json.dumps(e) for e in extra] + ["", "not json at all", '{"message_id": "half"']
     records.write_text("\n".join(lines) + "\n")
 
