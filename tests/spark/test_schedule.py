@@ -16,7 +16,7 @@ import pytest
 from gateway.cli import main
 from gateway.spark import rows as R
 
-from ..support import ROOT, Receiver, chain_args, connect, drain, now_ms
+from ..support import ROOT, Receiver, chain_args, connect, drain, now_ms, unique_prefix
 from . import data
 
 pytestmark = pytest.mark.spark
@@ -156,3 +156,27 @@ def test_a_run_killed_half_way_resumes_where_it_stopped(spark, broker, make_chai
     with connect() as c:
         bodies = {b for _, _, b in drain(c.channel(), chain.names.check_in)}
     assert bodies == {f"row {i}".encode() for i in range(n)}  # every row at least once
+
+
+def test_failed_partitions_are_reported_and_published_by_the_next_run(spark, broker, make_chain, tmp_path):
+    prefix = unique_prefix()
+    path = tmp_path / "in.csv"
+    path.write_text("routing_key,payload,delay_ms\n" + "".join(f"k,row {i},100\n" for i in range(30)))
+    chain = make_chain(prefix=prefix, max_level=4, resolution_ms=100)
+    with connect() as c:  # check-in routes to no queue: every publish comes back unroutable
+        c.channel().queue_unbind(chain.names.check_in, chain.names.check_in, "#")
+    args = schedule_args(chain, broker, str(path), tmp_path, "--rows-per-partition", "10")
+    assert main(args) == 1
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["read"], summary["published"], summary["not_published"]) == (30, 0, 30)
+    assert summary["partitions_failed"] == summary["partitions"] == 3 and not summary["complete"]
+    assert "routed a message to no queue" in summary["failure"] and "delay-gateway declare" in summary["failure"]
+
+    with connect() as c:
+        c.channel().queue_bind(chain.names.check_in, chain.names.check_in, "#")
+    assert main(args) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["published"], summary["published_this_run"], summary["resumed"]) == (30, 30, 0)
+    with connect() as c:
+        assert sorted(b for _, _, b in drain(c.channel(), chain.names.check_in)) == sorted(
+            f"row {i}".encode() for i in range(30))
