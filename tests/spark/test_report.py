@@ -16,8 +16,8 @@ from ..support import chain_args
 
 pytestmark = pytest.mark.spark
 
-EDGES = [(0, "overdue"), (1_000, "0-1s"), (10_000, "1-10s"), (60_000, "10s-1m"), (600_000, "1-10m"), (3_600_000, "10m-1h"),
-         (86_400_000, "1h-1d")]
+EDGES = [(0, "overdue"), (1_000, "0-1s"), (10_000, "1-10s"), (60_000, "10s-1m"), (600_000, "1-10m"),
+         (3_600_000, "10m-1h"), (86_400_000, "1h-1d")]
 
 
 def bucket(delay):
@@ -68,8 +68,10 @@ def direct(lines):
         keys[r["routing_key"]].append(r)
     seconds = Counter(r["arrived_at"] // 1000 for r in recs)
     return {"unreadable_lines": unreadable, "deliveries": len(recs), "messages": len(firsts),
-            "duplicate_deliveries": len(recs) - len(firsts), "duplicated_messages": sum(1 for c in ids.values() if c > 1),
-            "redelivered": sum(r["redelivered"] for r in recs), "without_due": sum(r["due_at"] is None for r in recs),
+            "duplicate_deliveries": len(recs) - len(firsts),
+            "duplicated_messages": sum(1 for c in ids.values() if c > 1),
+            "redelivered": sum(r["redelivered"] for r in recs),
+            "without_due": sum(r["due_at"] is None for r in recs),
             "early": sum(1 for r in recs if r["due_at"] is not None and r["arrived_at"] < r["due_at"]),
             "lateness": stats(timed), "buckets": {b: stats(rs) for b, rs in groups.items()},
             "keys": {k: stats(rs) for k, rs in keys.items()}, "per_second": dict(seconds)}

@@ -26,7 +26,8 @@ ON_TIME_MS = 10_000
 
 
 def schedule_args(chain, broker, path, tmp, *extra):
-    return ["schedule", path, "--url", broker, *chain_args(chain), "--spark-conf", "spark.ui.enabled=false", "--errors", str(tmp / "errors"),
+    return ["schedule", path, "--url", broker, *chain_args(chain), "--spark-conf", "spark.ui.enabled=false",
+            "--errors", str(tmp / "errors"),
             "--summary", str(tmp / "summary.json"), "--state", str(tmp / "state"),
             "--max-payload-bytes", str(data.MAX_PAYLOAD), "--progress-interval", "0", *extra]
 

@@ -116,7 +116,8 @@ def test_a_record_line_has_the_due_time_from_the_stamp_or_the_publishers_header(
     assert record.line(method, pika.BasicProperties(), 9)["due_at"] is None
 
 
-@pytest.mark.parametrize("delay, label", [(None, "unknown"), (-5, "overdue"), (0, "0-1s"), (999, "0-1s"), (1000, "1-10s"),
+@pytest.mark.parametrize("delay, label", [(None, "unknown"), (-5, "overdue"), (0, "0-1s"), (999, "0-1s"),
+                                          (1000, "1-10s"),
                                           (59_999, "10s-1m"), (60_000, "1-10m"), (3_600_000, "1h-1d"),
                                           (86_400_000, "1d+")])
 def test_delay_buckets(delay, label):
