@@ -332,6 +332,46 @@ def bench_arguments(p: argparse.ArgumentParser) -> None:
     add_arguments(p)
 
 
+def cmd_schedule(args) -> int:
+    from .spark.schedule import run
+    return run(args)
+
+
+def schedule_arguments(p: argparse.ArgumentParser) -> None:
+    from .spark.schedule import add_arguments
+    add_arguments(p)
+
+
+def cmd_record(args) -> int:
+    from .spark.record import run
+    return run(args)
+
+
+def record_arguments(p: argparse.ArgumentParser) -> None:
+    from .spark.record import add_arguments
+    add_arguments(p)
+
+
+def cmd_report(args) -> int:
+    from .spark.report import run
+    return run(args)
+
+
+def report_arguments(p: argparse.ArgumentParser) -> None:
+    from .spark.report import add_arguments
+    add_arguments(p)
+
+
+def cmd_example(args) -> int:
+    from .spark.example import run
+    return run(args)
+
+
+def example_arguments(p: argparse.ArgumentParser) -> None:
+    from .spark.example import add_arguments
+    add_arguments(p)
+
+
 BROKER = ("broker", "log")
 COMMANDS = {
     "run": Command("run the consumers (check-in, distributor, or both) until SIGTERM",
@@ -358,4 +398,12 @@ COMMANDS = {
                     BROKER + ("chain",), cmd_demo, demo_arguments),
     "bench": Command("measure lateness, throughput and memory against a real broker", BROKER, cmd_bench,
                      bench_arguments),
+    "schedule": Command("publish every row of a table (CSV, JSON lines, Parquet) as a delayed message, on Spark",
+                        BROKER + ("chain",), cmd_schedule, schedule_arguments),
+    "record": Command("record deliveries at pick-up as JSON lines (for `report`)", BROKER + ("chain",),
+                      cmd_record, record_arguments),
+    "report": Command("delivery analytics from `record`'s output, on Spark: lateness, duplicates, throughput",
+                      ("log",), cmd_report, report_arguments),
+    "example-orders": Command("write an example orders table to try `schedule` with (review reminders)",
+                              ("log",), cmd_example, example_arguments),
 }

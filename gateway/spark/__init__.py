@@ -1,0 +1,23 @@
+"""The data side: Spark jobs that schedule a table of messages and analyse deliveries.
+
+`schedule` publishes rows to `<prefix>.check-in` like any other publisher (it uses only the
+public contract: the exchange name and the `x-deliver-at` header); `record` consumes from
+a queue bound to `<prefix>.pick-up`; `report` reads what `record` wrote. PySpark is an
+optional extra, imported only by the commands that need it (`require`).
+
+Modules: rows (pure: one input row to a message or a rejection), publisher (pika, windowed
+confirms, one connection per partition), progress (the resume record), schedule (the
+Spark job), record (the consumer), report (the Spark analysis and its charts), example
+(an orders table to try it with).
+"""
+
+INSTALL = "pip install 'rabbitmq-delay-gateway[spark]'"
+
+
+def require() -> None:
+    """Fail in one line, naming the install command, when PySpark is missing."""
+    from ..settings import UsageError
+    try:
+        import pyspark  # noqa: F401
+    except ImportError:
+        raise UsageError(f"this command runs on Spark and PySpark is not installed: {INSTALL}") from None

@@ -1,0 +1,68 @@
+"""The SparkSession of a command: the one spark-submit made, or a local one.
+
+Under spark-submit (or with a master in spark-defaults.conf) the master and every setting
+come from there; run as `delay-gateway schedule ...` the default is `local[*]`, all cores
+of this machine. `--master` beats both. A session that already exists in the process (a
+notebook, the tests) is used as it is, and is not stopped at the end.
+"""
+
+import logging
+import os
+import sys
+from typing import Iterable, Optional, Tuple
+
+
+def start(app: str, master: Optional[str] = None, confs: Iterable[Tuple[str, str]] = ()):
+    """(spark, owned): owned is False when the session was there already."""
+    from pyspark import SparkConf, SparkContext
+    from pyspark.sql import SparkSession
+
+    if SparkContext._active_spark_context is not None:
+        return SparkSession.builder.getOrCreate(), False
+    # The executors' Python must be one with pika and this package: the driver's, unless
+    # the user chose (a cluster's nodes have their own paths).
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    SparkContext._ensure_initialized()  # reads spark-submit's settings and spark-defaults.conf
+    given = SparkConf()
+    builder = SparkSession.builder.appName(app)
+    if master:
+        builder = builder.master(master)
+    elif not given.contains("spark.master"):
+        builder = builder.master("local[*]")
+    if "spark.ui.showConsoleProgress" not in dict(confs):
+        # Spark's own progress bar ([Stage 2:====>   (3 + 2) / 8]) on a terminal, as in its
+        # shells; not into a log file or a pipe
+        builder = builder.config("spark.ui.showConsoleProgress", str(sys.stderr.isatty()).lower())
+    for key, value in confs:
+        builder = builder.config(key, value)
+    # py4j logs every connection it closes at info level: noise among our own events
+    logging.getLogger("py4j").setLevel(logging.WARNING)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("WARN")
+    return spark, True
+
+
+def conf_pairs(pairs: Iterable[str]) -> Tuple[Tuple[str, str], ...]:
+    from ..settings import UsageError
+    out = []
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--spark-conf {pair!r}: expected KEY=VALUE")
+        out.append((key.strip(), value))
+    return tuple(out)
+
+
+def one_line(error: BaseException) -> str:
+    """The useful line of a Spark error (a Py4J error carries a Java stack trace, and a
+    failed Python task the worker's traceback: the last 'SomethingError: ...' line of it)."""
+    text = str(error)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for line in reversed(lines):
+        head = line.split(":", 1)[0]
+        if head.endswith(("PublishError", "Rejected")):
+            return line.split(":", 1)[1].strip()
+    for line in lines:
+        if "Error" in line.split(":", 1)[0] or "Exception" in line.split(":", 1)[0]:
+            return line[:500]
+    return (lines[0] if lines else repr(error))[:500]
