@@ -59,7 +59,7 @@ class Pipe:
         self._connection, self._queue, self._handler = connection, queue, handler
         self._prefetch, self._metrics, self._clock, self._names = prefetch, metrics, clock, names
         self._on_fatal = on_fatal or (lambda exc: None)
-        self._batcher = batcher or Batcher(1, 1, 0)
+        self._batcher = batcher if batcher is not None else Batcher(1, 1, 0)  # (an empty one is falsy)
         self._log = structlog.get_logger("gateway").bind(queue=queue)
         # Per-message hot path: a debug event costs structlog's processors even when the
         # level filters it out later, and .labels() a lock and a lookup; decide/look up once.

@@ -156,7 +156,9 @@ def test_status_shows_messages_waiting_in_several_levels(make_chain, run_gateway
     bound so that nothing is parked meanwhile."""
     chain = make_chain(max_level=3, resolution_ms=20_000)
     port = free_port()
-    run_gateway(chain, "--metrics-port", str(port))
+    # each message alone: the broker's counts are then the messages themselves (with
+    # carriers they are estimated: the next test)
+    run_gateway(chain, "--metrics-port", str(port), "--carrier-messages", "1")
     with connect() as c:
         ch = c.channel()
         q = ch.queue_declare("", exclusive=True).method.queue
@@ -193,6 +195,31 @@ def test_status_shows_messages_waiting_in_several_levels(make_chain, run_gateway
         minute = doc["due_within"][1]
         assert (minute["within"], minute["at_least"], minute["at_most"]) == ("1 minute", 3 + 2, 13)
         ch.queue_delete(q)
+
+
+def test_status_counts_the_messages_carriers_carry(make_chain, run_gateway):
+    chain = make_chain(max_level=3, resolution_ms=20_000)
+    port = free_port()
+    run_gateway(chain, "--metrics-port", str(port), "--carrier-wait-ms", "1000")
+    with connect() as c:
+        ch = c.channel()
+        ch.confirm_delivery()
+        for _ in range(5):  # all five in one carrier, into level 1's delay queue
+            ch.basic_publish(chain.names.check_in, "s", b"x", pika.BasicProperties(headers={"x-delay": 50_000}),
+                             mandatory=True)
+    level = Names(chain.prefix, chain.generation).delay_queue(1)
+    deadline = time.monotonic() + 10
+    while True:
+        doc = json.loads(cli("status", *chain_args(chain), "--json", "--metrics-url",
+                             f"http://127.0.0.1:{port}").stdout)
+        row = next(r for r in doc["queues"] if r["name"] == level)
+        if row["messages"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert (row["messages"], row["carriers"]) == (5, 1) and doc["total"] == 5
+    without = json.loads(cli("status", *chain_args(chain), "--json").stdout)
+    assert next(r for r in without["queues"] if r["name"] == level)["messages"] == 1  # the broker's count
+    assert any("carrier" in note for note in without["notes"])
 
 
 def test_status_watch_refreshes_until_interrupted(make_chain):
