@@ -1,15 +1,103 @@
+"""Fixtures shared by every test that talks to a broker.
+
+`broker` is parametrized over the RabbitMQ versions the gateway is tested on, so each
+broker-facing test runs once per version and its id says which: `[rmq3.10]` is the shared
+node on 5672 (Debian bookworm's 3.10.8, or DELAY_GATEWAY_URL), `[rmq4.0]` a private node of
+Debian trixie's 4.0.5 that this session starts from the root scripts/ensure-rabbitmq4
+caches, with the broker's arrival stamp on. `./scripts/test -k rmq4.0` runs one version.
+"""
+
+import os
 import socket
+import subprocess
+import tempfile
 from urllib.parse import urlsplit
 
 import pytest
 
-from .support import GatewayProcess, broker_url, chains
+from . import support
+from .faults.nodes import ARRIVAL_STAMP, BROKER_LABELS, Cluster, NodeError, rabbitmq4_runtime, unique_names
+from .support import GatewayProcess, chains, main_broker_url
+
+
+# Tests that run on one broker only, and why: the rest of the broker-facing tests run on
+# both (README, "Tested on", says what each version changes). Keyed by test function name.
+ONE_BROKER = {
+    "test_imported_definitions_equal_what_declare_makes":
+        ("rmq3.10", "imports with the host's rabbitmqctl into the local node; "
+                    "test_broker_versions.py imports the definitions on each version"),
+    "test_bench_runs_and_reports":
+        ("rmq3.10", "checks the benchmark command's output, not the broker; 25 s"),
+    "test_arrival_stamp_is_added_and_a_publishers_own_is_kept":
+        ("rmq4.0", "message interceptors exist from 3.12 on"),
+    "test_the_receiver_sees_the_stamp_of_the_original_publish":
+        ("rmq4.0", "message interceptors exist from 3.12 on"),
+}
+
+# Tests that compare the headers a receiver gets with exactly those sent. A broker that
+# stamps arrival times adds `timestamp_in_ms` to every message it receives, the gateway's
+# publish to pick-up included, so no gateway could pass them there as written: on 4.0 they
+# run against a second node without the stamp. (Once the gateway counts x-delay from the
+# stamp, these comparisons should allow that one broker header and this list can go.)
+WITHOUT_ARRIVAL_STAMP = {
+    "test_what_the_user_sent_survives_exactly",
+    "test_publish_and_declare_commands_end_to_end",
+    "test_list_then_replay_after_the_cause_is_fixed",
+    "test_hostile_publishers_never_crash_or_stall_the_gateway",
+}
+
+
+def broker_label(item) -> str:
+    callspec = getattr(item, "callspec", None)
+    return callspec.params.get("broker") if callspec else None
+
+
+def pytest_collection_modifyitems(config, items):
+    """Leave out (deselect, never skip) the broker versions a test is not meant for."""
+    keep, drop = [], []
+    for item in items:
+        only = ONE_BROKER.get(getattr(item, "originalname", item.name))
+        label = broker_label(item)
+        (drop if only and label and label != only[0] else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 @pytest.fixture(scope="session")
-def broker() -> str:
-    """A reachable broker, or a failure that says how to get one (never a skip)."""
-    url = broker_url()
+def rabbitmq4_runtime_checked():
+    """The cached RabbitMQ 4.0 root, or a failure that says how to get it (never a skip)."""
+    runtime = rabbitmq4_runtime()
+    try:
+        runtime.check()
+    except NodeError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    return runtime
+
+
+def private_rabbitmq4(runtime, tag: str, *config: str):
+    cluster = Cluster(unique_names(1, tag), extra_config=list(config), runtime=runtime)
+    cluster.start_or_fail(f"a RabbitMQ 4.0 node ({tag})")
+    return cluster
+
+
+@pytest.fixture(scope="session")
+def rabbitmq4_node(rabbitmq4_runtime_checked):
+    """A private RabbitMQ 4.0 node for the end-to-end tests, stamping arrival times."""
+    cluster = private_rabbitmq4(rabbitmq4_runtime_checked, "e2e4", ARRIVAL_STAMP)
+    yield cluster.nodes[0]
+    cluster.close()
+
+
+@pytest.fixture(scope="session")
+def rabbitmq4_unstamped_node(rabbitmq4_runtime_checked):
+    """The same without the arrival stamp, for the tests in WITHOUT_ARRIVAL_STAMP."""
+    cluster = private_rabbitmq4(rabbitmq4_runtime_checked, "e2e4plain")
+    yield cluster.nodes[0]
+    cluster.close()
+
+
+def reachable_or_fail(url: str) -> str:
     parts = urlsplit(url)
     try:
         socket.create_connection((parts.hostname, parts.port or 5672), timeout=3).close()
@@ -17,6 +105,60 @@ def broker() -> str:
         pytest.fail(f"no RabbitMQ at {parts.hostname}:{parts.port or 5672} ({exc}); "
                     "run scripts/ensure-rabbitmq or set DELAY_GATEWAY_URL", pytrace=False)
     return url
+
+
+@pytest.fixture(scope="session", params=BROKER_LABELS)
+def broker(request) -> str:
+    """A reachable broker of each version in turn, or a failure that says how to get one."""
+    if request.param == "rmq3.10":
+        return reachable_or_fail(main_broker_url())
+    return request.getfixturevalue("rabbitmq4_node").url
+
+
+class BrokerCtl:
+    """rabbitmqctl for this test's broker, for reading (list_queues) and for what AMQP
+    cannot do (import_definitions): the shared node's own CLI, or the private 4.0 node's."""
+
+    def __init__(self, node=None) -> None:
+        self.node = node
+
+    def __call__(self, *args: str) -> str:
+        if self.node is not None:
+            return self.node.ctl(*args).stdout
+        result = subprocess.run(["rabbitmqctl", *args], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    def file(self, text: str, suffix: str) -> str:
+        """Write `text` where the broker's CLI can read it; returns the path it sees."""
+        directory = self.node.dir if self.node is not None else "/tmp"
+        fd, path = tempfile.mkstemp(suffix=suffix, dir=directory)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(path, 0o644)  # the CLI runs as the rabbitmq user
+        return self.node.runtime.inside(path) if self.node is not None else path
+
+
+@pytest.fixture
+def broker_ctl(broker, request):
+    if broker_label(request.node) == "rmq4.0":
+        return BrokerCtl(request.getfixturevalue("rabbitmq4_node"))
+    if os.environ.get("DELAY_GATEWAY_URL"):
+        pytest.fail("this test drives the broker with rabbitmqctl: run it against the local node "
+                    "(unset DELAY_GATEWAY_URL)", pytrace=False)
+    return BrokerCtl()
+
+
+@pytest.fixture(autouse=True)
+def _broker_of_this_test(request):
+    """Point support.broker_url() (used by connect(), GatewayProcess, the CLI helpers) at this
+    test's broker: the version it is parametrized with, else the main one."""
+    url = request.getfixturevalue("broker") if "broker" in request.fixturenames else None
+    if broker_label(request.node) == "rmq4.0" and request.node.originalname in WITHOUT_ARRIVAL_STAMP:
+        url = request.getfixturevalue("rabbitmq4_unstamped_node").url
+    support.use_broker(url)
+    yield
+    support.use_broker(None)
 
 
 @pytest.fixture

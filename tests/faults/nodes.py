@@ -94,6 +94,8 @@ class Runtime:
 
 
 HOST_RUNTIME = Runtime("rmq3.10")
+# Every broker version the tests run on; test ids carry the label.
+BROKER_LABELS = ["rmq3.10", "rmq4.0"]
 
 
 def rabbitmq4_runtime(root: Optional[str] = None) -> Runtime:
