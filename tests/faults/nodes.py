@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
@@ -127,6 +128,15 @@ def port_open(port: int) -> bool:
         return False
 
 
+def write_cookie(home: str) -> None:
+    """The Erlang cookie the nodes of one cluster (and their rabbitmqctl) share."""
+    cookie = os.path.join(home, ".erlang.cookie")
+    if not os.path.exists(cookie):
+        with open(cookie, "w") as f:
+            f.write("DELAYGATEWAYFAULTS" + os.urandom(8).hex().upper())
+        os.chmod(cookie, 0o400)
+
+
 @dataclass
 class Node:
     """One RabbitMQ node; `start`, `stop`, `kill`, `ctl` drive it.
@@ -180,11 +190,7 @@ class Node:
 
     def _write_files(self) -> None:
         os.makedirs(os.path.join(self.dir, "log"), exist_ok=True)
-        cookie = os.path.join(self.home, ".erlang.cookie")
-        if not os.path.exists(cookie):
-            with open(cookie, "w") as f:
-                f.write("DELAYGATEWAYFAULTS" + os.urandom(8).hex().upper())
-            os.chmod(cookie, 0o400)
+        write_cookie(self.home)
         files = {
             "rabbitmq-env.conf": "",
             "enabled_plugins": "[].\n",
@@ -228,6 +234,16 @@ class Node:
                 return
             time.sleep(0.3)
         raise NodeError(f"{self.node} did not start within {timeout}s: {self.console_tail()}")
+
+    def log_lines(self, *words: str, lines: int = 40) -> str:
+        """The last lines of the node's own log that mention any of `words`."""
+        path = os.path.join(self.dir, "log", f"{self.node}.log")
+        try:
+            with open(path, errors="replace") as f:
+                found = [line for line in f if any(w in line for w in words)]
+        except OSError:
+            return f"(no log at {path})"
+        return "".join(found[-lines:])
 
     def console_tail(self, lines: int = 30) -> str:
         try:
@@ -293,10 +309,24 @@ class Cluster:
         return self.nodes[0].ctl("version").stdout.strip()
 
     def start(self) -> "Cluster":
+        # Booting is most of the cost: boot every node at once, then join them one by one.
+        write_cookie(self.home)
+        errors: List[BaseException] = []
+
+        def boot(node: Node) -> None:
+            try:
+                node.start()
+            except BaseException as exc:  # noqa: B036 - re-raised below, in this thread
+                errors.append(exc)
+        threads = [threading.Thread(target=boot, args=(n,)) for n in self.nodes]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
         first, *others = self.nodes
-        first.start()
         for node in others:
-            node.start()
             node.ctl("stop_app")
             node.ctl("join_cluster", first.node)
             node.ctl("start_app")

@@ -1,17 +1,19 @@
 """A 3-node cluster on this machine, quorum queues replicated on all three: the node that
 leads the chain's queues is stopped, killed (-9) or cut off from the other two mid-run,
 with messages in every part of the chain and new ones arriving through the other nodes;
-the gateway, given all three URLs, carries on.
+the gateway, given all three URLs and connected to that node first, carries on.
 
-Required on RabbitMQ 4.0.x, with the Mnesia and with the Khepri metadata store:
+Required on RabbitMQ 4.0.x, with the Mnesia and with the Khepri metadata store (the same
+cluster, moved to Khepri by enabling the `khepri_db` flag after the Mnesia cases):
 lost = 0, early = 0 and stalled = 0, where stalled counts a message not delivered within
 STALL_BOUND_S of the later of its due time and the moment the cluster is whole again.
 
 The 4.0 nodes each live in a network namespace of their own (tests/faults/netns.py), so
 the partition is real: the leader's link is taken down and not one packet passes between it
 and the others until it comes back up. They run with `cluster_partition_handling =
-pause_minority` (a lone node pauses: closes its clients' connections, so the gateway moves
-to the majority) and `net_ticktime = 10` (the partition is noticed in 7-13 s, not 45-75).
+pause_minority` (the lone node pauses and closes its clients' connections, so the gateway
+moves to the majority) and `net_ticktime = 10` (the partition is noticed in about 10 s, not
+60). The partition lasts until the gateway has moved, then for the traffic below.
 
 Known broker limitation, found by this test: on RabbitMQ 3.10.8 (Debian's) messages that
 expire in a quorum queue whose leader moved often stop being dead-lettered: they stay in
@@ -25,6 +27,7 @@ leader; on 4.0 nothing is excused.
 """
 
 import dataclasses
+import json
 import time
 
 import pytest
@@ -43,14 +46,18 @@ STALL_BOUND_S = 30
 RABBITMQ4_CLUSTER_CONFIG = ["cluster_partition_handling = pause_minority"]
 RABBITMQ4_ADVANCED = "[{kernel, [{net_ticktime, 10}]}]."
 
-CASES = [("rmq3.10", "mnesia", "stop")] + [
-    ("rmq4.0", store, fault) for store in ("mnesia", "khepri") for fault in ("stop", "kill9", "partition")]
+# In this order: the Khepri cases run after the Mnesia ones on the same cluster, once its
+# metadata store has been moved to Khepri (what enabling the flag does to a live cluster).
+# Khepri gets the abrupt faults (a clean stop hands leadership over; kill -9 and a partition
+# are what a Raft metadata store must survive), to keep the suite within its time.
+CASES = [("rmq3.10", "mnesia", "stop")] + [("rmq4.0", "mnesia", fault) for fault in ("stop", "kill9", "partition")] + [
+    ("rmq4.0", "khepri", fault) for fault in ("kill9", "partition")]
 
 
 @pytest.fixture(scope="module")
 def cluster(request):
-    """One 3-node cluster per (broker, metadata store), shared by that pair's faults."""
-    label, store = request.param
+    """One 3-node cluster per broker version, shared by that version's cases."""
+    label = request.param
     if label == "rmq3.10":
         c = Cluster(unique_names(3, "cluster"), runtime=HOST_RUNTIME)
     else:
@@ -58,12 +65,25 @@ def cluster(request):
         c = Cluster(unique_names(3, "cluster"), runtime=runtime, lan=Lan(3), extra_config=RABBITMQ4_CLUSTER_CONFIG,
                     advanced_config=RABBITMQ4_ADVANCED)
     c.start_or_fail(f"a 3-node {label} cluster")
-    if store == "khepri":
-        c.enable_khepri()
-    assert c.metadata_store() == store
     c.version_text = c.version
     yield c
     c.close()
+
+
+def restore(cluster) -> None:
+    """Whatever a failed case before left broken: links up, every node running."""
+    if cluster.lan is not None:
+        for i in range(len(cluster.nodes)):
+            cluster.lan.heal(i)
+    for node in cluster.nodes:
+        if node.process is None or node.process.poll() is not None:
+            node.start()
+
+
+def with_store(cluster, store: str) -> None:
+    if store == "khepri" and cluster.metadata_store() != "khepri":
+        cluster.enable_khepri()
+    assert cluster.metadata_store() == store, "the cases must run in CASES order"
 
 
 def quorum_queues(node, prefix: str) -> dict:
@@ -79,8 +99,11 @@ def quorum_queues(node, prefix: str) -> dict:
 
 def running(node) -> int:
     """How many nodes `node` sees running (0 while it is paused or down)."""
-    r = node.ctl("eval", "length(rabbit_nodes:list_running()).", check=False, timeout=30)
-    return int(r.stdout.strip()) if r.returncode == 0 and r.stdout.strip().isdigit() else 0
+    r = node.ctl("cluster_status", "--formatter", "json", check=False, timeout=30)
+    try:
+        return len(json.loads(r.stdout)["running_nodes"]) if r.returncode == 0 else 0
+    except (ValueError, KeyError):
+        return 0
 
 
 def wait_whole(cluster, timeout: float = 90, nodes=None) -> float:
@@ -108,16 +131,27 @@ class Fault:
 
     def __init__(self, kind: str, cluster: Cluster, victim) -> None:
         self.kind, self.cluster, self.victim = kind, cluster, victim
-        self.noticed_s = None
+        self.noticed_s = self.moved_s = None
 
-    def begin(self, survivor) -> None:
+    def begin(self, survivor, gateway) -> None:
         if self.kind == "stop":
             self.victim.stop()
         elif self.kind == "kill9":
             self.victim.kill()
         else:
+            started = time.monotonic()
             self.cluster.lan.cut(self.cluster.nodes.index(self.victim))
             self.noticed_s = round(wait_apart(survivor), 1)
+            # The partition lasts until the lone node has paused (pause_minority) and the
+            # gateway, whose connection that closed, has moved to the majority.
+            connected = len(gateway.events("connected"))
+            deadline = time.monotonic() + 60
+            while len(gateway.events("connected")) <= connected:
+                if time.monotonic() > deadline:
+                    raise AssertionError("the cut-off node did not pause (or the gateway did not move) within "
+                                         f"60 s:\n{self.victim.log_lines('partition', 'minority', 'pause')}")
+                time.sleep(0.2)
+            self.moved_s = round(time.monotonic() - started, 1)
 
     def end(self) -> None:
         if self.kind == "partition":
@@ -126,27 +160,42 @@ class Fault:
             self.victim.start()
 
 
-def stall_figures(sent, sink, whole_at_ms: int) -> dict:
-    """Stalled: not delivered within STALL_BOUND_S of max(due, whole again).
-    Time to recover: from whole again until the last message due by then arrived."""
+def overdue(sent, sink, by_ms: int = 1000) -> int:
+    """Messages due more than `by_ms` ago and not delivered yet."""
+    with sink._lock:
+        delivered = set(sink.arrivals)
+    now = now_ms()
+    return sum(1 for s in sent if s.message_id not in delivered and s.not_before_ms + by_ms < now)
+
+
+def stall_figures(sent, sink, fault_ms: int, whole_ms: int) -> dict:
+    """stalled: not delivered within STALL_BOUND_S of max(due, whole again).
+    max_late_s: the latest any message arrived after it was due.
+    recover_s: from the fault until the last arrival more than a second late (0: none was);
+    what a user of the cluster would see as the outage."""
     with sink._lock:
         first = {k: min(v) for k, v in sink.arrivals.items()}
-    stalled, backlog_done = 0, whole_at_ms
+    stalled, max_late, last_late = 0, 0, None
     for s in sent:
-        limit = max(s.not_before_ms, whole_at_ms) + STALL_BOUND_S * 1000
         arrived = first.get(s.message_id)
-        if arrived is None or arrived > limit:
+        if arrived is None or arrived > max(s.not_before_ms, whole_ms) + STALL_BOUND_S * 1000:
             stalled += 1
-        elif s.not_before_ms <= whole_at_ms:
-            backlog_done = max(backlog_done, arrived)
-    return {"stalled": stalled, "recover_s": round((backlog_done - whole_at_ms) / 1000, 1)}
+        if arrived is not None and arrived > fault_ms:
+            late = arrived - s.not_before_ms
+            max_late = max(max_late, late)
+            if late > 1000:
+                last_late = max(last_late or 0, arrived)
+    return {"stalled": stalled, "max_late_s": round(max_late / 1000, 1),
+            "recover_s": round((last_late - fault_ms) / 1000, 1) if last_late else 0.0}
 
 
-@pytest.mark.parametrize(("cluster", "fault"), [pytest.param((b, s), f, id=f"{b}-{s}-{f}") for b, s, f in CASES],
+@pytest.mark.parametrize(("cluster", "store", "fault"), [pytest.param(*case, id="-".join(case)) for case in CASES],
                          indirect=["cluster"], scope="module")
-def test_cluster_survives_losing_the_leader(cluster, fault, fault_report):
+def test_cluster_survives_losing_the_leader(cluster, store, fault, fault_report):
     label = cluster.runtime.label
+    restore(cluster)
     wait_whole(cluster, nodes=cluster.nodes[:1])  # the fault before is over
+    with_store(cluster, store)
     chain = declared(ChainSettings(prefix=unique_prefix(), max_level=4, resolution_ms=200), cluster.urls[0])
     queues = quorum_queues(cluster.nodes[1], chain.prefix)
     levels = {n: q for n, q in queues.items() if ".level." in n}
@@ -160,16 +209,16 @@ def test_cluster_survives_losing_the_leader(cluster, fault, fault_report):
     gateway = GatewayProcess(chain, url=",".join(urls)).wait_consuming()
     action = Fault(fault, cluster, victim)
     try:
-        sent = publish(urls, chain, mixed_delays(1500, 6000, seed=11))
+        sent = publish(urls, chain, mixed_delays(1500, 4000, seed=11))
         time.sleep(1.0)
-        fault_at = time.monotonic()
-        action.begin(survivors[0])
+        fault_at, fault_ms = time.monotonic(), now_ms()
+        action.begin(survivors[0], gateway)
         # Traffic goes on while the node is away (new messages through the others).
-        for i in range(10):
-            sent += publish([n.url for n in survivors], chain, mixed_delays(40, 6000, seed=100 + i))
+        for i in range(8):
+            sent += publish([n.url for n in survivors], chain, mixed_delays(40, 4000, seed=100 + i))
             time.sleep(0.5)
         new_leader = quorum_queues(survivors[0], chain.prefix)[chain.names.delay_queue(0)][0]
-        stalled_while_away = count("", sent, sink, 0).lost
+        overdue_at_end = overdue(sent, sink)
         action.end()
         whole_at = wait_whole(cluster)
         away_s = round(time.monotonic() - fault_at, 1)
@@ -184,18 +233,19 @@ def test_cluster_survives_losing_the_leader(cluster, fault, fault_report):
         reconnected = len(gateway.events("connected"))
         problems = [e for e in gateway.lines if e.get("level") in ("warning", "error")]
     finally:
+        victim_log = victim.log_lines("partition", "minority", "pause", "Partial", "nodedown", "node down")
         code = gateway.terminate()
         sink.close()
         sink.delete()
     figures = count(f"cluster-{label}-{cluster.metadata_store()}-{fault}", sent, sink, 1, nodes=3,
-                    version=version, away_s=away_s, **({"noticed_s": action.noticed_s} if action.noticed_s else {}),
-                    **stall_figures(sent, sink, whole_at), undelivered_while_away=stalled_while_away)
+                    version=version, away_s=away_s, **({"noticed_s": action.noticed_s, "gateway_moved_s": action.moved_s} if action.noticed_s else {}),
+                    **stall_figures(sent, sink, fault_ms, whole_at), overdue_before_heal=overdue_at_end)
     # Report lost as destroyed (neither delivered nor held by the chain's queues), and the
     # rest of the undelivered as what it is: still in the broker.
     destroyed = max(0, figures.lost - held)
     figures = fault_report(dataclasses.replace(figures, lost=destroyed, extra={
         **figures.extra, "undelivered_held_in_broker": figures.lost - destroyed}))
-    assert new_leader != leader and reconnected >= 2 and code == 0, (new_leader, reconnected, code)
+    assert new_leader != leader and reconnected >= 2 and code == 0, (new_leader, reconnected, code, victim_log)
     assert figures.early == 0, figures.early_ids
     if not delivered:
         # Not delivered is not lost: the broker still holds each one in the chain's queues.
