@@ -12,6 +12,7 @@ from typing import List
 
 import pytest
 
+from ..conftest import broker_label
 from ..support import chains
 from .load import Figures
 from .nodes import BROKER_LABELS, HOST_RUNTIME, Cluster, unique_names
@@ -27,9 +28,11 @@ def pytest_terminal_summary(terminalreporter):
 
 
 @pytest.fixture
-def fault_report(record_property):
+def fault_report(record_property, request):
+    label = broker_label(request.node)
+
     def report(figures: Figures) -> Figures:
-        line = figures.line()
+        line = figures.line() + (f" broker={label}" if label else "")
         _FIGURES.append(line)
         print(line)
         record_property("fault_figures", line)
