@@ -295,8 +295,15 @@ class Pipe:
         self._do(self._state.publish(tuple(dict.fromkeys(tags)), Out(forward, members), finishing,
                                      parking=forward.outcome == "parked"))
 
+    def waiting_for_confirm_ms(self, now_ms: int) -> int:
+        """How long the oldest publish not yet confirmed has been waiting (0: none)."""
+        pub = self._state.oldest_unconfirmed()
+        return now_ms - pub.sent_ms if pub is not None else 0
+
     def _do(self, outcome: Outcome) -> None:
+        now = self._clock() if outcome.send else 0
         for pub in outcome.send:
+            pub.sent_ms = now
             f: Forward = pub.payload.forward
             try:
                 self._publish.basic_publish(f.exchange, f.routing_key, f.body, codec.RawProperties(f.props),

@@ -36,6 +36,7 @@ class Publication:
     refused: int = 0  # how often the broker refused it (basic.nack)
     returned: bool = False  # came back unroutable
     parking: bool = False  # it is already a parked copy
+    sent_ms: int = 0  # when it was sent (set by the consumer, which has the clock)
 
 
 @dataclass
@@ -88,6 +89,9 @@ class Deliveries:
     def inflight(self) -> List[Publication]:
         """Sent and not yet confirmed, in the order sent."""
         return list(self._inflight.values())
+
+    def oldest_unconfirmed(self) -> Optional[Publication]:
+        return next(iter(self._inflight.values()), None)
 
     def held_tags(self) -> List[int]:
         return [t for t, d in self._deliveries.items() if d.holds]

@@ -148,6 +148,10 @@ OPTIONS: Tuple[Option, ...] = (
            metavar="PORT"),
     Option("connect_timeout", 300.0, number(0), "seconds without a broker before giving up (exit 1)", "run",
            metavar="SECONDS"),
+    Option("confirm_timeout", 15.0, number(0),
+           "reconnect (to the next URL) when a publish waits this long for the broker's confirm, e.g. on a node "
+           "cut off from its cluster; not during a resource alarm; 0: never", "run", "confirmTimeoutSeconds",
+           metavar="SECONDS"),
     Option("retire", True, boolean, "remove chains of other settings once no gateway uses them and they are "
            "empty (README: Changing the chain)", "run", "retire"),
     # retire: old chains
@@ -252,6 +256,7 @@ class Settings:
     declare: bool = True
     metrics_port: int = 0
     connect_timeout: float = 300.0
+    confirm_timeout: float = 15.0
     retire: bool = True
     retire_after: float = 600.0
     log_level: str = "info"

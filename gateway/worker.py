@@ -67,6 +67,7 @@ class Session:
         self.error: Optional[BaseException] = None  # why it ended, if the broker said
         self.pipes: List[Pipe] = []
         self.ready_since: Optional[float] = None
+        self.blocked = False  # by a resource alarm
         self._stopping = False
 
     def run(self) -> None:
@@ -79,6 +80,8 @@ class Session:
 
     def _on_open(self, connection) -> None:
         self.log.info("connected")
+        connection.add_on_connection_blocked_callback(self._on_blocked)
+        connection.add_on_connection_unblocked_callback(self._on_unblocked)
         self.metrics.connections.inc()
         s, chain, names = self.settings, self.settings.chain, self.settings.chain.names
 
@@ -105,6 +108,7 @@ class Session:
         # Polled rather than signalled: a signal handler must not take pika's locks.
         if self.stop_event.is_set():
             return self._begin_stop()
+        self._check_confirms()
         ready = bool(self.pipes) and all(p.consuming for p in self.pipes)
         if ready and self.ready_since is None:
             self.ready_since = time.monotonic()
@@ -112,6 +116,29 @@ class Session:
         self.health.ready(ready, "" if ready else "connecting to the queues")
         self.metrics.ready.set(int(ready))
         self.connection.ioloop.call_later(STOP_POLL_S, self._watch)
+
+    def _check_confirms(self) -> None:
+        """Confirms that stop coming mean a broker that cannot act for its cluster: a node
+        cut off by a partition that does not pause it (Khepri has no partition handling),
+        or a leader gone silent. Start over on the next URL; what was not confirmed comes
+        back to its queue. Not while the broker blocks publishers (a resource alarm)."""
+        if self.blocked or self.settings.confirm_timeout <= 0:
+            return
+        now = wall_ms()
+        waited = max((p.waiting_for_confirm_ms(now) for p in self.pipes), default=0)
+        if waited > self.settings.confirm_timeout * 1000 and self.connection.is_open:
+            self.log.error("confirms_stalled", waited_s=round(waited / 1000, 1))
+            if self.error is None:
+                self.error = pika.exceptions.AMQPConnectionError(f"no publisher confirm for {waited / 1000:.0f} s")
+            self.connection.close()
+
+    def _on_blocked(self, *_) -> None:
+        self.blocked = True
+        self.log.warning("blocked_by_broker", reason="a resource alarm: publishes wait until it clears")
+
+    def _on_unblocked(self, *_) -> None:
+        self.blocked = False
+        self.log.info("unblocked_by_broker")
 
     def _on_fatal(self, reason: BaseException) -> None:
         """A consumer's channel was closed by the broker: the connection closes next."""

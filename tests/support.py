@@ -24,8 +24,23 @@ from topology.declare import declare, delete
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def broker_url() -> str:
+# The broker of the test running now (tests/conftest.py sets it from the `broker` fixture,
+# which is parametrized over the broker versions); None means the main one.
+_current_url: Optional[str] = None
+
+
+def main_broker_url() -> str:
+    """The shared RabbitMQ 3.10 node (or the user's own broker, DELAY_GATEWAY_URL)."""
     return os.environ.get("DELAY_GATEWAY_URL", DEFAULT_URL).split(",")[0]
+
+
+def broker_url() -> str:
+    return _current_url or main_broker_url()
+
+
+def use_broker(url: Optional[str]) -> None:
+    global _current_url
+    _current_url = url
 
 
 def now_ms() -> int:

@@ -19,7 +19,7 @@ ENV = {"DELAY_GATEWAY_URL": "amqp://a/,amqp://b/", "DELAY_GATEWAY_PREFIX": "px",
        "DELAY_GATEWAY_LOG_LEVEL": "warning", "DELAY_GATEWAY_LOG_FORMAT": "json",
        "DELAY_GATEWAY_RETIRE": "false", "DELAY_GATEWAY_RETIRE_AFTER": "30",
        "DELAY_GATEWAY_CARRIER_MESSAGES": "50", "DELAY_GATEWAY_CARRIER_WAIT_MS": "7",
-       "DELAY_GATEWAY_CARRIER_BYTES": "65536"}
+       "DELAY_GATEWAY_CARRIER_BYTES": "65536", "DELAY_GATEWAY_CONFIRM_TIMEOUT": "9"}
 
 
 def test_every_setting_reads_its_environment_variable_and_a_flag_beats_it():
@@ -33,7 +33,7 @@ def test_every_setting_reads_its_environment_variable_and_a_flag_beats_it():
     assert (s.role, s.prefetch, s.distributor_prefetch, s.lead_ms) == ("distributor", 5, 6, 70)
     assert (s.stamp_due_at, s.declare, s.metrics_port, s.connect_timeout) == (True, False, 9999, 12.5)
     assert (s.log_level, s.log_format, s.retire, s.retire_after) == ("warning", "json", False, 30.0)
-    assert (s.carrier_messages, s.carrier_wait_ms, s.carrier_bytes) == (50, 7, 65536)
+    assert (s.carrier_messages, s.carrier_wait_ms, s.carrier_bytes, s.confirm_timeout) == (50, 7, 65536, 9.0)
     flags = settings_from(parser(ENV).parse_args(["run", "--max-level", "9", "--declare", "--lead-ms", "1"]))
     assert (flags.chain.max_level, flags.declare, flags.lead_ms) == (9, True, 1)
 
@@ -54,7 +54,7 @@ BAD = {"DELAY_GATEWAY_MAX_LEVEL": "many", "DELAY_GATEWAY_RESOLUTION_MS": "0", "D
        "DELAY_GATEWAY_LOG_LEVEL": "loud", "DELAY_GATEWAY_LOG_FORMAT": "xml",
        "DELAY_GATEWAY_RETIRE": "perhaps", "DELAY_GATEWAY_RETIRE_AFTER": "-5",
        "DELAY_GATEWAY_CARRIER_MESSAGES": "0", "DELAY_GATEWAY_CARRIER_WAIT_MS": "soon",
-       "DELAY_GATEWAY_CARRIER_BYTES": "1"}
+       "DELAY_GATEWAY_CARRIER_BYTES": "1", "DELAY_GATEWAY_CONFIRM_TIMEOUT": "-1"}
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))

@@ -1,13 +1,13 @@
 import pika
 
-from .support import Receiver, now_ms
+from .support import Receiver, connect, now_ms
 
 
 def test_a_delayed_message_arrives_on_time(make_chain, run_gateway):
     chain = make_chain(max_level=3, resolution_ms=100)
     run_gateway(chain)
     receiver = Receiver(chain)
-    with pika.BlockingConnection() as c:
+    with connect() as c:
         ch = c.channel()
         ch.confirm_delivery()
         sent = now_ms()

@@ -12,9 +12,10 @@ from typing import List
 
 import pytest
 
+from ..conftest import broker_label
 from ..support import chains
 from .load import Figures
-from .nodes import Cluster, unique_names
+from .nodes import BROKER_LABELS, HOST_RUNTIME, Cluster, unique_names
 
 _FIGURES: List[str] = []
 
@@ -27,9 +28,11 @@ def pytest_terminal_summary(terminalreporter):
 
 
 @pytest.fixture
-def fault_report(record_property):
+def fault_report(record_property, request):
+    label = broker_label(request.node)
+
     def report(figures: Figures) -> Figures:
-        line = figures.line()
+        line = figures.line() + (f" broker={label}" if label else "")
         _FIGURES.append(line)
         print(line)
         record_property("fault_figures", line)
@@ -57,21 +60,33 @@ def tls_files():
     shutil.rmtree(directory, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
-def own_cluster(tls_files):
-    """One private node (AMQP and a TLS listener) for the tests that disturb a broker."""
+@pytest.fixture(scope="session", params=BROKER_LABELS)
+def own_cluster(request, tls_files):
+    """One private node (AMQP and a TLS listener) of each broker version in turn, for the
+    tests that disturb a broker."""
     from .nodes import free_port
+    if request.param == "rmq3.10":
+        runtime = HOST_RUNTIME
+    else:
+        runtime = request.getfixturevalue("rabbitmq4_runtime_checked")
     tls_port = free_port()
-    cluster = Cluster(unique_names(1), extra_config=[
+    cluster = Cluster(unique_names(1), runtime=runtime)
+    # The node reads its certificates from where it runs (inside the 4.0 root for 4.0).
+    tls_dir = os.path.join(cluster.home, "tls")
+    os.makedirs(tls_dir)
+    for name in ("ca", "cert", "key"):
+        shutil.copy(tls_files[name], os.path.join(tls_dir, name + ".pem"))
+    inside = runtime.inside(tls_dir)
+    cluster.nodes[0].extra_config += [
         f"listeners.ssl.default = 127.0.0.1:{tls_port}",
-        f"ssl_options.cacertfile = {tls_files['ca']}",
-        f"ssl_options.certfile = {tls_files['cert']}",
-        f"ssl_options.keyfile = {tls_files['key']}",
+        f"ssl_options.cacertfile = {inside}/ca.pem",
+        f"ssl_options.certfile = {inside}/cert.pem",
+        f"ssl_options.keyfile = {inside}/key.pem",
         "ssl_options.verify = verify_peer",
         "ssl_options.fail_if_no_peer_cert = false",
-    ])
+    ]
     cluster.tls_port = tls_port
-    cluster.start_or_fail("a private RabbitMQ node")
+    cluster.start_or_fail(f"a private RabbitMQ node ({request.param})")
     yield cluster
     cluster.close()
 

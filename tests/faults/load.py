@@ -46,17 +46,26 @@ class Sent:
 
 def publish(urls: Sequence[str], chain: ChainSettings, delays: Sequence[int], routing_key: str = "load",
             body: bytes = b"x") -> List[Sent]:
-    """Publish with confirms; a message counts as sent once the broker confirmed it."""
+    """Publish with confirms; a message counts as sent once the broker confirmed it (one it
+    refuses is published again, with the same id)."""
     sent: List[Sent] = []
     connection = connect_any(urls)
     channel = connection.channel()
     channel.confirm_delivery()
     for delay in delays:
         message_id = uuid.uuid4().hex
-        before = now_ms()
-        channel.basic_publish(chain.names.check_in, routing_key, body, pika.BasicProperties(
-            message_id=message_id, delivery_mode=2, headers={"x-delay": delay, SENT_AT: before}),
-            mandatory=True)
+        for attempt in range(50):
+            before = now_ms()
+            try:
+                channel.basic_publish(chain.names.check_in, routing_key, body, pika.BasicProperties(
+                    message_id=message_id, delivery_mode=2, headers={"x-delay": delay, SENT_AT: before}),
+                    mandatory=True)
+                break
+            except pika.exceptions.NackError:
+                # Refused (a quorum queue between leaders): not sent; a publisher tries again.
+                time.sleep(0.2)
+        else:
+            raise RuntimeError(f"the broker refused message {message_id} 50 times")
         sent.append(Sent(message_id, before + max(delay, 0), delay))
     connection.close()
     return sent

@@ -4,6 +4,10 @@ The main node on 5672 is shared with other people's tests, so nothing here ever 
 it. Each node gets its own RABBITMQ_NODENAME, AMQP and distribution ports, data and log
 directories, an empty plugins file and a HOME of its own (so its Erlang cookie is ours,
 shared only by the nodes we start together and the rabbitmqctl calls that drive them).
+
+A node runs either the host's RabbitMQ (Debian bookworm: 3.10.x) or the one in the
+RabbitMQ 4.0 root that scripts/ensure-rabbitmq4 caches (Debian trixie in a chroot): see
+`Runtime`. The same Node and Cluster drive both.
 """
 
 import os
@@ -12,7 +16,9 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
@@ -20,10 +26,85 @@ from typing import Dict, List, Optional, Sequence
 SERVER = "/usr/lib/rabbitmq/bin/rabbitmq-server"  # the Debian wrapper in /usr/sbin would su to rabbitmq
 CTL = "/usr/lib/rabbitmq/bin/rabbitmqctl"
 HOST = "localhost"
+RABBITMQ4_ROOT = "/var/cache/delay-gateway/rabbitmq-4.0-trixie"
+RABBITMQ4_MARK = ".delay-gateway-complete"
+# Adds header timestamp_in_ms and the timestamp property to every incoming publish that has
+# none: the broker's arrival time, which the gateway counts x-delay from where present.
+ARRIVAL_STAMP = "message_interceptors.incoming.set_header_timestamp.overwrite = false"
 
 
 class NodeError(RuntimeError):
     pass
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Which RabbitMQ runs a node: the host's own package (root "/"), or the one installed
+    in a chroot by scripts/ensure-rabbitmq4, run as that root's `rabbitmq` user in a mount
+    namespace of its own where /proc, /dev and /sys are bind-mounted (without /proc the
+    node's memory monitor is broken). The mounts die with the node's last process, so the
+    host keeps no trace and the cached root is never written to but below /srv."""
+
+    label: str  # "rmq3.10" or "rmq4.0": what test ids show
+    root: str = "/"
+
+    @property
+    def chroot(self) -> bool:
+        return self.root != "/"
+
+    def inside(self, path: str) -> str:
+        """`path` on the host as the node sees it."""
+        return "/" + os.path.relpath(path, self.root) if self.chroot else path
+
+    def data_dir(self) -> Optional[str]:
+        return os.path.join(self.root, "srv", "delay-gateway") if self.chroot else None
+
+    def owner(self) -> Optional[tuple]:
+        """(uid, gid) of the root's rabbitmq user, who must own the node's files."""
+        if not self.chroot:
+            return None
+        with open(os.path.join(self.root, "etc", "passwd")) as f:
+            for line in f:
+                fields = line.split(":")
+                if fields[0] == "rabbitmq":
+                    return int(fields[2]), int(fields[3])
+        raise NodeError(f"no rabbitmq user in {self.root}/etc/passwd: run scripts/ensure-rabbitmq4")
+
+    def check(self) -> None:
+        if self.chroot and not os.path.exists(os.path.join(self.root, RABBITMQ4_MARK)):
+            raise NodeError(f"no complete RabbitMQ 4.0 root at {self.root}: run scripts/ensure-rabbitmq4")
+        if not os.path.exists(os.path.join(self.root, SERVER.lstrip("/"))):
+            raise NodeError(f"{SERVER} not found: run scripts/ensure-rabbitmq to install rabbitmq-server")
+
+    def command(self, argv: Sequence[str], env: Dict[str, str], netns: Optional[str] = None) -> tuple:
+        """(argv, environment) that run `argv` with `env` in this runtime (and in `netns`)."""
+        prefix = ["ip", "netns", "exec", netns] if netns else []
+        if not self.chroot:
+            full = {k: v for k, v in os.environ.items() if not k.startswith("RABBITMQ_")}
+            full.update(env)
+            return prefix + list(argv), full
+        uid, gid = self.owner()
+        # Mounted in the namespace unshare made: they go away with the node's last process.
+        script = ('set -e; r="$1"; u="$2"; shift 2; for d in proc dev sys; do mount --rbind "/$d" "$r/$d"; done; '
+                  'exec chroot --userspec="$u" "$r" /usr/bin/env -i "$@"')
+        clean = dict(PATH="/usr/sbin:/usr/bin:/sbin:/bin", LANG="C.UTF-8", LC_ALL="C.UTF-8", **env)
+        return (prefix + ["unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c", script, "sh",
+                          self.root, f"{uid}:{gid}",
+                          *[f"{k}={v}" for k, v in clean.items()], *argv],
+                dict(os.environ))
+
+
+HOST_RUNTIME = Runtime("rmq3.10")
+# Every broker version the tests run on; test ids carry the label.
+BROKER_LABELS = ["rmq3.10", "rmq4.0"]
+
+
+def rabbitmq4_runtime(root: Optional[str] = None) -> Runtime:
+    return Runtime("rmq4.0", root or os.environ.get("DELAY_GATEWAY_RABBITMQ4_ROOT", RABBITMQ4_ROOT))
+
+
+def runtime_for(label: str) -> Runtime:
+    return {"rmq3.10": HOST_RUNTIME, "3.10": HOST_RUNTIME}.get(label) or rabbitmq4_runtime()
 
 
 def free_port() -> int:
@@ -47,9 +128,22 @@ def port_open(port: int) -> bool:
         return False
 
 
+def write_cookie(home: str) -> None:
+    """The Erlang cookie the nodes of one cluster (and their rabbitmqctl) share."""
+    cookie = os.path.join(home, ".erlang.cookie")
+    if not os.path.exists(cookie):
+        with open(cookie, "w") as f:
+            f.write("DELAYGATEWAYFAULTS" + os.urandom(8).hex().upper())
+        os.chmod(cookie, 0o400)
+
+
 @dataclass
 class Node:
-    """One RabbitMQ node; `start`, `stop`, `kill`, `ctl` drive it."""
+    """One RabbitMQ node; `start`, `stop`, `kill`, `ctl` drive it.
+
+    On loopback by default (name@localhost). Given a network namespace and its address
+    (tests/faults/netns.py), it lives there as name@ADDRESS and clients on the host reach it
+    through a forwarder on 127.0.0.1:client_port."""
 
     name: str  # short name; the node is name@localhost
     home: str  # shared by the nodes of one cluster: the cookie lives here
@@ -58,10 +152,14 @@ class Node:
     extra_config: List[str] = field(default_factory=list)
     advanced_config: str = "[]."
     process: Optional[subprocess.Popen] = None
+    runtime: Runtime = HOST_RUNTIME
+    netns: Optional[str] = None
+    ip: str = "127.0.0.1"
+    client_port: Optional[int] = None  # the forwarder's port on the host, for a node in a namespace
 
     @property
     def node(self) -> str:
-        return f"{self.name}@{HOST}"
+        return f"{self.name}@{self.ip if self.netns else HOST}"
 
     @property
     def dir(self) -> str:
@@ -69,16 +167,15 @@ class Node:
 
     @property
     def url(self) -> str:
-        return f"amqp://guest:guest@127.0.0.1:{self.amqp_port}/%2F"
+        return f"amqp://guest:guest@127.0.0.1:{self.client_port or self.amqp_port}/%2F"
 
     def env(self) -> Dict[str, str]:
-        d = self.dir
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RABBITMQ_")}
-        env.update(
-            HOME=self.home,
+        d = self.runtime.inside(self.dir)
+        return dict(
+            HOME=self.runtime.inside(self.home),
             RABBITMQ_NODENAME=self.node,
-            RABBITMQ_USE_LONGNAME="false",
-            RABBITMQ_NODE_IP_ADDRESS="127.0.0.1",
+            RABBITMQ_USE_LONGNAME="true" if self.netns else "false",
+            RABBITMQ_NODE_IP_ADDRESS=self.ip,
             RABBITMQ_NODE_PORT=str(self.amqp_port),
             RABBITMQ_DIST_PORT=str(self.dist_port),
             RABBITMQ_CONF_ENV_FILE=os.path.join(d, "rabbitmq-env.conf"),
@@ -90,21 +187,16 @@ class Node:
             RABBITMQ_PID_FILE=os.path.join(d, "pid"),
             RABBITMQ_PLUGINS_EXPAND_DIR=os.path.join(d, "plugins-expand"),
         )
-        return env
 
     def _write_files(self) -> None:
         os.makedirs(os.path.join(self.dir, "log"), exist_ok=True)
-        cookie = os.path.join(self.home, ".erlang.cookie")
-        if not os.path.exists(cookie):
-            with open(cookie, "w") as f:
-                f.write("DELAYGATEWAYFAULTS" + os.urandom(8).hex().upper())
-            os.chmod(cookie, 0o400)
+        write_cookie(self.home)
         files = {
             "rabbitmq-env.conf": "",
             "enabled_plugins": "[].\n",
             "advanced.config": self.advanced_config + "\n",
             "rabbitmq.conf": "\n".join([
-                f"listeners.tcp.default = 127.0.0.1:{self.amqp_port}",
+                f"listeners.tcp.default = {self.ip}:{self.amqp_port}",
                 "loopback_users = none",
                 # The default 40% of RAM and 50 MB disk limits would make a crowded CI box
                 # raise alarms we did not ask for.
@@ -115,26 +207,43 @@ class Node:
         for name, text in files.items():
             with open(os.path.join(self.dir, name), "w") as f:
                 f.write(text)
+        owner = self.runtime.owner()
+        if owner:  # the chroot's rabbitmq user runs the node and rabbitmqctl
+            for base, dirs, names in os.walk(self.home):
+                for entry in [base] + [os.path.join(base, n) for n in dirs + names]:
+                    os.lchown(entry, *owner)
 
-    def start(self, timeout: float = 60) -> "Node":
-        if not os.path.exists(SERVER):
-            raise NodeError(f"{SERVER} not found: run scripts/ensure-rabbitmq to install rabbitmq-server")
+    def start(self, timeout: float = 90) -> "Node":
+        self.runtime.check()
         self._write_files()
         log = open(os.path.join(self.dir, "log", "console.log"), "ab")
-        self.process = subprocess.Popen([SERVER], env=self.env(), stdout=log, stderr=subprocess.STDOUT,
+        argv, env = self.runtime.command([SERVER], self.env(), self.netns)
+        self.process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True)
         self.await_startup(timeout)
         return self
 
-    def await_startup(self, timeout: float = 60) -> None:
+    def await_startup(self, timeout: float = 90) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
                 raise NodeError(f"{self.node} exited with {self.process.returncode}: {self.console_tail()}")
-            if port_open(self.amqp_port) and self.ctl("await_startup", "--timeout", "10", check=False).returncode == 0:
+            # A node in a namespace cannot be probed from here: its rabbitmqctl tells.
+            if ((self.netns or port_open(self.amqp_port))
+                    and self.ctl("await_startup", "--timeout", "10", check=False).returncode == 0):
                 return
             time.sleep(0.3)
         raise NodeError(f"{self.node} did not start within {timeout}s: {self.console_tail()}")
+
+    def log_lines(self, *words: str, lines: int = 40) -> str:
+        """The last lines of the node's own log that mention any of `words`."""
+        path = os.path.join(self.dir, "log", f"{self.node}.log")
+        try:
+            with open(path, errors="replace") as f:
+                found = [line for line in f if any(w in line for w in words)]
+        except OSError:
+            return f"(no log at {path})"
+        return "".join(found[-lines:])
 
     def console_tail(self, lines: int = 30) -> str:
         try:
@@ -144,8 +253,9 @@ class Node:
             return "(no console log)"
 
     def ctl(self, *args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
-        result = subprocess.run([CTL, "-n", self.node, *args], env=self.env(), capture_output=True,
-                                text=True, timeout=timeout)
+        longname = ["-l"] if self.netns else []
+        argv, env = self.runtime.command([CTL, *longname, "-n", self.node, *args], self.env(), self.netns)
+        result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
         if check and result.returncode != 0:
             raise NodeError(f"rabbitmqctl -n {self.node} {' '.join(args)} failed:\n{result.stdout}{result.stderr}")
         return result
@@ -166,31 +276,72 @@ class Node:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
 
-    def restart(self, timeout: float = 60) -> None:
+    def restart(self, timeout: float = 90) -> None:
         self.stop()
         self.start(timeout)
 
 
 class Cluster:
-    """Nodes sharing a cookie; with more than one they are joined into a cluster."""
+    """Nodes sharing a cookie; with more than one they are joined into a cluster.
+
+    `runtime` says which RabbitMQ runs them; `lan` (tests/faults/netns.Lan) puts each node
+    in a network namespace of its own, so that one can be cut off from the others."""
 
     def __init__(self, names: Sequence[str], extra_config: Sequence[str] = (),
-                 advanced_config: str = "[].") -> None:
-        self.home = tempfile.mkdtemp(prefix="delay-gateway-nodes-")
-        self.nodes = [Node(n, self.home, extra_config=list(extra_config), advanced_config=advanced_config)
-                      for n in names]
+                 advanced_config: str = "[].", runtime: Runtime = HOST_RUNTIME, lan=None) -> None:
+        self.runtime, self.lan = runtime, lan
+        base = runtime.data_dir()
+        if base:
+            os.makedirs(base, exist_ok=True)
+        self.home = tempfile.mkdtemp(prefix="delay-gateway-nodes-", dir=base)
+        os.chmod(self.home, 0o755)
+        self.nodes = [Node(n, self.home, extra_config=list(extra_config), advanced_config=advanced_config,
+                           runtime=runtime) for n in names]
+        if lan is not None:
+            for i, node in enumerate(self.nodes):
+                node.netns, node.ip = lan.namespaces[i], lan.addresses[i]
+                node.amqp_port = 5672  # each namespace has its own ports
+                node.dist_port = 25672
+                node.client_port = lan.forward(i, node.amqp_port)
+
+    @property
+    def version(self) -> str:
+        return self.nodes[0].ctl("version").stdout.strip()
 
     def start(self) -> "Cluster":
+        # Booting is most of the cost: boot every node at once, then join them one by one.
+        write_cookie(self.home)
+        errors: List[BaseException] = []
+
+        def boot(node: Node) -> None:
+            try:
+                node.start()
+            except BaseException as exc:  # noqa: B036 - re-raised below, in this thread
+                errors.append(exc)
+        threads = [threading.Thread(target=boot, args=(n,)) for n in self.nodes]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
         first, *others = self.nodes
-        first.start()
         for node in others:
-            node.start()
             node.ctl("stop_app")
             node.ctl("join_cluster", first.node)
             node.ctl("start_app")
         for node in self.nodes:
             node.ctl("enable_feature_flag", "all", check=False)
         return self
+
+    def enable_khepri(self) -> None:
+        """Move the cluster's metadata store to Khepri (Raft), as RabbitMQ 4.3 has nothing
+        else; on 4.0.x the `khepri_db` feature flag is experimental and must be named."""
+        self.nodes[0].ctl("enable_feature_flag", "--experimental", "khepri_db", timeout=180)
+
+    def metadata_store(self) -> str:
+        out = self.nodes[0].ctl("eval", "rabbit_khepri:is_enabled().", check=False).stdout.strip()
+        return "khepri" if out == "true" else "mnesia"
 
     def start_or_fail(self, what: str) -> "Cluster":
         """Start, or clean up and fail the test with the node's reason."""
@@ -208,6 +359,8 @@ class Cluster:
     def close(self) -> None:
         for node in self.nodes:
             node.kill()
+        if self.lan is not None:
+            self.lan.close()
         shutil.rmtree(self.home, ignore_errors=True)
 
 
@@ -220,22 +373,49 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """`python -m tests.faults.nodes --nodes 3`: start private nodes (clustered when more
     than one), print their URLs, keep them until Ctrl-C or SIGTERM, then remove them."""
     import argparse
+    import shlex
     p = argparse.ArgumentParser(prog="scripts/rabbit-cluster", description=main.__doc__)
     p.add_argument("--nodes", type=int, default=3)
     p.add_argument("--name", default="delaygw", help="node names are NAME1@localhost, NAME2@localhost, ...")
+    p.add_argument("--broker", choices=["3.10", "4.0"], default="3.10",
+                   help="3.10: the host's rabbitmq-server; 4.0: Debian trixie's, from the root "
+                        "scripts/ensure-rabbitmq4 caches")
+    p.add_argument("--arrival-stamp", action="store_true",
+                   help="4.0: stamp incoming messages with the arrival time (timestamp_in_ms)")
+    p.add_argument("--khepri", action="store_true", help="4.0: enable the experimental khepri_db feature flag")
     args = p.parse_args(argv)
-    cluster = Cluster([f"{args.name}{i}" for i in range(1, args.nodes + 1)])
+    if args.nodes < 1:
+        p.error("--nodes must be at least 1")
+    if (args.arrival_stamp or args.khepri) and args.broker != "4.0":
+        p.error("--arrival-stamp and --khepri need --broker 4.0")
+    runtime = runtime_for(args.broker)
+    try:
+        runtime.check()
+    except NodeError as exc:
+        print(f"rabbit-cluster: {exc}", file=sys.stderr)
+        return 1
+    cluster = Cluster([f"{args.name}{i}" for i in range(1, args.nodes + 1)], runtime=runtime,
+                      extra_config=[ARRIVAL_STAMP] if args.arrival_stamp else [])
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     try:
+        print(f"rabbit-cluster: starting {args.nodes} RabbitMQ {args.broker} node(s)...", file=sys.stderr, flush=True)
         cluster.start()
+        if args.khepri:
+            cluster.enable_khepri()
         print("DELAY_GATEWAY_URL=" + ",".join(cluster.urls), flush=True)
+        print(f"# RabbitMQ {cluster.version}, metadata store {cluster.metadata_store()}", flush=True)
         for node in cluster.nodes:
-            print(f"# {node.node}: HOME={node.home} {CTL} -n {node.node} cluster_status", flush=True)
+            ctl, _ = runtime.command([CTL, "-n", node.node, "cluster_status"], node.env())
+            print(f"# {node.node}: {shlex.join(ctl)}", flush=True)
+        print("# Ctrl-C stops and removes them", flush=True)
         while not stop:
             time.sleep(0.5)
     except KeyboardInterrupt:
         pass
+    except NodeError as exc:
+        print(f"rabbit-cluster: {exc}", file=sys.stderr)
+        return 1
     finally:
         cluster.close()
     return 0

@@ -179,7 +179,7 @@ def test_settings_are_the_gateways_options_and_its_parser_reads_them(tmp_path):
     values = {"prefix": "px", "maxLevel": 7, "resolutionMs": 250, "queueType": "classic", "zeroBits": "exchange",
               "leadMs": 120, "prefetch": 5, "distributorPrefetch": 600, "stampDueAt": True, "metricsPort": 9100,
               "logLevel": "debug", "logFormat": "console", "retire": False, "retireAfterSeconds": 30,
-              "carrierMessages": 50, "carrierWaitMs": 7, "carrierBytes": 65536,
+              "carrierMessages": 50, "carrierWaitMs": 7, "carrierBytes": 65536, "confirmTimeoutSeconds": 9,
               "tls": {"caSecret": "rabbit-ca", "clientSecret": "gateway-cert"}}
     docs = render(values)
     [config_map] = by_kind(docs, "ConfigMap").values()

@@ -63,6 +63,7 @@ DELAY_GATEWAY_STAMP_DUE_AT: {{ .Values.stampDueAt | toString | quote }}
 DELAY_GATEWAY_METRICS_PORT: {{ int64 .Values.metricsPort | quote }}
 DELAY_GATEWAY_LOG_LEVEL: {{ .Values.logLevel | quote }}
 DELAY_GATEWAY_LOG_FORMAT: {{ .Values.logFormat | quote }}
+DELAY_GATEWAY_CONFIRM_TIMEOUT: {{ .Values.confirmTimeoutSeconds | toString | quote }}
 DELAY_GATEWAY_RETIRE: {{ .Values.retire | toString | quote }}
 DELAY_GATEWAY_RETIRE_AFTER: {{ .Values.retireAfterSeconds | toString | quote }}
 {{- end -}}

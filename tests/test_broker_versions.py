@@ -1,0 +1,298 @@
+"""What the broker itself does with the four mechanisms the gateway's design leans on, on
+each broker version (README, "Tested on"). No gateway here: plain AMQP against the broker,
+so a change in a new RabbitMQ release shows up as a failure naming the mechanism.
+
+- x-death: a client-republished `x-death` header counts for cycle detection on 3.10 (the
+  message is dropped) and is ignored on 4.0; the gateway strips it either way.
+- Quorum delivery limit: unlimited redelivery on 3.10, a default limit of 20 on 4.0 (the
+  21st return drops the message when there is nowhere to dead-letter it).
+- At-least-once dead-lettering: an unroutable dead-letter stays in its quorum source queue
+  (it is not dropped) on both; with the default overflow it silently becomes at-most-once.
+- Alternate exchange: catches dead-letters that match no binding, on both.
+- Definitions: what `delay-gateway definitions` prints imports on both.
+- Arrival stamp (4.0 only; 3.10 has no message interceptors): every publish without
+  `timestamp_in_ms` gets the broker's arrival time; a publisher's own value is kept.
+
+Each test costs a second or two per broker.
+"""
+
+import time
+
+import pika
+import pytest
+
+from topology import ChainSettings, build
+from topology.declare import declare
+from topology.definitions import render
+
+from .support import connect, now_ms, remove, unique_prefix
+
+@pytest.fixture
+def names(broker, request):
+    """A unique prefix for this test's objects, and their deletion afterwards."""
+    prefix = unique_prefix()
+    made = {"queues": [], "exchanges": []}
+    yield prefix, made
+    with connect() as connection:
+        channel = connection.channel()
+        for queue in made["queues"]:
+            channel.queue_delete(queue)
+        for exchange in made["exchanges"]:
+            channel.exchange_delete(exchange)
+
+
+def version_of(request) -> str:
+    return request.node.callspec.params["broker"]
+
+
+def declare_queue(channel, made, name, **arguments):
+    channel.queue_declare(name, durable=True, arguments=arguments)
+    made["queues"].append(name)
+    return name
+
+
+def declare_exchange(channel, made, name, kind="fanout", **arguments):
+    channel.exchange_declare(name, kind, durable=True, arguments=arguments or None)
+    made["exchanges"].append(name)
+    return name
+
+
+def wait_for_message(channel, queue, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        method, properties, body = channel.basic_get(queue, auto_ack=True)
+        if method is not None:
+            return properties, body
+        time.sleep(0.02)
+    return None
+
+
+def messages_in(channel, queue) -> int:
+    return channel.queue_declare(queue, passive=True).method.message_count
+
+
+# A message that went through two TTL queues (level.01 then level.00 of a chain), read by a
+# client and published into the first again with the x-death the broker wrote: what a
+# second pass through the chain would be (a replayed parked message, say) were the gateway
+# not to strip the death history. When level.01 dead-letters it into level.00 again, 3.10
+# sees level.00 in the history (expired there, nothing rejected since) and drops it as a
+# cycle; 4.0 ignores a client's x-death and delivers it.
+X_DEATH_KEPT = {"rmq3.10": "dropped", "rmq4.0": "delivered"}
+
+
+@pytest.mark.parametrize("strip", [False, True], ids=["x-death-kept", "x-death-stripped"])
+def test_republished_x_death_and_cycle_detection(request, names, strip):
+    prefix, made = names
+    with connect() as connection:
+        channel = connection.channel()
+        channel.confirm_delivery()
+        out_exchange = declare_exchange(channel, made, f"{prefix}.out")
+        out = declare_queue(channel, made, f"{prefix}.out-q")
+        channel.queue_bind(out, out_exchange)
+        level0_exchange = declare_exchange(channel, made, f"{prefix}.level0")
+        level0 = declare_queue(channel, made, f"{prefix}.level0-q", **{
+            "x-message-ttl": 30, "x-dead-letter-exchange": out_exchange})
+        channel.queue_bind(level0, level0_exchange)
+        level1 = declare_queue(channel, made, f"{prefix}.level1-q", **{
+            "x-message-ttl": 30, "x-dead-letter-exchange": level0_exchange})
+        # Pass 1: the broker dead-letters it twice and writes both deaths.
+        channel.basic_publish("", level1, b"pass", pika.BasicProperties(delivery_mode=2), mandatory=True)
+        properties, _ = wait_for_message(channel, out)
+        assert [d["queue"] for d in properties.headers["x-death"]] == [level0, level1]
+        # Pass 2: republished by a client, the death history kept or stripped.
+        headers = dict(properties.headers)
+        if strip:
+            headers = {k: v for k, v in headers.items()
+                       if not k.startswith(("x-death", "x-first-death", "x-last-death"))}
+        channel.basic_publish("", level1, b"pass", pika.BasicProperties(delivery_mode=2, headers=headers),
+                              mandatory=True)
+        second = wait_for_message(channel, out, timeout=2)
+    outcome = "delivered" if second is not None else "dropped"
+    expected = "delivered" if strip else X_DEATH_KEPT[version_of(request)]
+    assert outcome == expected, (f"{version_of(request)}: republished with x-death "
+                                 f"{'stripped' if strip else 'kept'}, the message was {outcome}")
+
+
+def test_two_ttl_queues_dead_lettering_into_each_other_lose_the_message(request, names):
+    """Why meditation returns through the check-in consumer (which strips x-death) and not
+    straight from queue to queue: the broker's own cycle detection, on every version."""
+    prefix, made = names
+    with connect() as connection:
+        channel = connection.channel()
+        a_ex = declare_exchange(channel, made, f"{prefix}.a")
+        b_ex = declare_exchange(channel, made, f"{prefix}.b")
+        a = declare_queue(channel, made, f"{prefix}.a-q", **{"x-message-ttl": 30, "x-dead-letter-exchange": b_ex})
+        b = declare_queue(channel, made, f"{prefix}.b-q", **{"x-message-ttl": 30, "x-dead-letter-exchange": a_ex})
+        channel.queue_bind(a, a_ex)
+        channel.queue_bind(b, b_ex)
+        channel.confirm_delivery()
+        channel.basic_publish(a_ex, "", b"loop", pika.BasicProperties(delivery_mode=2), mandatory=True)
+        time.sleep(1)
+        assert messages_in(channel, a) + messages_in(channel, b) == 0
+
+
+# How many times a quorum queue without x-delivery-limit lets a message be returned
+# (nack, requeue) before it drops it, there being no dead-letter target.
+DEFAULT_DELIVERY_LIMIT = {"rmq3.10": None, "rmq4.0": 20}
+
+
+def test_quorum_default_delivery_limit(request, names):
+    prefix, made = names
+    with connect() as connection:
+        channel = connection.channel()
+        channel.confirm_delivery()
+        queue = declare_queue(channel, made, f"{prefix}.qq", **{"x-queue-type": "quorum"})
+        channel.basic_publish("", queue, b"again", pika.BasicProperties(delivery_mode=2), mandatory=True)
+        returns = 0
+        for _ in range(25):
+            # "Looking" at a message is a delivery: basic.get then nack with requeue.
+            method, properties, _ = channel.basic_get(queue)
+            if method is None:
+                time.sleep(0.2)  # the return may still be on its way
+                method, properties, _ = channel.basic_get(queue)
+                if method is None:
+                    break
+            channel.basic_nack(method.delivery_tag, requeue=True)
+            returns += 1
+        time.sleep(0.3)  # the last return reaches the queue
+        left = messages_in(channel, queue)
+    limit = DEFAULT_DELIVERY_LIMIT[version_of(request)]
+    if limit is None:
+        assert returns == 25 and left == 1, (returns, left)
+    else:
+        assert returns == limit + 1 and left == 0, (returns, left)
+
+
+def test_explicit_delivery_limit_dead_letters_on_both(request, names):
+    """The gateway's consumed queues set x-delivery-limit (20) and dead-letter at least once
+    to parking, so the 21st return moves the message aside on every version."""
+    prefix, made = names
+    with connect() as connection:
+        channel = connection.channel()
+        channel.confirm_delivery()
+        parking_ex = declare_exchange(channel, made, f"{prefix}.parking")
+        parking = declare_queue(channel, made, f"{prefix}.parking-q", **{"x-queue-type": "quorum"})
+        channel.queue_bind(parking, parking_ex)
+        queue = declare_queue(channel, made, f"{prefix}.consumed", **{
+            "x-queue-type": "quorum", "x-delivery-limit": 3, "x-dead-letter-exchange": parking_ex,
+            "x-dead-letter-strategy": "at-least-once", "x-overflow": "reject-publish"})
+        channel.basic_publish("", queue, b"poison", pika.BasicProperties(delivery_mode=2), mandatory=True)
+        returns = 0
+        while returns < 10:
+            method, _, _ = channel.basic_get(queue)
+            if method is None:
+                time.sleep(0.2)
+                method, _, _ = channel.basic_get(queue)
+                if method is None:
+                    break
+            channel.basic_nack(method.delivery_tag, requeue=True)
+            returns += 1
+        parked = wait_for_message(channel, parking)
+    assert returns == 4, returns
+    assert parked is not None and parked[1] == b"poison"
+    [death] = parked[0].headers["x-death"]
+    assert death["reason"] == "delivery_limit" and death["queue"] == queue
+
+
+def held_by(broker_ctl, queue: str) -> int:
+    """Messages a queue holds in any state: a quorum queue's dead-letter waiting for a route
+    is neither ready nor unacked, so AMQP cannot see it, and list_queues shows it only
+    once the queue's statistics are next emitted; the queue itself tells at once."""
+    out = broker_ctl("eval", "{ok, Q} = rabbit_amqqueue:lookup(rabbit_misc:r(<<\"/\">>, queue, "
+                             f"<<\"{queue}\">>)), proplists:get_value(messages, rabbit_amqqueue:info(Q, [messages])).")
+    return int(out.strip())
+
+
+@pytest.mark.parametrize("overflow", ["reject-publish", "drop-head"])
+def test_at_least_once_keeps_an_unroutable_dead_letter(request, names, broker_ctl, overflow):
+    """An expired message whose dead-letter exchange routes it nowhere: with at-least-once
+    it stays in its quorum source queue (and blocks those behind it: why the gateway gives
+    every chain exchange an alternate exchange); with drop-head overflow RabbitMQ silently
+    falls back to at-most-once and the message is gone. The same on both versions."""
+    prefix, made = names
+    with connect() as connection:
+        channel = connection.channel()
+        channel.confirm_delivery()
+        nowhere = declare_exchange(channel, made, f"{prefix}.nowhere", "topic")
+        source = declare_queue(channel, made, f"{prefix}.source", **{
+            "x-queue-type": "quorum", "x-message-ttl": 50, "x-dead-letter-exchange": nowhere,
+            "x-dead-letter-strategy": "at-least-once", "x-overflow": overflow})
+        channel.basic_publish("", source, b"stuck?", pika.BasicProperties(delivery_mode=2), mandatory=True)
+        time.sleep(1)
+        ready = messages_in(channel, source)
+    # The dead-letter worker holds it for a moment before it is counted as back in the
+    # queue: watch for a few seconds.
+    deadline = time.monotonic() + 5
+    held = held_by(broker_ctl, source)
+    while held == 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        held = held_by(broker_ctl, source)
+    assert ready == 0  # expired: not for consumers either way
+    assert held == (1 if overflow == "reject-publish" else 0), f"{overflow}: {held} held"
+
+
+def test_alternate_exchange_catches_dead_letters_with_no_binding(request, names):
+    prefix, made = names
+    with connect() as connection:
+        channel = connection.channel()
+        channel.confirm_delivery()
+        parking_ex = declare_exchange(channel, made, f"{prefix}.parking")
+        parking = declare_queue(channel, made, f"{prefix}.parking-q", **{"x-queue-type": "quorum"})
+        channel.queue_bind(parking, parking_ex)
+        level = declare_exchange(channel, made, f"{prefix}.level", "topic", **{"alternate-exchange": parking_ex})
+        for queue_type, strategy in (("classic", None), ("quorum", "at-least-once")):
+            arguments = {"x-queue-type": queue_type, "x-message-ttl": 30, "x-dead-letter-exchange": level,
+                         "x-dead-letter-routing-key": "no.binding.matches"}
+            if strategy:
+                arguments.update({"x-dead-letter-strategy": strategy, "x-overflow": "reject-publish"})
+            source = declare_queue(channel, made, f"{prefix}.{queue_type}-source", **arguments)
+            channel.basic_publish("", source, queue_type.encode(), pika.BasicProperties(delivery_mode=2),
+                                  mandatory=True)
+            caught = wait_for_message(channel, parking)
+            assert caught is not None and caught[1] == queue_type.encode(), queue_type
+        # And a publish to the exchange that matches no binding goes there too.
+        channel.basic_publish(level, "nothing.bound", b"published", mandatory=True)
+        assert wait_for_message(channel, parking)[1] == b"published"
+
+
+def test_gateway_definitions_import_on_each_version(names, broker_ctl):
+    """`delay-gateway definitions` imported with rabbitmqctl, then the gateway's own
+    declare: any difference in arguments would be a 406 (4.0 checks them as 3.10 does)."""
+    prefix, _ = names
+    chain = ChainSettings(prefix=prefix, max_level=4)
+    topology = build(chain)
+    try:
+        broker_ctl("-q", "import_definitions", broker_ctl.file(render(topology), ".json"))
+        with connect() as connection:
+            for _ in range(100):  # the import runs asynchronously: wait for the last queue
+                try:
+                    connection.channel().queue_declare(topology.queues[-1].name, passive=True)
+                    break
+                except pika.exceptions.ChannelClosedByBroker:
+                    connection.sleep(0.1)
+            else:
+                raise AssertionError("the imported queues never appeared")
+            declare(connection.channel(), topology)
+    finally:
+        remove(chain)
+
+
+# The broker's arrival stamp (3.12+, `message_interceptors.incoming.set_header_timestamp`):
+# the RabbitMQ 4.0 node of these tests has it on; 3.10 has no interceptors.
+def test_arrival_stamp_is_added_and_a_publishers_own_is_kept(names):
+    prefix, made = names
+    with connect() as connection:
+        channel = connection.channel()
+        channel.confirm_delivery()
+        queue = declare_queue(channel, made, f"{prefix}.stamped", **{"x-queue-type": "quorum"})
+        before = now_ms()
+        channel.basic_publish("", queue, b"plain", pika.BasicProperties(delivery_mode=2), mandatory=True)
+        after = now_ms()
+        channel.basic_publish("", queue, b"forged", pika.BasicProperties(
+            delivery_mode=2, headers={"timestamp_in_ms": 1}), mandatory=True)
+        plain = wait_for_message(channel, queue)
+        forged = wait_for_message(channel, queue)
+    assert before <= plain[0].headers["timestamp_in_ms"] <= after
+    assert plain[0].timestamp == plain[0].headers["timestamp_in_ms"] // 1000  # the property, in seconds
+    # overwrite = false: what a publisher sets is kept, so the stamp can be forged.
+    assert forged[0].headers["timestamp_in_ms"] == 1
