@@ -13,14 +13,13 @@ lost connection. A failed partition is published again, whole, by the next run: 
 published at least once, with the same message ids, never lost.
 """
 
-import struct
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import pika
-from pika import data
 
+from .. import codec
 from ..amqp import parameters
 from ..settings import Tls, redact
 
@@ -52,30 +51,13 @@ class Published:
     seconds: float = 0.0
 
 
-def install_float_encoding() -> None:
-    """pika cannot encode a float header; JSON headers have floats. Encode them as AMQP
-    doubles, as the gateway's codec does on the way out (the job needs nothing else of it)."""
-    if getattr(data.encode_value, "_doubles", False):
-        return
-    plain = data.encode_value
-
-    def encode_value(pieces, value):
-        if isinstance(value, float):
-            pieces.append(struct.pack(">cd", b"d", value))
-            return 9
-        return plain(pieces, value)
-
-    encode_value._doubles = True  # type: ignore[attr-defined]
-    data.encode_value = encode_value
-
-
 class PartitionPublisher:
     """Publishes what `make` turns each item of `items` into; `run` returns once every
     message is confirmed, or raises PublishError."""
 
     def __init__(self, target: Target, items: Iterator[Any], make: Callable[[Any], Outgoing],
                  name: str = "delay-gateway schedule") -> None:
-        install_float_encoding()
+        codec.install()  # JSON headers have floats: sent as AMQP doubles, as the gateway sends them
         self.target, self.items, self.make, self.name = target, items, make, name
         self.pending: Dict[int, Tuple[Outgoing, int]] = {}  # sequence number -> (message, attempt)
         self.retry: List[Tuple[float, Outgoing, int]] = []  # (not before, message, attempt)
