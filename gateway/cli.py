@@ -322,16 +322,6 @@ def cmd_demo(args) -> int:
     return demo(args)
 
 
-def cmd_bench(args) -> int:
-    from .bench.cli import run
-    return run(args)
-
-
-def bench_arguments(p: argparse.ArgumentParser) -> None:
-    from .bench.cli import add_arguments
-    add_arguments(p)
-
-
 BROKER = ("broker", "log")
 COMMANDS = {
     "run": Command("run the consumers (check-in, distributor, or both) until SIGTERM",
@@ -356,6 +346,4 @@ COMMANDS = {
                         BROKER + ("chain",), cmd_selftest, selftest.add_arguments),
     "demo": Command("start the gateway, publish a few delayed messages and watch them arrive",
                     BROKER + ("chain",), cmd_demo, demo_arguments),
-    "bench": Command("measure lateness, throughput and memory against a real broker", BROKER, cmd_bench,
-                     bench_arguments),
 }

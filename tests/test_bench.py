@@ -14,7 +14,7 @@ from .support import ROOT, broker_url
 
 def test_bench_runs_and_reports(broker, tmp_path):
     out = tmp_path / "bench"
-    cmd = [sys.executable, "-m", "gateway", "bench", "accuracy", "naive", "ceiling", "roles",
+    cmd = [sys.executable, "-m", "bench", "accuracy", "naive", "ceiling", "roles",
            "--out", str(out), "--messages", "60", "--rates", "200", "--min-delay", "300",
            "--max-delay", "1500", "--queue-types", "quorum", "--zero-bits", "exchange"]
     env = dict(os.environ, DELAY_GATEWAY_URL=broker_url())

@@ -1,4 +1,4 @@
-"""`delay-gateway bench`: scenarios that measure the gateway from the outside.
+"""`python -m bench`: scenarios that measure the gateway from the outside.
 
 The real gateway runs as separate processes (`run --role check-in` and `--role
 distributor`); a publisher (this process) and a receiver (a child process bound to pick-up)

@@ -10,7 +10,7 @@ import pika
 
 from topology import ChainSettings, bit_key, units_for
 
-from .. import envelope
+from gateway import envelope
 from .common import (Gateway, Publisher, Receiver, Sampler, blocking, body, declare_chain, delete_chain,
                      lateness_stats, now_ms, per_second, queue_depth, unique_prefix)
 
@@ -58,7 +58,7 @@ def _lead(ctx: Context) -> int:
     args = list(ctx.gateway_args)
     if "--lead-ms" in args:
         return int(args[args.index("--lead-ms") + 1])
-    from ..settings import Settings
+    from gateway.settings import Settings
     return Settings().lead_ms
 
 

@@ -21,7 +21,7 @@ import pika
 from topology import ChainSettings, build
 from topology.declare import declare, delete
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEAD = struct.Struct("<qq")  # message number, due time (epoch ms)
 
 

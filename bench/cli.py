@@ -1,4 +1,4 @@
-"""Options and entry point of `delay-gateway bench`."""
+"""Options and entry point of `python -m bench`."""
 
 import argparse
 import datetime
@@ -13,6 +13,8 @@ SCENARIO_HELP = ("burst, steady, accuracy, at-once, pending, ceiling, naive, rol
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default=os.environ.get("DELAY_GATEWAY_URL", "amqp://guest:guest@127.0.0.1:5672/%2F"),
+                   help="AMQP URL of the broker under test [DELAY_GATEWAY_URL]")
     p.add_argument("scenarios", nargs="+", metavar="SCENARIO", help=SCENARIO_HELP)
     p.add_argument("--out", default="bench-results", help="output directory (JSON, markdown, PNG)")
     p.add_argument("--messages", type=int, help="messages per run (overrides each scenario's size)")
@@ -74,7 +76,7 @@ def run(args) -> int:
     except (OSError, subprocess.TimeoutExpired):
         version = "?"
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "machine": machine(), "rabbitmq": version, "command": "delay-gateway " + shlex.join(sys.argv[1:]),
+            "machine": machine(), "rabbitmq": version, "command": "python -m bench " + shlex.join(sys.argv[1:]),
             "load_average_start": os.getloadavg()}
     results = {}
     for name in names:
@@ -85,3 +87,9 @@ def run(args) -> int:
     print(report.markdown(results, meta))
     ctx.log("wrote " + ", ".join(files))
     return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench", description="Measure the delay gateway from the outside")
+    add_arguments(p)
+    return run(p.parse_args(argv))
