@@ -104,7 +104,8 @@ class Broker:
     def has_plugin(self, probe: str) -> bool:
         """Whether the broker knows the exchange type x-delayed-message: declare one (named
         `probe`, auto-deleted) and delete it. Without the plugin the broker refuses the
-        type and closes the connection (503 COMMAND_INVALID)."""
+        type: 3.10 closes the connection (503 COMMAND_INVALID), 4.0 the channel (406
+        PRECONDITION_FAILED, "unknown exchange type")."""
         try:
             with blocking(self.url, "delay-gateway bench probe") as c:
                 ch = c.channel()
@@ -113,7 +114,7 @@ class Broker:
                 ch.exchange_delete(probe)
             return True
         except (pika.exceptions.ChannelClosedByBroker, pika.exceptions.ConnectionClosedByBroker) as exc:
-            if exc.reply_code in (503, 540):  # COMMAND_INVALID, NOT_IMPLEMENTED
+            if exc.reply_code in (503, 540) or "exchange type" in str(exc.reply_text):
                 return False
             raise
 
