@@ -188,7 +188,8 @@ def _receive(url: str, queue: str, out: str, ready, stop, expected: int, count) 
     ch.basic_qos(prefetch_count=5000)
     ch.basic_consume(queue, on_message, auto_ack=True)
     ready.set()
-    while not stop.is_set() and len(ids) < expected:
+    parent = os.getppid()
+    while not stop.is_set() and len(ids) < expected and os.getppid() == parent:  # not orphaned
         conn.process_data_events(time_limit=0.05)
         count.value = len(ids)
     conn.close()

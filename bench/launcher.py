@@ -29,6 +29,16 @@ def chain_args(chain: ChainSettings) -> List[str]:
             "--zero-bits", chain.zero_bits]
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent dies (Linux), so a benchmark
+    killed by a timeout leaves no gateway consuming behind it."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -40,10 +50,12 @@ class GatewayProcess:
     of its own; its JSON log lines are collected.
 
     `url` becomes DELAY_GATEWAY_URL (one URL, or several comma-separated); without it the
-    process inherits the environment's, or the gateway's own default."""
+    process inherits the environment's, or the gateway's own default. With
+    `die_with_parent`, the process is stopped when the one that started it dies (the thread
+    that started it, strictly: start it from a thread that lives as long)."""
 
     def __init__(self, chain: ChainSettings, *extra: str, url: Optional[str] = None,
-                 env: Optional[Dict[str, str]] = None) -> None:
+                 env: Optional[Dict[str, str]] = None, die_with_parent: bool = False) -> None:
         self.chain = chain
         self.lines: List[dict] = []
         self.raw: List[str] = []
@@ -56,7 +68,8 @@ class GatewayProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gateway", "run", *chain_args(chain), "--log-format", "json",
              *([] if given else ["--metrics-port", str(self.port)]), *extra],
-            cwd=ROOT, env=full_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            cwd=ROOT, env=full_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            preexec_fn=_die_with_parent if die_with_parent else None)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 

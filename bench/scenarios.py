@@ -448,7 +448,7 @@ def _forwarded(process: GatewayProcess, queue: str) -> float:
 
 def _timed(ctx: Context, chain: ChainSettings, role: str, done: Callable[[GatewayProcess], float], n: int) -> dict:
     """Start `role` alone and time it until `done(process)` reaches n (or stops moving)."""
-    process = GatewayProcess(chain, "--role", role, *ctx.gateway_args, url=ctx.url)
+    process = GatewayProcess(chain, "--role", role, *ctx.gateway_args, url=ctx.url, die_with_parent=True)
     try:
         process.wait_ready(60)
         proc = _psutil_process(process.proc.pid)
@@ -488,7 +488,7 @@ def _check_in_alone(ctx: Context, chain: ChainSettings, topology, n: int, sink: 
 
 def _distributor_alone(ctx: Context, chain: ChainSettings, topology, n: int, sink: str) -> dict:
     waiting = [q.name for q in topology.queues if q.role in ("delay", "pass")]
-    carrier = GatewayProcess(chain, "--role", "check-in", *ctx.gateway_args, url=ctx.url)
+    carrier = GatewayProcess(chain, "--role", "check-in", *ctx.gateway_args, url=ctx.url, die_with_parent=True)
     try:
         carrier.wait_ready(60)
         pub = _publish_to_check_in(ctx, chain, n, 1_000, 7_000, seed=4)

@@ -67,7 +67,7 @@ class Gateway:
         self.processes: List[GatewayProcess] = []
         try:
             for role in roles:
-                self.processes.append(GatewayProcess(chain, *role, *gateway_args, url=url))
+                self.processes.append(GatewayProcess(chain, *role, *gateway_args, url=url, die_with_parent=True))
             for p in self.processes:
                 p.wait_ready(60)
         except Exception:
