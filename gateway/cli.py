@@ -322,16 +322,6 @@ def cmd_demo(args) -> int:
     return demo(args)
 
 
-def cmd_bench(args) -> int:
-    from .bench.cli import run
-    return run(args)
-
-
-def bench_arguments(p: argparse.ArgumentParser) -> None:
-    from .bench.cli import add_arguments
-    add_arguments(p)
-
-
 def cmd_schedule(args) -> int:
     from .spark.schedule import run
     return run(args)
@@ -396,8 +386,6 @@ COMMANDS = {
                         BROKER + ("chain",), cmd_selftest, selftest.add_arguments),
     "demo": Command("start the gateway, publish a few delayed messages and watch them arrive",
                     BROKER + ("chain",), cmd_demo, demo_arguments),
-    "bench": Command("measure lateness, throughput and memory against a real broker", BROKER, cmd_bench,
-                     bench_arguments),
     "schedule": Command("publish every row of a table (CSV, JSON lines, Parquet) as a delayed message, on Spark",
                         BROKER + ("chain",), cmd_schedule, schedule_arguments),
     "record": Command("record deliveries at pick-up as JSON lines (for `report`)", BROKER + ("chain",),

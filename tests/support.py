@@ -1,27 +1,19 @@
 """Helpers for tests that talk to a real broker and run the real gateway process."""
 
 import contextlib
-import json
 import os
-import signal
-import socket
-import subprocess
-import sys
-import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional
 
 import pika
 
+from bench import launcher
+from bench.launcher import ROOT, chain_args, free_port  # noqa: F401 (tests import them from here)
 from gateway.settings import DEFAULT_URL
 from topology import ChainSettings, build
 from topology.declare import declare, delete
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # The broker of the test running now (tests/conftest.py sets it from the `broker` fixture,
@@ -55,12 +47,6 @@ def connect(url: Optional[str] = None) -> pika.BlockingConnection:
     return pika.BlockingConnection(pika.URLParameters(url or broker_url()))
 
 
-def chain_args(chain: ChainSettings) -> List[str]:
-    return ["--prefix", chain.prefix, "--max-level", str(chain.max_level),
-            "--resolution-ms", str(chain.resolution_ms), "--queue-type", chain.queue_type,
-            "--zero-bits", chain.zero_bits]
-
-
 def sent_headers(properties) -> dict:
     """Headers as the publisher sent them: without the arrival stamp RabbitMQ 3.12+ adds to
     every incoming message when its timestamp interceptor is on (`timestamp_in_ms`)."""
@@ -77,89 +63,13 @@ def same_entries(got, sent) -> bool:
     return entries(got, "timestamp_in_ms" not in sent) == entries(sent, False) and got.tail == sent.tail
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class GatewayProcess:
-    """`delay-gateway run` in a subprocess, serving /metrics, /healthz and /readyz on a port
-    of its own; its JSON log lines are collected."""
+class GatewayProcess(launcher.GatewayProcess):
+    """`delay-gateway run` in a subprocess (bench/launcher.py, shared with the benchmark),
+    against the broker of the test running now unless `url` names another."""
 
     def __init__(self, chain: ChainSettings, *extra: str, url: Optional[str] = None,
                  env: Optional[Dict[str, str]] = None) -> None:
-        self.chain = chain
-        self.lines: List[dict] = []
-        self.raw: List[str] = []
-        given = [extra[i + 1] for i, a in enumerate(extra[:-1]) if a == "--metrics-port"]
-        self.port = int(given[-1]) if given else free_port()
-        full_env = dict(os.environ, **(env or {}))
-        full_env["DELAY_GATEWAY_URL"] = url or broker_url()
-        full_env.setdefault("PYTHONUNBUFFERED", "1")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "run", *chain_args(chain), "--log-format", "json",
-             *([] if given else ["--metrics-port", str(self.port)]), *extra],
-            cwd=ROOT, env=full_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stderr:
-            self.raw.append(line)
-            try:
-                self.lines.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-
-    def events(self, name: str) -> List[dict]:
-        return [entry for entry in list(self.lines) if entry.get("event") == name]
-
-    def get(self, path: str) -> Tuple[int, str]:
-        """(status, body) of an HTTP GET on the metrics port; (0, error) when it does not answer."""
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=2) as r:
-                return r.status, r.read().decode()
-        except urllib.error.HTTPError as exc:
-            return exc.code, exc.read().decode()
-        except OSError as exc:
-            return 0, str(exc)
-
-    @property
-    def ready(self) -> bool:
-        return self.get("/readyz")[0] == 200
-
-    def metric(self, name: str, **labels: str) -> float:
-        """The value of one sample on /metrics (0 when absent)."""
-        wanted = name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else "")
-        for line in self.get("/metrics")[1].splitlines():
-            sample, _, value = line.rpartition(" ")
-            if sample == wanted:
-                return float(value)
-        return 0.0
-
-    def wait_ready(self, timeout: float = 30) -> "GatewayProcess":
-        deadline = time.monotonic() + timeout
-        while not self.ready:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"gateway exited with {self.proc.returncode}:\n{''.join(self.raw)}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"gateway not ready after {timeout}s:\n{''.join(self.raw)}")
-            time.sleep(0.05)
-        return self
-
-    def terminate(self, timeout: float = 20) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        finally:
-            self._reader.join(timeout=2)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
+        super().__init__(chain, *extra, url=url or broker_url(), env=env)
 
 
 @dataclass

@@ -1,7 +1,9 @@
-"""The benchmark command runs end to end at tiny sizes, so it cannot rot.
+"""The benchmark (`python -m bench`) runs end to end at tiny sizes, so it cannot rot.
 
-Only the shape of its JSON and correctness (nothing early, nothing lost) are checked here:
-timing targets live in BENCHMARKS.md, never in assertions.
+Only the shape of its output and correctness (nothing early, nothing lost) are checked here:
+timing targets live in BENCHMARKS.md, never in assertions. The broker tests run the real
+gateway through bench/launcher.py against the test broker, which has no delayed-message
+plugin: `--compare-plugin` must say so in one line and still measure the gateway.
 """
 
 import json
@@ -9,32 +11,130 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+from bench import cli, report
+from bench.scenarios import Load, gateway_targets, schedule, writes_model, Context
+from bench.systems import DELAY, DELIVER_AT, Target, headers_for
+from topology import ChainSettings
+
 from .support import ROOT, broker_url
 
 
-def test_bench_runs_and_reports(broker, tmp_path):
-    out = tmp_path / "bench"
-    cmd = [sys.executable, "-m", "gateway", "bench", "accuracy", "naive", "ceiling", "roles",
-           "--out", str(out), "--messages", "60", "--rates", "200", "--min-delay", "300",
-           "--max-delay", "1500", "--queue-types", "quorum", "--zero-bits", "exchange"]
+def bench(tmp_path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     env = dict(os.environ, DELAY_GATEWAY_URL=broker_url())
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    return subprocess.run([sys.executable, "-m", "bench", *args, "--out", str(tmp_path / "out")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+DELAYED_KEYS = ("round", "system", "header", "label", "publish_rate", "p50_ms", "p90_ms", "p99_ms", "max_ms",
+                "early", "lost", "duplicates", "broker_cpu_us_per_message", "gateway_cpu_us_per_message",
+                "broker_idle_cpu_pct", "resources", "series", "writes_model_per_message")
+
+
+def test_loads_side_by_side_with_the_plugin_absent(broker, tmp_path):
+    """paced and at-once with both delay headers, asking for the plugin the broker lacks:
+    one line says so, the run goes on (exit 0), and the broker's own counters give the
+    writes per message (about 25 s)."""
+    proc = bench(tmp_path, "paced", "at-once", "--compare-plugin", "--messages", "40", "--rate", "200",
+                 "--min-delay", "300", "--max-delay", "1200", "--at-once-ms", "1500", "--idle-seconds", "0.2")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    data = json.loads((out / "results.json").read_text())
-    assert {"date", "machine", "command"} <= set(data["meta"])
-    results = data["results"]
-    [acc] = results["accuracy"]
-    for key in ("publish_rate", "p50_ms", "p90_ms", "p99_ms", "max_ms", "early", "lost", "duplicates",
-                "resources", "writes_per_message", "series"):
-        assert key in acc, key
-    assert acc["received"] >= 60 and acc["early"] == 0 and acc["lost"] == 0
-    [naive] = results["naive"]
-    assert naive["lost"] == 0 and naive["early"] == 0
+    said = [line for line in proc.stderr.splitlines() if "delayed_message_exchange" in line]
+    assert len(said) == 1 and "gateway only" in said[0], proc.stderr
+    data = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert data["meta"]["plugin"] == "absent"
+    assert {"date", "machine", "command", "rabbitmq", "load_average_start", "busiest_processes_start"} <= set(data["meta"])
+    for name in ("paced", "at-once"):
+        runs = data["results"][name]
+        assert [(r["system"], r["header"]) for r in runs] == [("gateway", DELAY), ("gateway", DELIVER_AT)]
+        for r in runs:
+            assert all(k in r for k in DELAYED_KEYS), set(DELAYED_KEYS) - set(r)
+            assert r["received"] >= 40 and r["early"] == 0 and r["lost"] == 0, r
+            # counted by the broker: each message is written at least into check-in, the
+            # distributor and the receiver's queue (node-wide counters: others add to them)
+            assert r["queue_writes_per_message"] >= 3, r["broker_counters"]
+    at_once = data["results"]["at-once"][0]
+    assert at_once["delay_ms"][1] <= 1500 and at_once["at_once_ms"] == 1500
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert "paced:" in md and "at-once:" in md and "gateway quorum/queue (x-deliver-at)" in md
+    assert (tmp_path / "out" / "lateness-paced.png").stat().st_size > 1000
+
+
+def test_every_other_scenario_runs(broker, tmp_path):
+    """burst, steady, pending, roles, ceiling and naive at tiny sizes, without rabbitmqctl
+    (no write counters: the figures say so rather than guess); about 50 s."""
+    proc = bench(tmp_path, "burst", "steady", "pending", "roles", "ceiling", "naive", "--headers", "x-delay",
+                 "--messages", "60", "--rates", "100", "--duration", "0.6", "--min-delay", "300",
+                 "--max-delay", "1500", "--rabbitmqctl", "none", "--idle-seconds", "0.2", timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "out" / "results.json").read_text())["results"]
+    [burst] = results["burst"]
+    assert burst["delay_ms"] == [300, 1500] and burst["early"] == 0 and burst["lost"] == 0
+    assert "queue_writes_per_message" not in burst and burst["broker_counters"] is None
+    [steady] = results["steady"]
+    assert steady["lost"] == 0 and steady["early"] == 0 and "best_rate" in steady
+    [pending] = results["pending"]
+    assert pending["checked_in"] >= 60 and pending["before"]["broker_rss_mb"] > 0
+    assert {r["role"] for r in results["roles"]} == {"check-in", "distributor"}
+    assert all(r["done"] >= 60 for r in results["roles"]), results["roles"]
     [ceiling] = results["ceiling"]
     assert ceiling["arrived"] == 60 and ceiling["hops_per_s"] > 0
-    assert {r["role"] for r in results["roles"]} == {"check-in", "distributor"}
-    assert all(r["forwarded"] >= 60 for r in results["roles"])
-    assert (out / "results.md").read_text().count("|") > 10
-    # scripts/test installs the bench extra, so the charts are drawn, not skipped
-    assert (out / "lateness.png").stat().st_size > 1000
-    assert list(out.glob("throughput-*.png"))
+    [naive] = results["naive"]
+    assert naive["lost"] == 0 and naive["early"] == 0
+
+
+# -- pure parts: no broker ----------------------------------------------------------------------
+def test_runs_alternate_plugin_and_gateway_round_after_round():
+    gw = [Target("gateway", DELAY, "quorum", "queue"), Target("gateway", DELIVER_AT, "quorum", "queue")]
+    order = [(r, t.system, t.header) for r, t in schedule(gw, 2, plugin=True)]
+    assert order == [(1, "plugin", DELAY), (1, "gateway", DELAY), (1, "gateway", DELIVER_AT),
+                     (2, "plugin", DELAY), (2, "gateway", DELAY), (2, "gateway", DELIVER_AT)]
+    assert [t.system for _, t in schedule(gw, 1, plugin=False)] == ["gateway", "gateway"]
+
+
+def test_gateway_targets_cover_every_topology_and_header():
+    ctx = Context(url="", out_dir="", broker=None, queue_types=["quorum", "classic"], zero_bits=["queue", "exchange"])
+    labels = [t.label for t in gateway_targets(ctx)]
+    assert len(labels) == 8 and len(set(labels)) == 8
+    assert labels[0] == "gateway quorum/queue (x-delay)"
+
+
+def test_due_time_is_the_publishers_view():
+    assert headers_for(DELAY, 1000.25, 5000) == ({"x-delay": 5000}, 6000.25)
+    assert headers_for(DELIVER_AT, 1000.25, 5000) == ({"x-deliver-at": 6000}, 6000.0)
+
+
+@pytest.mark.parametrize("delay, zero_bits, writes", [
+    (0, "queue", 3),           # check-in, distributor, the user's queue
+    (1_049, "queue", 3),       # less than a unit after the 50 ms lead
+    (1_050, "queue", 4),       # one unit: level 0
+    (5_050, "queue", 6),       # 5 = 0b101: levels 2, 1 (pass), 0
+    (5_050, "exchange", 5),    # the zero bit is a binding, not a queue
+])
+def test_writes_model(delay, zero_bits, writes):
+    assert writes_model(delay, ChainSettings(prefix="p", zero_bits=zero_bits), 50) == writes
+
+
+def test_side_by_side_table_groups_rounds_per_target():
+    def run(label, system, r, p99):
+        return {"label": label, "system": system, "round": r, "messages": 10, "p50_ms": 1.0, "p99_ms": p99,
+                "max_ms": p99, "early": 0, "lost": 0, "duplicates": 0, "queue_writes_per_message": 1.0}
+    runs = [run("plugin (x-delay)", "plugin", 1, 5.0), run("gw", "gateway", 1, 50.0),
+            run("plugin (x-delay)", "plugin", 2, 7.0), run("gw", "gateway", 2, 40.0)]
+    text = report.markdown({"paced": runs}, {"command": "python -m bench paced"})
+    assert "| plugin (x-delay) | 2 | 1 | 5-7 |" in text
+    assert "| gw | 2 | 1 | 40-50 |" in text
+
+
+@pytest.mark.parametrize("argv", [["nosuch"], ["paced", "--rounds", "0"], ["paced", "--headers", "x-later"],
+                                  ["paced", "--queue-types", "stream"], ["paced", "--rate", "fast"]])
+def test_usage_errors_are_one_line_and_exit_2(argv, capsys):
+    assert cli.main(argv, environ={}) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "error" in err[0]
+
+
+def test_scenario_groups():
+    assert cli.expand(["issue", "paced"]) == ["paced", "burst", "at-once"]
+    assert "pending" not in cli.expand(["all"])
+    assert Load("paced", 1, (1, 2)).rate is None

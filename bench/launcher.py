@@ -1,0 +1,148 @@
+"""Start the real gateway (`delay-gateway run`) as a process and watch it from the outside.
+
+Shared by the benchmark and the tests (tests/support.py), so both start the gateway the same
+way: a subprocess with a metrics port of its own, ready when /readyz says so (connected and
+consuming every queue of its role), observed through /metrics and its JSON log lines. It
+imports nothing from the gateway: it sees only what an operator sees.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Dict, List, Optional, Tuple
+
+from topology import ChainSettings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def chain_args(chain: ChainSettings) -> List[str]:
+    return ["--prefix", chain.prefix, "--max-level", str(chain.max_level),
+            "--resolution-ms", str(chain.resolution_ms), "--queue-type", chain.queue_type,
+            "--zero-bits", chain.zero_bits]
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent dies (Linux), so a benchmark
+    killed by a timeout leaves no gateway consuming behind it."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class GatewayProcess:
+    """`delay-gateway run` in a subprocess, serving /metrics, /healthz and /readyz on a port
+    of its own; its JSON log lines are collected.
+
+    `url` becomes DELAY_GATEWAY_URL (one URL, or several comma-separated); without it the
+    process inherits the environment's, or the gateway's own default. With
+    `die_with_parent`, the process is stopped when the one that started it dies (the thread
+    that started it, strictly: start it from a thread that lives as long)."""
+
+    def __init__(self, chain: ChainSettings, *extra: str, url: Optional[str] = None,
+                 env: Optional[Dict[str, str]] = None, die_with_parent: bool = False) -> None:
+        self.chain = chain
+        self.lines: List[dict] = []
+        self.raw: List[str] = []
+        given = [extra[i + 1] for i, a in enumerate(extra[:-1]) if a == "--metrics-port"]
+        self.port = int(given[-1]) if given else free_port()
+        full_env = dict(os.environ, **(env or {}))
+        if url is not None:
+            full_env["DELAY_GATEWAY_URL"] = url
+        full_env.setdefault("PYTHONUNBUFFERED", "1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "run", *chain_args(chain), "--log-format", "json",
+             *([] if given else ["--metrics-port", str(self.port)]), *extra],
+            cwd=ROOT, env=full_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            preexec_fn=_die_with_parent if die_with_parent else None)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.raw.append(line)
+            try:
+                self.lines.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+
+    def events(self, name: str) -> List[dict]:
+        return [entry for entry in list(self.lines) if entry.get("event") == name]
+
+    def errors(self) -> List[dict]:
+        return [entry for entry in list(self.lines) if entry.get("level") in ("error", "critical")]
+
+    def get(self, path: str) -> Tuple[int, str]:
+        """(status, body) of an HTTP GET on the metrics port; (0, error) when it does not answer."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=2) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+        except OSError as exc:
+            return 0, str(exc)
+
+    @property
+    def ready(self) -> bool:
+        return self.get("/readyz")[0] == 200
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The value of one sample on /metrics (0 when absent)."""
+        wanted = name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else "")
+        for line in self.get("/metrics")[1].splitlines():
+            sample, _, value = line.rpartition(" ")
+            if sample == wanted:
+                return float(value)
+        return 0.0
+
+    def samples(self, name: str) -> List[Tuple[Dict[str, str], float]]:
+        """Every sample of one metric on /metrics, with its labels (empty when it does not answer)."""
+        out = []
+        for line in self.get("/metrics")[1].splitlines():
+            if not line.startswith(name) or line.startswith("#"):
+                continue
+            sample, _, value = line.rpartition(" ")
+            metric, _, labels = sample.partition("{")
+            if metric != name:
+                continue
+            pairs = dict(p.split("=", 1) for p in labels.rstrip("}").split(",") if "=" in p)
+            out.append(({k: v.strip('"') for k, v in pairs.items()}, float(value)))
+        return out
+
+    def wait_ready(self, timeout: float = 30) -> "GatewayProcess":
+        deadline = time.monotonic() + timeout
+        while not self.ready:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gateway exited with {self.proc.returncode}:\n{''.join(self.raw)}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"gateway not ready after {timeout}s:\n{''.join(self.raw)}")
+            time.sleep(0.05)
+        return self
+
+    def terminate(self, timeout: float = 20) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self._reader.join(timeout=2)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()

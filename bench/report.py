@@ -1,0 +1,220 @@
+"""Write the results: one JSON file, markdown tables, and PNG charts (if matplotlib is there)."""
+
+import json
+import os
+from typing import Dict, List, Optional
+
+DELAYED = ("paced", "burst", "at-once", "steady")
+
+
+def write(out_dir: str, results: Dict[str, List[dict]], meta: dict) -> List[str]:
+    os.makedirs(out_dir, exist_ok=True)
+    files = []
+    path = os.path.join(out_dir, "results.json")
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    files.append(path)
+    path = os.path.join(out_dir, "results.md")
+    with open(path, "w") as f:
+        f.write(markdown(results, meta))
+    files.append(path)
+    files += charts(out_dir, results)
+    return files
+
+
+def _g(r: dict, k: str, fmt: str = "{}") -> str:
+    v = r.get(k)
+    return "-" if v is None else fmt.format(v)
+
+
+def _load(r: dict) -> str:
+    la = r.get("resources", {}).get("load_average", {})
+    return f"{la['mean']:.1f} ({la['max']:.1f})" if "mean" in la else "-"
+
+
+def _span(values: List[float]) -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    lo, hi = min(values), max(values)
+    return f"{lo:g}" if lo == hi else f"{lo:g}-{hi:g}"
+
+
+def _row(cells) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def delayed_table(runs: List[dict]) -> List[str]:
+    head = ["round", "target", "messages", "published/s", "check-in drain/s", "p50 ms", "p90 ms", "p99 ms",
+            "max ms", "early", "lost", "dup", "queue writes/msg", "WAL entries/msg", "Mnesia log writes/msg",
+            "broker CPU µs/msg",
+            "gateway CPU µs/msg", "load avg mean (max)"]
+    lines = [_row(head), "|" + "---|" * len(head)]
+    for r in runs:
+        lines.append(_row([
+            r.get("round", 1), r["label"], r["messages"], _g(r, "publish_rate", "{:.0f}"),
+            _g(r, "checkin_drain_rate", "{:.0f}"), _g(r, "p50_ms"), _g(r, "p90_ms"), _g(r, "p99_ms"), _g(r, "max_ms"),
+            r["early"], r["lost"], r["duplicates"], _g(r, "queue_writes_per_message"),
+            _g(r, "wal_writes_per_message"), _g(r, "mnesia_log_writes_per_message"),
+            _g(r, "broker_cpu_us_per_message"), _g(r, "gateway_cpu_us_per_message"), _load(r)]))
+    return lines
+
+
+def side_by_side(runs: List[dict]) -> List[str]:
+    """One row per target over all rounds: the comparison at a glance."""
+    labels: List[str] = []
+    for r in runs:
+        if r["label"] not in labels:
+            labels.append(r["label"])
+    head = ["target", "runs", "p50 ms", "p99 ms", "max ms", "early", "lost", "queue writes/msg",
+            "WAL entries/msg", "Mnesia log writes/msg", "broker CPU µs/msg"]
+    lines = [_row(head), "|" + "---|" * len(head)]
+    for label in labels:
+        mine = [r for r in runs if r["label"] == label]
+        lines.append(_row([
+            label, len(mine), _span([r.get("p50_ms") for r in mine]), _span([r.get("p99_ms") for r in mine]),
+            _span([r.get("max_ms") for r in mine]), sum(r["early"] for r in mine), sum(r["lost"] for r in mine),
+            _span([r.get("queue_writes_per_message") for r in mine]),
+            _span([r.get("wal_writes_per_message") for r in mine]),
+            _span([r.get("mnesia_log_writes_per_message") for r in mine]),
+            _span([r.get("broker_cpu_us_per_message") for r in mine])]))
+    return lines
+
+
+def markdown(results: Dict[str, List[dict]], meta: dict) -> str:
+    lines = [f"Run {meta.get('date')} on {meta.get('machine')}; RabbitMQ {meta.get('rabbitmq')} at "
+             f"{meta.get('url')}; plugin: {meta.get('plugin')}; write counters: {meta.get('counters')}; "
+             f"load average at start {_loads(meta.get('load_average_start'))}, at end "
+             f"{_loads(meta.get('load_average_end'))}", "", f"`{meta.get('command')}`", ""]
+    for name in DELAYED:
+        runs = results.get(name) or []
+        if not runs:
+            continue
+        lines += [f"{name}:", ""] + delayed_table(runs) + [""]
+        if len({r["label"] for r in runs}) > 1:
+            lines += side_by_side(runs) + [""]
+    best = {}
+    for r in results.get("steady", []):
+        best[r["label"]] = r.get("best_rate")
+    if best:
+        lines += ["| steady: target | highest rate with p99 < 100 ms |", "|---|---|"]
+        lines += [f"| {label} | {b if b is not None else 'none of the ladder'} |" for label, b in best.items()]
+        lines.append("")
+    if results.get("pending"):
+        head = ["pending: target", "messages", "publish/s", "broker RSS before MB", "peak MB", "after MB",
+                "Erlang total after MB (binary)", "gateway RSS delta MB", "queue writes/msg", "WAL entries/msg",
+                "Mnesia log writes/msg", "broker CPU µs/msg"]
+        lines += [_row(head), "|" + "---|" * len(head)]
+        for r in results["pending"]:
+            mem = r.get("broker_erlang_memory_mb") or {}
+            deltas = [r[k] for k in ("gateway0_rss_mb_delta", "gateway1_rss_mb_delta") if k in r]
+            lines.append(_row([
+                r["label"], r["messages"], _g(r, "publish_rate", "{:.0f}"), r["before"].get("broker_rss_mb", "-"),
+                r.get("resources", {}).get("broker", {}).get("rss_mb_max", "-"), r["after"].get("broker_rss_mb", "-"),
+                f"{mem.get('total', '-')} ({mem.get('binary', '-')})" if mem else "-",
+                ", ".join(f"{d:+g}" for d in deltas) if deltas else "-",
+                _g(r, "queue_writes_per_message"), _g(r, "wal_writes_per_message"),
+                _g(r, "mnesia_log_writes_per_message"), _g(r, "broker_cpu_us_per_message")]))
+        lines.append("")
+    if results.get("roles"):
+        lines += ["| role alone | queue type | zero bits | timed messages | seconds | msg/s | CPU µs/msg | "
+                  "msg/s per CPU core |", "|---|---|---|---|---|---|---|---|"]
+        for r in results["roles"]:
+            lines.append(f"| {r['role']} | {r['queue_type']} | {r['zero_bits']} | {r['timed_messages']:.0f} | "
+                         f"{r['seconds']} | {_g(r, 'rate', '{:.0f}')} | {_g(r, 'cpu_us_per_message')} | "
+                         f"{_g(r, 'rate_per_core', '{:.0f}')} |")
+        lines.append("")
+    if results.get("ceiling"):
+        lines += ["| ceiling | hops | messages | msg/s through all hops | hops/s | queue writes/s |",
+                  "|---|---|---|---|---|---|"]
+        for r in results["ceiling"]:
+            lines.append(f"| {r['queue_type']} | {r['hops']} | {r['messages']} | {r['messages_per_s']:.0f} | "
+                         f"{r['hops_per_s']:.0f} | {r['writes_per_s']:.0f} |")
+        lines.append("")
+    for r in results.get("naive", []):
+        lines += ["| naive single TTL queue | messages | delays (ms) | p50 ms | p90 ms | p99 ms | max ms | early | lost |",
+                  "|---|---|---|---|---|---|---|---|---|",
+                  f"| per-message expiration | {r['messages']} | {r['delay_ms'][0]}-{r['delay_ms'][1]} | "
+                  f"{_g(r, 'p50_ms')} | {_g(r, 'p90_ms')} | {_g(r, 'p99_ms')} | {_g(r, 'max_ms')} | "
+                  f"{_g(r, 'early')} | {_g(r, 'lost')} |", ""]
+    eff = efficiency(results)
+    if eff:
+        lines += ["| efficiency | target | rate msg/s | queue writes/msg | ceiling writes/s | efficiency |",
+                  "|---|---|---|---|---|---|"]
+        for e in eff:
+            lines.append(f"| steady | {e['label']} | {e['rate']:.0f} | {e['writes_per_message']} | "
+                         f"{e['ceiling_writes_per_s']:.0f} | {e['efficiency']:.0%} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _loads(values: Optional[list]) -> str:
+    return "/".join(f"{v:.2f}" for v in values) if values else "?"
+
+
+def efficiency(results: Dict[str, List[dict]]) -> List[dict]:
+    """Highest steady rate x measured queue writes per message / the broker's raw write rate."""
+    ceilings = {r["queue_type"]: r["writes_per_s"] for r in results.get("ceiling", [])}
+    out = []
+    for r in results.get("steady", []):
+        if (r.get("meets_p99_limit") and r.get("queue_type") in ceilings and r.get("target_rate") == r.get("best_rate")
+                and r.get("queue_writes_per_message")):
+            c = ceilings[r["queue_type"]]
+            out.append({"label": r["label"], "rate": r["publish_rate"], "writes_per_message": r["queue_writes_per_message"],
+                        "ceiling_writes_per_s": c, "efficiency": r["publish_rate"] * r["queue_writes_per_message"] / c})
+    return out
+
+
+def charts(out_dir: str, results: Dict[str, List[dict]]) -> List[str]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    files = []
+    for name, runs in results.items():
+        runs = [r for r in runs if r.get("series", {}).get("lateness_ms")]
+        if not runs:
+            continue
+        fig, ax = plt.subplots(figsize=(9, 5))
+        for i, r in enumerate(runs):
+            late = r["series"]["lateness_ms"]
+            ys = [(k + 1) / len(late) for k in range(len(late))]
+            label = f"{r.get('label', name)} r{r.get('round', 1)}"
+            ax.plot([max(v, 0.01) for v in late], ys, label=label, linestyle=("-", "--", ":")[i // 10 % 3])
+        ax.set_xscale("log")
+        ax.set_xlabel("lateness (ms, log scale): arrival - (publish time + delay)")
+        ax.set_ylabel("fraction of messages")
+        ax.set_title(f"{name}: lateness distribution (CDF)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+        path = os.path.join(out_dir, f"lateness-{name}.png")
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        files.append(path)
+    runs = [r for rs in results.values() for r in rs if r.get("series", {}).get("published_per_s")]
+    for idx, r in enumerate(runs):
+        s = r["series"]
+        fig, ax = plt.subplots(figsize=(9, 4))
+        ax.plot(s["published_per_s"], label="published (confirmed) / s")
+        if s.get("delivered_per_s"):
+            ax.plot(s["delivered_per_s"], label="arrived at the receiver / s")
+        pts = [(row["t"], row["checked_in"]) for row in s.get("sampler", []) if "checked_in" in row]
+        if len(pts) > 1:
+            xs = [b[0] for b in pts[1:]]
+            ys = [(b[1] - a[1]) / max(1e-6, b[0] - a[0]) for a, b in zip(pts, pts[1:])]
+            ax.plot(xs, ys, label="checked in / s (gateway metrics)", alpha=0.7)
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("messages / s")
+        ax.set_title(f"{r['scenario']} {r.get('label', '')} round {r.get('round', 1)}: {r['messages']} messages")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        slug = "".join(c if c.isalnum() else "-" for c in f"{r['scenario']}-{r.get('label', '')}-r{r.get('round', 1)}")
+        path = os.path.join(out_dir, f"throughput-{idx:02d}-{slug.strip('-')}.png")
+        fig.tight_layout()
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        files.append(path)
+    return files
