@@ -129,8 +129,9 @@ def _psutil_processes(ctx: Context, system) -> Dict[str, object]:
 
 
 def writes_model(delay_ms: int, chain: ChainSettings, lead_ms: int) -> int:
-    """Queue writes of one message if it travelled alone: check-in, each chain queue,
-    distributor, the user's queue (the gateway on `core`; carriers change this)."""
+    """Queue writes of one message if it travelled alone, in no carrier: check-in, each chain
+    queue, distributor, the user's queue. The upper bound; the broker's counters say what
+    carriers save."""
     units = min(units_for(delay_ms, chain.resolution_ms, lead_ms), chain.max_units)
     chain_queues = units.bit_length() if chain.zero_bits == "queue" else bin(units).count("1")
     return 3 + chain_queues

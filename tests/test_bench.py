@@ -50,9 +50,10 @@ def test_loads_side_by_side_with_the_plugin_absent(broker, tmp_path):
         for r in runs:
             assert all(k in r for k in DELAYED_KEYS), set(DELAYED_KEYS) - set(r)
             assert r["received"] >= 40 and r["early"] == 0 and r["lost"] == 0, r
-            # counted by the broker: each message is written at least into check-in, the
-            # distributor and the receiver's queue (node-wide counters: others add to them)
-            assert r["queue_writes_per_message"] >= 3, r["broker_counters"]
+            # counted by the broker: each message is written at least into check-in and the
+            # receiver's queue; carriers share the chain's and the distributor's writes
+            # (node-wide counters: others add to them)
+            assert r["queue_writes_per_message"] >= 2, r["broker_counters"]
     at_once = data["results"]["at-once"][0]
     assert at_once["delay_ms"][1] <= 1500 and at_once["at_once_ms"] == 1500
     md = (tmp_path / "out" / "results.md").read_text()
