@@ -221,9 +221,28 @@ def _pika_encodes_floats():
     codec.install()
 
 
+@pytest.fixture(autouse=True)
+def _figures_to_report(record_property):
+    """What the test passed to support.report_figures goes into its report (user properties),
+    which xdist carries from the worker to the process that prints the summary."""
+    support.FIGURES.clear()
+    yield
+    for section, line in support.FIGURES:
+        record_property("figures: " + section, line)
+    support.FIGURES.clear()
+
+
+_SUMMARY: dict = {}
+
+
+def pytest_runtest_logreport(report):
+    for name, value in report.user_properties:
+        if name.startswith("figures: ") and value not in _SUMMARY.setdefault(name[9:], []):
+            _SUMMARY[name[9:]].append(value)
+
+
 def pytest_terminal_summary(terminalreporter):
-    from .support import FIGURES
-    for section, lines in FIGURES.items():
+    for section, lines in _SUMMARY.items():
         terminalreporter.section(section)
         for line in lines:
             terminalreporter.write_line(line)

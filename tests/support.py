@@ -5,7 +5,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import pika
 
@@ -151,11 +151,11 @@ def remove(chain: ChainSettings, url: Optional[str] = None) -> None:
         pass
 
 
-# Figures a test measured, printed in pytest's terminal summary (tests/conftest.py), one
-# section each, whether or not -s is given.
-FIGURES: Dict[str, List[str]] = {}
+# Figures the running test measured: tests/conftest.py attaches them to the test's report,
+# so they reach pytest's terminal summary (one section each) from any xdist worker.
+FIGURES: List[Tuple[str, str]] = []
 
 
 def report_figures(section: str, line: str) -> None:
-    FIGURES.setdefault(section, []).append(line)
+    FIGURES.append((section, line))
     print(line)

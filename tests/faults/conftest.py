@@ -1,41 +1,28 @@
 """Fixtures for the fault tests: private broker nodes, chains on them, and a figures report.
 
 Every fault test reports its figures (sent, faults, lost, early, duplicates) through
-`fault_report`; they are printed in pytest's terminal summary whether or not -s is given,
-and attached to the test as a property (for JUnit XML).
+`fault_report`; they are printed in pytest's terminal summary whether or not -s is given
+(tests/conftest.py), and are in the test's properties (JUnit XML).
 """
 
 import os
 import shutil
 import tempfile
-from typing import List
-
 import pytest
 
 from ..conftest import broker_label
-from ..support import chains
+from ..support import chains, report_figures
 from .load import Figures
 from .nodes import BROKER_LABELS, HOST_RUNTIME, Cluster, unique_names
 
-_FIGURES: List[str] = []
-
-
-def pytest_terminal_summary(terminalreporter):
-    if _FIGURES:
-        terminalreporter.section("fault figures")
-        for line in _FIGURES:
-            terminalreporter.write_line(line)
-
 
 @pytest.fixture
-def fault_report(record_property, request):
+def fault_report(request):
     label = broker_label(request.node)
 
     def report(figures: Figures) -> Figures:
         line = figures.line() + (f" broker={label}" if label else "")
-        _FIGURES.append(line)
-        print(line)
-        record_property("fault_figures", line)
+        report_figures("fault figures", line)
         return figures
     return report
 
