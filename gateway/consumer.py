@@ -99,6 +99,10 @@ class Pipe:
         channel.basic_qos(prefetch_count=self._prefetch, callback=lambda _: self._start_consuming())
 
     def _start_consuming(self) -> None:
+        # Another channel's error (a queue we may not read) can close the connection between
+        # our basic.qos and its answer: consuming then is pika's error, not ours to raise.
+        if not self._consume.is_open:
+            return
         self._consumer_tag = self._consume.basic_consume(
             self._queue, self._on_message, callback=lambda _: self._consuming())
 
@@ -301,6 +305,8 @@ class Pipe:
         return now_ms - pub.sent_ms if pub is not None else 0
 
     def _do(self, outcome: Outcome) -> None:
+        if outcome.send and self._publish is None:
+            return  # the publishing channel is gone; its close callback has taken over
         now = self._clock() if outcome.send else 0
         for pub in outcome.send:
             pub.sent_ms = now
@@ -347,7 +353,13 @@ class Pipe:
                 self._connection.close()
             return
         self._log.warning("publish_nacked_by_broker", after_s=RETRY_REFUSED_S)
-        self._connection.ioloop.call_later(RETRY_REFUSED_S, lambda: self._do(self._state.retry(pub)))
+        self._connection.ioloop.call_later(RETRY_REFUSED_S, lambda: self._retry(pub))
+
+    def _retry(self, pub: Publication) -> None:
+        # The connection may have gone meanwhile (a node stopping nacks, then closes): the
+        # broker then redelivers the deliveries, and this consumer is done with.
+        if self._connection.is_open:
+            self._do(self._state.retry(pub))
 
     def _on_return(self, channel, method, properties, body) -> None:
         key = envelope.as_bytes(method.routing_key)

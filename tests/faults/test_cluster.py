@@ -231,7 +231,10 @@ def test_cluster_survives_losing_the_leader(cluster, fault, fault_report):
     # The leader's URL first: the gateway is connected to the node that will go away.
     urls = [victim.url] + [n.url for n in survivors]
     sink = Sink(urls, chain)
-    gateway = GatewayProcess(chain, url=",".join(urls)).wait_ready()
+    # Each message travels alone (no carriers), so the broker's count of what a queue holds is
+    # a count of messages: on 3.10 the stalled ones sit where no client can read them, and
+    # only that count tells held from lost.
+    gateway = GatewayProcess(chain, "--carrier-messages", "1", url=",".join(urls)).wait_ready()
     action = Fault(fault, cluster, victim)
     try:
         sent = publish(urls, chain, mixed_delays(1500, 4000, seed=11))
@@ -273,7 +276,8 @@ def test_cluster_survives_losing_the_leader(cluster, fault, fault_report):
         **figures.extra, "undelivered_held_in_broker": figures.lost - destroyed}))
     # Every fault but a Khepri partition takes the gateway's node away from it.
     moved = reconnected >= 2 or (fault == "partition" and cluster.store == "khepri")
-    assert new_leader != leader and moved and code == 0, (new_leader, reconnected, code, victim_log)
+    assert new_leader != leader and moved and code == 0, (new_leader, reconnected, code, victim_log, problems[-5:],
+                                                                  "".join(gateway.raw)[-3000:])
     assert figures.early == 0, figures.early_ids
     if not delivered:
         # Not delivered is not lost: the broker still holds each one in the chain's queues.
