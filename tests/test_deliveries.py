@@ -171,7 +171,9 @@ class Driver(RuleBasedStateMachine):
             for tag in pub.tags:
                 if tag in self.outstanding:
                     self.made[tag] += 1
-                    self.apply(self.d.publish((tag,), "parked", parking=True))
+                    # as the consumer parks it: a copy that does not finish its delivery
+                    # (one not yet finished has more publishes to come)
+                    self.apply(self.d.publish((tag,), "parked", (), parking=True))
         for tag in out.reject:
             self.end(tag, "rejected")
 
