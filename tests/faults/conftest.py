@@ -8,6 +8,7 @@ Every fault test reports its figures (sent, faults, lost, early, duplicates) thr
 import os
 import shutil
 import tempfile
+
 import pytest
 
 from ..conftest import broker_label
