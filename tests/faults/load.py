@@ -45,9 +45,10 @@ class Sent:
 
 
 def publish(urls: Sequence[str], chain: ChainSettings, delays: Sequence[int], routing_key: str = "load",
-            body: bytes = b"x") -> List[Sent]:
+            body: bytes = b"x", absolute: bool = False) -> List[Sent]:
     """Publish with confirms; a message counts as sent once the broker confirmed it (one it
-    refuses is published again, with the same id)."""
+    refuses is published again, with the same id). `absolute`: as `x-deliver-at`, so that
+    the due time is exactly the one the test knows, not counted from check-in."""
     sent: List[Sent] = []
     connection = connect_any(urls)
     channel = connection.channel()
@@ -56,9 +57,10 @@ def publish(urls: Sequence[str], chain: ChainSettings, delays: Sequence[int], ro
         message_id = uuid.uuid4().hex
         for attempt in range(50):
             before = now_ms()
+            when = {"x-deliver-at": before + delay} if absolute else {"x-delay": delay}
             try:
                 channel.basic_publish(chain.names.check_in, routing_key, body, pika.BasicProperties(
-                    message_id=message_id, delivery_mode=2, headers={"x-delay": delay, SENT_AT: before}),
+                    message_id=message_id, delivery_mode=2, headers={**when, SENT_AT: before}),
                     mandatory=True)
                 break
             except pika.exceptions.NackError:

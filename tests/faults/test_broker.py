@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from ..support import GatewayProcess
+from ..support import GatewayProcess, now_ms
 from .load import Sink, count, mixed_delays, publish, where_are_they
 
 
@@ -38,7 +38,7 @@ def test_broker_restart_with_messages_everywhere(own_node, node_chain, fault_rep
     sink = Sink([own_node.url], chain)
     gateway = GatewayProcess(chain, url=own_node.url).wait_ready()
     try:
-        sent = publish([own_node.url], chain, mixed_delays(1500, 9000, seed=7))
+        sent = publish([own_node.url], chain, mixed_delays(1500, 9000, seed=7), absolute=True)
         deadline = time.monotonic() + 10
         while True:
             depths = queue_depths(own_node, chain.prefix)
@@ -48,6 +48,7 @@ def test_broker_restart_with_messages_everywhere(own_node, node_chain, fault_rep
                 break
             time.sleep(0.05)
         assert not waiting, f"no messages in {waiting} before the restart: {depths}"
+        stopping_at = now_ms()
         own_node.restart()
         delivered = sink.wait_for([s.message_id for s in sent], timeout=60)
         reconnected = int(gateway.metric("delay_gateway_connections_total"))
@@ -59,8 +60,18 @@ def test_broker_restart_with_messages_everywhere(own_node, node_chain, fault_rep
     figures = fault_report(count(f"broker-restart-{queue_type}", sent, sink, 1,
                                  waiting_at_restart=sum(depths.values())))
     assert code == 0 and reconnected >= 2, gateway.raw[-30:]
-    assert delivered and figures.lost == 0, (figures.lost_ids, whereabouts)
     assert figures.early == 0, figures.early_ids
+    if queue_type == "quorum":
+        assert delivered and figures.lost == 0, (figures.lost_ids, whereabouts)
+    else:
+        # A classic queue dead-letters at most once: what one expires while the queue it
+        # dead-letters to is stopping or starting is gone (RabbitMQ's dlx docs, "Safety"; 3
+        # of 1,500 in one run of many on 4.0.5). Only messages still in the chain as the
+        # broker stopped may be lost: none due a second (the lag of a loaded broker's hops)
+        # before that, which had left the chain for the gateway, pick-up or the sink.
+        lost = [s for s in sent if s.message_id not in sink.arrivals]
+        assert all(s.not_before_ms > stopping_at - 1000 for s in lost), (
+            [(s.message_id, s.not_before_ms - stopping_at) for s in lost], whereabouts)
 
 
 def test_broker_down_at_start_and_connections_closed(own_node, node_chain, fault_report):
