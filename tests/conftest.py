@@ -236,9 +236,11 @@ _SUMMARY: dict = {}
 
 
 def pytest_runtest_logreport(report):
-    for name, value in report.user_properties:
-        if name.startswith("figures: ") and value not in _SUMMARY.setdefault(name[9:], []):
-            _SUMMARY[name[9:]].append(value)
+    # Recorded as the fixture tears down, so only the teardown report carries them.
+    if report.when == "teardown":
+        for name, value in report.user_properties:
+            if name.startswith("figures: "):
+                _SUMMARY.setdefault(name[9:], []).append(value)
 
 
 def pytest_terminal_summary(terminalreporter):
