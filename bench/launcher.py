@@ -8,6 +8,7 @@ imports nothing from the gateway: it sees only what an operator sees.
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -39,10 +40,19 @@ def _die_with_parent() -> None:
         pass
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(low: int = 10000, high: int = 19999, avoid: Tuple[int, ...] = ()) -> int:
+    """A port free now, from below the kernel's ephemeral range (32768 up): a port the kernel
+    handed out as free can be taken by any outgoing connection before our process binds it."""
+    while True:
+        port = random.randint(low, high)
+        if port in avoid:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
 
 
 class GatewayProcess:

@@ -17,7 +17,7 @@ from topology.names import Names
 from topology.registry import ChainKey, Record, chain_queues, fold
 from topology.retirement import Count, Observed
 
-from .support import ROOT, broker_url, chain_args, connect, now_ms
+from .support import ROOT, broker_url, chain_args, connect, free_port, now_ms
 
 P = "p"
 
@@ -236,13 +236,6 @@ def test_status_watch_refreshes_until_interrupted(make_chain):
     assert code == 0, proc.stderr.read()
     assert [d["prefix"] for d in docs] == [chain.prefix] * 3
     assert docs[0]["at_ms"] < docs[1]["at_ms"] < docs[2]["at_ms"]
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_status_says_when_the_topology_is_missing_and_exits_3(broker):

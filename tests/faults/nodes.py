@@ -11,7 +11,6 @@ RabbitMQ 4.0 root that scripts/ensure-rabbitmq4 caches (Debian trixie in a chroo
 """
 
 import os
-import random
 import shutil
 import signal
 import socket
@@ -22,6 +21,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
+
+from bench import launcher
 
 SERVER = "/usr/lib/rabbitmq/bin/rabbitmq-server"  # the Debian wrapper in /usr/sbin would su to rabbitmq
 CTL = "/usr/lib/rabbitmq/bin/rabbitmqctl"
@@ -108,16 +109,9 @@ def runtime_for(label: str) -> Runtime:
 
 
 def free_port() -> int:
-    """A free port below 30000: rabbitmqctl talks to a node from its dist port + 10000."""
-    while True:
-        port = random.randint(20000, 29999)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        if port not in (25672,):
-            return port
+    """A free port below 30000 (rabbitmqctl talks to a node from its dist port + 10000), and
+    above the gateways' metrics ports."""
+    return launcher.free_port(20000, 29999, avoid=(25672,))
 
 
 def port_open(port: int) -> bool:

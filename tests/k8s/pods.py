@@ -8,7 +8,6 @@ probe's: GET /readyz on that port."""
 import itertools
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,15 +15,11 @@ import urllib.request
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from bench.launcher import free_port
+
 from .manifests import by_kind, effective_env, pod_spec
 
 DELAY_GATEWAY = str(Path(sys.executable).parent / "delay-gateway")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Kubelet:
