@@ -15,7 +15,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import pika
 
 from topology import ChainSettings, build, units_for
-from topology.declare import declare, delete
+from topology.broker.declare import declare, delete
 
 from .broker import Broker, cpu_seconds, delta
 from .clients import Publisher, Receiver, blocking, body, declare_receiver_queue, now_ms

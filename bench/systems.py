@@ -10,7 +10,7 @@ from typing import List, Optional, Sequence
 import pika
 
 from topology import ChainSettings, build
-from topology.declare import declare, delete
+from topology.broker.declare import declare, delete
 
 from .clients import blocking
 from .launcher import GatewayProcess

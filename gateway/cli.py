@@ -11,18 +11,20 @@ from typing import Callable, Optional, Sequence, Tuple
 import structlog
 
 from topology import Enter, Meditate, build, plan
-from topology.declare import TopologyConflict, declare, delete
-from topology.inventory import read_registry
+from topology.broker.declare import TopologyConflict, declare, delete
+from topology.broker.inventory import read_registry
 from topology.registry import ChainKey, fold
 from topology.render import DESCRIPTIONS, FORMATS, render
 from topology.retirement import DeleteExchange, DeleteQueue, MarkRetired, SealQueues, Unused
 from topology.routing import trace
 
-from . import codec, logs, parked, selftest, status, upkeep
-from .amqp import BrokerError, blocking_channel
-from .clock import wall_ms
-from .publish import Publisher, parse_headers
-from .settings import UsageError, add_options, chain_from, integer, settings_from, tls_from, urls_from
+from gateway.broker import codec, upkeep
+from gateway import logs
+from gateway.commands import parked, selftest, status
+from gateway.broker.amqp import BrokerError, blocking_channel
+from gateway.clock import wall_ms
+from gateway.broker.publish import Publisher, parse_headers
+from gateway.settings import UsageError, add_options, chain_from, integer, settings_from, tls_from, urls_from
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,7 @@ def main(argv: Optional[Sequence[str]] = None, environ=None) -> int:
 
 # -- run ------------------------------------------------------------------------------------
 def cmd_run(args) -> int:
-    from .worker import main as run_worker
+    from gateway.broker.worker import main as run_worker
     return run_worker(settings_from(args))
 
 
@@ -318,47 +320,47 @@ def _delays(text: str) -> str:
 
 
 def cmd_demo(args) -> int:
-    from .demo import demo
+    from gateway.commands.demo import demo
     return demo(args)
 
 
 def cmd_schedule(args) -> int:
-    from .spark.schedule import run
+    from gateway.spark.schedule import run
     return run(args)
 
 
 def schedule_arguments(p: argparse.ArgumentParser) -> None:
-    from .spark.schedule import add_arguments
+    from gateway.spark.schedule import add_arguments
     add_arguments(p)
 
 
 def cmd_record(args) -> int:
-    from .spark.record import run
+    from gateway.spark.record import run
     return run(args)
 
 
 def record_arguments(p: argparse.ArgumentParser) -> None:
-    from .spark.record import add_arguments
+    from gateway.spark.record import add_arguments
     add_arguments(p)
 
 
 def cmd_report(args) -> int:
-    from .spark.report import run
+    from gateway.spark.report import run
     return run(args)
 
 
 def report_arguments(p: argparse.ArgumentParser) -> None:
-    from .spark.report import add_arguments
+    from gateway.spark.report import add_arguments
     add_arguments(p)
 
 
 def cmd_example(args) -> int:
-    from .spark.example import run
+    from gateway.spark.example import run
     return run(args)
 
 
 def example_arguments(p: argparse.ArgumentParser) -> None:
-    from .spark.example import add_arguments
+    from gateway.spark.example import add_arguments
     add_arguments(p)
 
 

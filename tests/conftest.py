@@ -217,7 +217,7 @@ def run_gateway():
 @pytest.fixture(autouse=True, scope="session")
 def _pika_encodes_floats():
     """Test publishers send double headers as other clients do (the gateway installs this in main)."""
-    from gateway import codec
+    from gateway.broker import codec
     codec.install()
 
 

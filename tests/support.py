@@ -13,7 +13,7 @@ from bench import launcher
 from bench.launcher import ROOT, chain_args, free_port  # noqa: F401 (tests import them from here)
 from gateway.settings import DEFAULT_URL
 from topology import ChainSettings, build
-from topology.declare import declare, delete
+from topology.broker.declare import declare, delete
 
 
 # The broker of the test running now (tests/conftest.py sets it from the `broker` fixture,

@@ -6,8 +6,8 @@ import pytest
 from pika.exceptions import (AMQPConnectionError, ChannelClosedByBroker, ConnectionClosedByBroker,
                              ProbableAuthenticationError, StreamLostError)
 
-from gateway.amqp import classify
-from gateway.worker import Backoff
+from gateway.broker.amqp import classify
+from gateway.broker.worker import Backoff
 
 URL = "amqp://gw:s3cret@rabbit:5672/%2F"
 

@@ -22,7 +22,7 @@ import pika
 import pytest
 
 from topology import ChainSettings, build
-from topology.declare import declare
+from topology.broker.declare import declare
 from topology.definitions import render
 
 from .support import connect, now_ms, remove, unique_prefix

@@ -3,8 +3,8 @@
 import pytest
 from hypothesis import given, strategies as st
 
-from gateway.carrier import Batcher, Damaged, Entry, pack, unpack
-from gateway.wire import Properties, Table
+from gateway.core.carrier import Batcher, Damaged, Entry, pack, unpack
+from gateway.core.wire import Properties, Table
 
 entries = st.builds(Entry, st.binary(max_size=255), st.binary(max_size=300).map(Properties.parse),
                     st.binary(max_size=2000), st.integers(-2**63, 2**63 - 1))
@@ -48,7 +48,7 @@ def test_without_waiting_every_message_goes_alone():
 
 
 def test_holds_release_in_due_order_and_first_come_first_for_the_same_time():
-    from gateway.carrier import Holds
+    from gateway.core.carrier import Holds
     h = Holds()
     for due, key in [(30, "c"), (10, "a"), (20, "b"), (10, "a2")]:
         h.add(due, key, key.upper())

@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from gateway.deliveries import Deliveries
+from gateway.core.deliveries import Deliveries
 
 
 def opened() -> Deliveries:

@@ -3,7 +3,7 @@
 import pika
 import pytest
 
-from gateway.wire import Properties
+from gateway.core.wire import Properties
 
 from .support import Receiver, connect, drain, now_ms, same_entries, sent_headers
 

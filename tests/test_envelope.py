@@ -8,9 +8,10 @@ import pytest
 from hypothesis import given, strategies as st
 from pika import BasicProperties
 
-from gateway import codec, envelope
-from gateway.envelope import Inside, Unreadable, due_at
-from gateway.wire import Properties, Table
+from gateway.broker import codec
+from gateway.core import envelope
+from gateway.core.envelope import Inside, Unreadable, due_at
+from gateway.core.wire import Properties, Table
 
 NOW = 1_800_000_000_000
 

@@ -5,9 +5,10 @@ import argparse
 import pika
 import pytest
 
-from gateway import envelope, parked
-from gateway.envelope import Inside
-from gateway.wire import Properties
+from gateway.core import envelope
+from gateway.commands import parked
+from gateway.core.envelope import Inside
+from gateway.core.wire import Properties
 from topology.names import Names
 from gateway.settings import Tls, redact, urls_from, with_password
 

@@ -2,12 +2,13 @@
 
 from pika import BasicProperties
 
-from gateway import carrier, codec, envelope
-from gateway.actions import Delivery, Enqueue, Forward
-from gateway.carrier import Entry
-from gateway.envelope import Inside
-from gateway.handlers import CheckIn, Distributor, Parking, Returning, carry
-from gateway.wire import Properties
+from gateway.core import carrier, envelope
+from gateway.broker import codec
+from gateway.core.actions import Delivery, Enqueue, Forward
+from gateway.core.carrier import Entry
+from gateway.core.envelope import Inside
+from gateway.core.handlers import CheckIn, Distributor, Parking, Returning, carry
+from gateway.core.wire import Properties
 from topology import ChainSettings
 
 NOW = 1_800_000_000_000

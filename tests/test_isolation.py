@@ -12,8 +12,8 @@ import time
 import pika
 import pytest
 
-from gateway import codec
-from gateway.wire import Properties, Table
+from gateway.broker import codec
+from gateway.core.wire import Properties, Table
 
 from .support import ROOT, Receiver, broker_url, chain_args, connect, now_ms, same_entries
 

@@ -17,7 +17,7 @@ import pika
 import pytest
 
 from topology import ChainSettings
-from topology.inventory import Prober, read_registry
+from topology.broker.inventory import Prober, read_registry
 from topology.registry import ChainKey, chain_queues, fold
 
 from .conftest import broker_label

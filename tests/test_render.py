@@ -16,7 +16,7 @@ import pytest
 from hcl2.utils import SerializationOptions
 
 from topology import ChainSettings, build
-from topology.declare import declare
+from topology.broker.declare import declare
 from topology.definitions import definitions
 from topology.render import DESCRIPTIONS, FORMATS, render
 from topology.terraform import hcl_string

@@ -10,7 +10,7 @@ import time
 import pika
 import pytest
 
-from gateway.status import HORIZONS, Row, carried_from_metrics, due_within, held_from_metrics, report, text
+from gateway.commands.status import HORIZONS, Row, carried_from_metrics, due_within, held_from_metrics, report, text
 from topology import plan
 from topology.encoding import Enter, Meditate, ToDistributor
 from topology.names import Names

@@ -9,7 +9,7 @@ import pika
 import pytest
 
 from topology import ChainSettings, build
-from topology.declare import TopologyConflict, declare
+from topology.broker.declare import TopologyConflict, declare
 from topology.definitions import render
 from topology.encoding import level_pattern
 

@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from pika import BasicProperties, frame, spec
 
-from gateway import codec, wire
-from gateway.wire import Opaque, Properties, Table
+from gateway.broker import codec
+from gateway.core import wire
+from gateway.core.wire import Opaque, Properties, Table
 
 
 def entry(name: bytes, kind: bytes, raw: bytes) -> bytes:

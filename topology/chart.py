@@ -18,10 +18,10 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Tuple
 
-from .model import build
-from .names import generation
-from .operator import ClusterReference, resources
-from .settings import MAX_LEVELS, MAX_TTL_MS, QUEUE_TYPES, ZERO_BITS, ChainSettings, max_level_for
+from topology.model import build
+from topology.names import generation
+from topology.operator import ClusterReference, resources
+from topology.settings import MAX_LEVELS, MAX_TTL_MS, QUEUE_TYPES, ZERO_BITS, ChainSettings, max_level_for
 
 PREFIX = "@prefix@"
 RESOLUTION = "@resolution@"

@@ -2,7 +2,7 @@
 
 import json
 
-from .model import Topology
+from topology.model import Topology
 
 
 def definitions(topology: Topology, vhost: str = "/") -> dict:

@@ -26,7 +26,7 @@ TTL is the chain's maximum, and comes back to check-in for another look.
 from dataclasses import dataclass
 from typing import Union
 
-from .settings import ChainSettings
+from topology.settings import ChainSettings
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping, Optional, Tuple
 
-from .encoding import level_pattern
-from .settings import ChainSettings
+from topology.encoding import level_pattern
+from topology.settings import ChainSettings
 
 # Explicit on every consumed queue: RabbitMQ 4.0 defaults quorum queues to 20 and earlier
 # versions to unlimited; one value everywhere means the same behaviour on every broker. A

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .model import Binding, Exchange, Queue, Topology
+from topology.model import Binding, Exchange, Queue, Topology
 
 API_VERSION = "rabbitmq.com/v1beta1"
 # Labels of the rendered objects. Chain objects carry their generation, so the objects of a

@@ -22,8 +22,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
-from .names import Names, generation
-from .settings import ChainSettings
+from topology.names import Names, generation
+from topology.settings import ChainSettings
 
 SCHEMA = 1
 EVENTS = ("declared", "sealed", "retired")

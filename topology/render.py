@@ -8,8 +8,8 @@ tests/test_render.py proves every entry against a real broker, with one reader p
 
 from typing import Callable, Dict
 
-from . import definitions, operator, terraform
-from .model import Topology
+from topology import definitions, operator, terraform
+from topology.model import Topology
 
 Renderer = Callable[[Topology, object], str]
 

@@ -27,10 +27,10 @@ in use needs (a lower max_level of the same generation) are never touched.
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Mapping, Optional, Set, Tuple, Union
 
-from .model import PASS_THROUGH_TTL_MS
-from .names import Names
-from .registry import ChainKey, Registry, level_queues
-from .settings import MAX_LEVELS
+from topology.model import PASS_THROUGH_TTL_MS
+from topology.names import Names
+from topology.registry import ChainKey, Registry, level_queues
+from topology.settings import MAX_LEVELS
 
 
 @dataclass(frozen=True)

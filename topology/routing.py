@@ -5,7 +5,7 @@ import functools
 from dataclasses import dataclass
 from typing import List, Tuple
 
-from .model import Topology
+from topology.model import Topology
 
 
 def topic_matches(pattern: str, key: str) -> bool:

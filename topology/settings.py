@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass, field
 
-from .names import Names, generation
+from topology.names import Names, generation
 
 QUEUE_TYPES = ("quorum", "classic")
 ZERO_BITS = ("queue", "exchange")

@@ -23,7 +23,7 @@ What the provider cannot say, and how the module says it anyway:
 import json
 from typing import Any, List
 
-from .model import Topology
+from topology.model import Topology
 
 PROVIDER_VERSION = ">= 1.8.0"
 

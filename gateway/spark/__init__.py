@@ -16,7 +16,7 @@ INSTALL = "pip install 'rabbitmq-delay-gateway[spark]'"
 
 def require() -> None:
     """Fail in one line, naming the install command, when PySpark is missing."""
-    from ..settings import UsageError
+    from gateway.settings import UsageError
     try:
         import pyspark  # noqa: F401
     except ImportError:

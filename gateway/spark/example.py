@@ -14,8 +14,8 @@ import sys
 from datetime import datetime, timedelta, timezone
 from typing import Dict, List
 
-from ..clock import wall_ms
-from ..settings import UsageError
+from gateway.clock import wall_ms
+from gateway.settings import UsageError
 
 PRODUCTS = ("kettle", "lamp", "backpack", "headphones", "teapot", "umbrella", "notebook", "chair")
 WEEK_MS = 7 * 24 * 3600 * 1000

@@ -15,7 +15,7 @@ import json
 import os
 from typing import Any, Dict, Optional
 
-from ..settings import UsageError
+from gateway.settings import UsageError
 
 
 def fingerprint(description: Dict[str, Any]) -> str:

@@ -19,9 +19,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import pika
 
-from .. import codec
-from ..amqp import parameters
-from ..settings import Tls, redact
+from gateway.broker import codec
+from gateway.broker.amqp import parameters
+from gateway.settings import Tls, redact
 
 NACK_RETRY_S = 1.0
 NACK_ATTEMPTS = 3

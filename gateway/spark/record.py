@@ -24,9 +24,9 @@ from typing import Any, Dict, IO, Optional
 import pika
 import structlog
 
-from ..amqp import BrokerError, classify, parameters
-from ..clock import wall_ms
-from ..settings import chain_from, tls_from, urls_from
+from gateway.broker.amqp import BrokerError, classify, parameters
+from gateway.clock import wall_ms
+from gateway.settings import chain_from, tls_from, urls_from
 
 log = structlog.get_logger("record")
 

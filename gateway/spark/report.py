@@ -17,8 +17,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import structlog
 
-from ..settings import UsageError
-from . import require
+from gateway.settings import UsageError
+from gateway.spark import require
 
 log = structlog.get_logger("report")
 
@@ -54,7 +54,7 @@ def bucket_of(delay_ms: Optional[int]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     require()
-    from . import session
+    from gateway.spark import session
     out = args.out or args.records.rstrip("/").replace("*", "_") + ".report"
     spark, owned = session.start("delay-gateway report", args.master, session.conf_pairs(args.spark_conf))
     try:
@@ -172,7 +172,7 @@ def _row(row) -> Dict[str, Any]:
 
 
 def session_line(exc: BaseException) -> str:
-    from .session import one_line
+    from gateway.spark.session import one_line
     return one_line(exc)
 
 

@@ -27,11 +27,11 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import structlog
 
-from ..clock import wall_ms
-from ..settings import UsageError, chain_from, redact, tls_from, urls_from
-from . import progress as progress_mod
-from . import require, rows
-from .publisher import Target
+from gateway.clock import wall_ms
+from gateway.settings import UsageError, chain_from, redact, tls_from, urls_from
+from gateway.spark import progress as progress_mod
+from gateway.spark import require, rows
+from gateway.spark.publisher import Target
 
 log = structlog.get_logger("schedule")
 
@@ -115,7 +115,7 @@ def _non_negative(text: str) -> int:
 # -- the command -------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
     require()
-    from . import session
+    from gateway.spark import session
 
     exchange = chain_from(args).names.check_in
     urls, tls = urls_from(args), tls_from(args)
@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
 
 def check_exchange(url: str, tls, exchange: str) -> None:
     """Fail before Spark starts (tens of seconds) if check-in is not there."""
-    from ..amqp import blocking_channel
+    from gateway.broker.amqp import blocking_channel
     with blocking_channel(url, "delay-gateway schedule", tls) as channel:
         channel.exchange_declare(exchange, passive=True)
 
@@ -285,7 +285,7 @@ class Job:
                         .json(self.args.input))
             return reader.parquet(self.args.input)
         except Exception as exc:  # AnalysisException: path not found, unreadable
-            from .session import one_line
+            from gateway.spark.session import one_line
             raise UsageError(f"cannot read {self.args.input} as {self.format}: {one_line(exc)}") from None
 
     def mapping(self, df) -> Dict[str, Any]:
@@ -371,7 +371,7 @@ class Job:
                 expr = F.expr(self.args.due_expr)
                 kind = df.select(expr.alias("x")).schema["x"].dataType
             except Exception as exc:  # a parse or analysis error
-                from .session import one_line
+                from gateway.spark.session import one_line
                 raise UsageError(f"--due-expr {self.args.due_expr!r}: {one_line(exc)}") from None
             at_raw, at_ts = _as_due(expr, kind)
             delay_raw = F.lit(None).cast("string")
@@ -447,7 +447,7 @@ class Job:
             try:
                 result = sc.runJob(rdd, func, [p])
             except Exception as exc:  # a failed task: keep going with the others, report at the end
-                from .session import one_line
+                from gateway.spark.session import one_line
                 message = one_line(exc)
                 log.error("schedule_partition_failed", partition=p, error=message)
                 with tally.lock:
@@ -528,7 +528,7 @@ def _write_json(path: str, value: Dict[str, Any]) -> None:
 # -- on the executors ------------------------------------------------------------------------------
 def publish_partition(target: Target, content_type: Optional[str], items):
     """One Spark task: publish a partition's rows, return [(rows confirmed, seconds)]."""
-    from .publisher import PartitionPublisher
+    from gateway.spark.publisher import PartitionPublisher
     make = functools.partial(outgoing, content_type)
     result = PartitionPublisher(target, iter(items), make).run()
     return [(result.rows, result.seconds)]

@@ -43,7 +43,7 @@ def start(app: str, master: Optional[str] = None, confs: Iterable[Tuple[str, str
 
 
 def conf_pairs(pairs: Iterable[str]) -> Tuple[Tuple[str, str], ...]:
-    from ..settings import UsageError
+    from gateway.settings import UsageError
     out = []
     for pair in pairs:
         key, sep, value = pair.partition("=")

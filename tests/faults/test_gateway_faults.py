@@ -5,7 +5,7 @@ import time
 
 import pika
 
-from gateway.envelope import Inside
+from gateway.core.envelope import Inside
 
 from ..support import GatewayProcess, Receiver, broker_url, connect, drain, now_ms
 from .load import Sink, count, publish

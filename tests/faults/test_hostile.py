@@ -25,9 +25,10 @@ import pika
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from gateway import codec, envelope
-from gateway.envelope import Inside
-from gateway.wire import Properties, Table
+from gateway.broker import codec
+from gateway.core import envelope
+from gateway.core.envelope import Inside
+from gateway.core.wire import Properties, Table
 
 from ..support import GatewayProcess, broker_url, connect, drain, now_ms, same_entries
 from .load import Figures

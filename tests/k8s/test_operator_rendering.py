@@ -21,7 +21,7 @@ from hypothesis import given, settings, strategies as st
 
 from topology import ChainSettings, build
 from topology.definitions import definitions
-from topology.declare import declare
+from topology.broker.declare import declare
 from topology.operator import ClusterReference, k8s_name, left_out, resources
 from topology.render import render
 

@@ -21,11 +21,11 @@ from typing import Callable, List, Optional, Tuple
 from topology import ChainSettings, Enter, Meditate, plan
 from topology.names import Names
 
-from . import carrier, envelope
-from .actions import Action, Delivery, Enqueue, Forward
-from .carrier import Damaged, Entry
-from .envelope import Inside, Unreadable
-from .wire import Properties
+from gateway.core import carrier, envelope
+from gateway.core.actions import Action, Delivery, Enqueue, Forward
+from gateway.core.carrier import Damaged, Entry
+from gateway.core.envelope import Inside, Unreadable
+from gateway.core.wire import Properties
 
 Clock = Callable[[], int]
 

@@ -24,8 +24,8 @@ import math
 from decimal import Decimal, InvalidOperation
 from typing import Any, Optional
 
-from . import wire
-from .wire import Opaque, Properties, Table
+from gateway.core import wire
+from gateway.core.wire import Opaque, Properties, Table
 
 DELAY = "x-delay"
 DELIVER_AT = "x-deliver-at"

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
-from topology.inventory import Look, Prober, look_at_generation, read_registry
+from topology.broker.inventory import Look, Prober, look_at_generation, read_registry
 from topology.names import Names
 from topology.registry import ChainKey, Registry, chain_queues, fold, level_queues
 from topology.retirement import Observed
@@ -99,7 +99,7 @@ def report(prefix: str, own: ChainKey, lead_ms: int, registry: Optional[Registry
     the gateways' metrics told them.
 
     A broker message in the chain may be a carrier of several of the publishers' messages
-    (gateway/carrier.py). `carried` (from the gateways' metrics: messages per publish, by
+    (gateway/core/carrier.py). `carried` (from the gateways' metrics: messages per publish, by
     what was sent: "chain", "meditation", "distributor") turns the broker's counts of the
     chain's queues into estimates of the messages they hold; without it they are counts of
     broker messages, and a note says so."""

@@ -15,7 +15,7 @@ import struct
 
 from pika import data, spec
 
-from . import wire
+from gateway.core import wire
 
 _encode_value = data.encode_value
 

@@ -7,12 +7,12 @@ import sys
 import time
 
 from topology import build
-from topology.declare import declare
+from topology.broker.declare import declare
 
-from .amqp import blocking_channel
-from .clock import wall_ms
-from .publish import Publisher
-from .settings import chain_from, urls_from
+from gateway.broker.amqp import blocking_channel
+from gateway.clock import wall_ms
+from gateway.broker.publish import Publisher
+from gateway.settings import chain_from, urls_from
 
 
 def demo(args) -> int:

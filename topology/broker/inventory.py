@@ -14,11 +14,11 @@ from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple
 import pika
 from pika.exceptions import ChannelClosedByBroker
 
-from . import registry as reg
-from .names import Names
-from .registry import ChainKey, Record, level_queues
-from .retirement import (Count, DeleteExchange, DeleteQueue, MarkRetired, Observed, SealQueues, Step)
-from .settings import MAX_LEVELS
+from topology import registry as reg
+from topology.names import Names
+from topology.registry import ChainKey, Record, level_queues
+from topology.retirement import (Count, DeleteExchange, DeleteQueue, MarkRetired, Observed, SealQueues, Step)
+from topology.settings import MAX_LEVELS
 
 # Reading the registry: the stream has no "end" that AMQP reports (a stream's passive
 # declare says 0 messages), so reading stops once nothing more arrives for this long. A

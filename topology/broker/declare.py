@@ -2,7 +2,7 @@
 
 from pika.exceptions import ChannelClosedByBroker
 
-from .model import Topology
+from topology.model import Topology
 
 
 class TopologyConflict(RuntimeError):

@@ -19,18 +19,18 @@ import pika
 import structlog
 
 from topology import build
-from topology.declare import TopologyConflict, declare
+from topology.broker.declare import TopologyConflict, declare
 from topology.settings import QUEUE_TYPES
 
-from . import health as health_http
-from .amqp import BrokerError, Trouble, blocking_channel, classify, parameters
-from .clock import wall_ms
-from .carrier import Batcher
-from .consumer import Pipe
-from .handlers import CheckIn, Distributor, Parking, Returning
-from .health import Health
-from .metrics import Metrics
-from .settings import Settings, redact
+from gateway import health as health_http
+from gateway.broker.amqp import BrokerError, Trouble, blocking_channel, classify, parameters
+from gateway.clock import wall_ms
+from gateway.core.carrier import Batcher
+from gateway.broker.consumer import Pipe
+from gateway.core.handlers import CheckIn, Distributor, Parking, Returning
+from gateway.health import Health
+from gateway.metrics import Metrics
+from gateway.settings import Settings, redact
 
 STOP_POLL_S = 0.2
 STOP_GRACE_S = 10.0
@@ -225,7 +225,7 @@ def main(settings: Settings) -> int:
     structlog.get_logger("gateway").info(
         "starting", role=settings.role, brokers=[redact(u) for u in settings.urls], prefix=c.prefix,
         max_level=c.max_level, resolution_ms=c.resolution_ms, queue_type=c.queue_type, zero_bits=c.zero_bits)
-    from . import upkeep
+    from gateway.broker import upkeep
     upkeep.start(settings, stop)  # counted as a user of the chain; retires unused chains
     return run(settings, stop, metrics, health)
 

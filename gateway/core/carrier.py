@@ -19,9 +19,9 @@ import struct
 from dataclasses import dataclass, field
 from typing import Dict, Hashable, List, Optional, Tuple
 
-from . import wire
-from .envelope import DUE_AT, PERSISTENT
-from .wire import Properties, Table
+from gateway.core import wire
+from gateway.core.envelope import DUE_AT, PERSISTENT
+from gateway.core.wire import Properties, Table
 
 MAGIC = b"DGC1"
 _ENTRY = struct.Struct(">qI")  # due time, routing key length

@@ -17,7 +17,7 @@ import pika
 from pika.exceptions import (AMQPConnectionError, AuthenticationError, ChannelClosedByBroker,
                              ConnectionClosedByBroker, ProbableAccessDeniedError, ProbableAuthenticationError)
 
-from .settings import Tls, UsageError, redact
+from gateway.settings import Tls, UsageError, redact
 
 
 def parameters(url: str, name: str = "delay-gateway", tls: Optional[Tls] = None) -> pika.URLParameters:

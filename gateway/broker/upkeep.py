@@ -26,14 +26,14 @@ import pika
 import structlog
 from pika.exceptions import AMQPError
 
-from topology.inventory import Executor, Look, Prober, append, look_at_generation, read_registry
+from topology.broker.inventory import Executor, Look, Prober, append, look_at_generation, read_registry
 from topology.model import PRESENCE_ARGUMENTS
 from topology.registry import ChainKey, Record, Registry, fold
 from topology.retirement import Step, Unused, plan
 
-from .amqp import parameters
-from .clock import wall_ms
-from .settings import Settings, redact
+from gateway.broker.amqp import parameters
+from gateway.clock import wall_ms
+from gateway.settings import Settings, redact
 
 TICK_MAX_S = 30.0
 TICK_MIN_S = 0.5

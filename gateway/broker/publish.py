@@ -7,7 +7,7 @@ import pika
 
 from topology import ChainSettings
 
-from .envelope import DELAY, DELIVER_AT
+from gateway.core.envelope import DELAY, DELIVER_AT
 
 
 class Publisher:

@@ -25,10 +25,11 @@ from typing import Iterable, List, Optional, Tuple
 
 from pika.exceptions import AMQPError
 
-from . import codec, envelope
-from .envelope import Inside
-from .handlers import DEATH_REASONS
-from .wire import Properties
+from gateway.broker import codec
+from gateway.core import envelope
+from gateway.core.envelope import Inside
+from gateway.core.handlers import DEATH_REASONS
+from gateway.core.wire import Properties
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,8 @@
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from .carrier import Entry
-from .wire import Properties
+from gateway.core.carrier import Entry
+from gateway.core.wire import Properties
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ import structlog
 
 from topology import ChainSettings
 
-from .clock import wall_ms
-from .publish import Publisher
+from gateway.clock import wall_ms
+from gateway.broker.publish import Publisher
 
 POLL_S = 0.05
 

@@ -17,12 +17,13 @@ import structlog
 from pika import spec
 from pika.exceptions import AMQPError
 
-from . import codec, envelope, handlers
-from .actions import Action, Delivery, Enqueue, Forward
-from .carrier import Batch, Batcher, Entry, Holds
-from .clock import wall_ms
-from .deliveries import Deliveries, Outcome, Publication
-from .metrics import Metrics
+from gateway.broker import codec
+from gateway.core import envelope, handlers
+from gateway.core.actions import Action, Delivery, Enqueue, Forward
+from gateway.core.carrier import Batch, Batcher, Entry, Holds
+from gateway.clock import wall_ms
+from gateway.core.deliveries import Deliveries, Outcome, Publication
+from gateway.metrics import Metrics
 
 Handler = Callable[[Delivery], List[Action]]
 ACK_FLUSH_S = 0.005
