@@ -240,8 +240,11 @@ spec:
       {{- with $root.Values.topologySpreadConstraints }}
       topologySpreadConstraints:
         {{- range . }}
-        {{- $selector := dict "matchLabels" (include "delay-gateway.selectorLabels" (dict "root" $root "component" $.role) | fromYaml) }}
-        - {{- toYaml (merge (dict) . (dict "labelSelector" $selector)) | nindent 10 }}
+        {{- $constraint := deepCopy . }}
+        {{- if not (hasKey $constraint "labelSelector") }}
+        {{- $_ := set $constraint "labelSelector" (dict "matchLabels" (include "delay-gateway.selectorLabels" (dict "root" $root "component" $.role) | fromYaml)) }}
+        {{- end }}
+        - {{- toYaml $constraint | nindent 10 }}
         {{- end }}
       {{- end }}
       # SIGTERM: stop consuming, hand back held messages, wait up to 10 s for confirms
