@@ -131,7 +131,9 @@ def broker_secrets(docs: List[dict]) -> set:
     for doc in pods(docs):
         spec = pod_spec(doc)
         env = effective_env(spec["containers"][0], by_kind(docs, "ConfigMap"))
-        names.add(env["DELAY_GATEWAY_URL"][1])
+        url = env["DELAY_GATEWAY_URL"]
+        assert isinstance(url, tuple)
+        names.add(url[1])
         names |= {v["secret"]["secretName"] for v in spec["volumes"] if v["name"] == "broker"}
     return names
 

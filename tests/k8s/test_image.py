@@ -26,9 +26,9 @@ import pytest
 from gateway.cli import COMMANDS
 from topology import ChainSettings, build
 
+from ..support import ROOT, connect, free_port, main_broker_url, remove, report_figures, unique_prefix
 from . import podman as pm
 from .manifests import DEPLOY, by_kind, effective_env, pod_spec, render
-from ..support import ROOT, connect, free_port, main_broker_url, remove, report_figures, unique_prefix
 
 DOCKERFILE = DEPLOY / "Dockerfile"
 
