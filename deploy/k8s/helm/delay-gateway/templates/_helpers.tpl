@@ -161,7 +161,7 @@ DELAY_GATEWAY_RETIRE_AFTER: {{ .Values.retireAfterSeconds | toString | quote }}
 {{/* The pod template's metadata; call with (dict "root" $ "component" "check-in" "annotations" (dict ...)):
      the chart's labels (they win over podLabels), podAnnotations after the chart's own */}}
 {{- define "delay-gateway.podMetadata" -}}
-{{- $labels := include "delay-gateway.labels" (dict "root" .root "component" .component) | fromYaml }}
+{{- $labels := include "delay-gateway.labels" (dict "root" .root "component" .component) | fromYaml -}}
 labels:
   {{- toYaml (merge $labels .root.Values.podLabels) | nindent 2 }}
 {{- $annotations := merge (dict) (.annotations | default dict) .root.Values.podAnnotations }}
@@ -244,7 +244,7 @@ spec:
         {{- if not (hasKey $constraint "labelSelector") }}
         {{- $_ := set $constraint "labelSelector" (dict "matchLabels" (include "delay-gateway.selectorLabels" (dict "root" $root "component" $.role) | fromYaml)) }}
         {{- end }}
-        - {{- toYaml $constraint | nindent 10 }}
+        - {{ toYaml $constraint | indent 10 | trim }}
         {{- end }}
       {{- end }}
       # SIGTERM: stop consuming, hand back held messages, wait up to 10 s for confirms
