@@ -1,7 +1,12 @@
-"""The Dockerfile, without a Docker engine (none runs here): hadolint finds nothing, every
-file it copies exists and passes .dockerignore, the entrypoint is the console command, the
-user is the chart's non-root user, and the wheel it installs builds from exactly the copied
-files, installs, and runs `delay-gateway --help`. About 4 s (the wheel build)."""
+"""The Dockerfile: hadolint finds nothing, every file it copies exists and passes
+.dockerignore, the entrypoint is the console command, the user is the chart's non-root
+user, and the wheel it installs builds from exactly the copied files. Then the image itself,
+built with podman on a local Debian base (scripts/ensure-podman) and run the way the
+chart runs it: as UID 10001 on a read-only root, `run` against the shared test broker
+answering /readyz, `selftest` from a second container delivering; and the chart's own
+containers (its topology Job, both Deployments and its helm test pod, their arguments and
+environment taken from the rendered objects) with another maxLevel. About 1 min with the
+base image and the build's layers cached."""
 
 import fnmatch
 import json
@@ -11,14 +16,19 @@ import shutil
 import subprocess
 import sys
 import tomllib
+import uuid
 from pathlib import Path
+from typing import Dict, Iterator
 
+import pika
 import pytest
 
 from gateway.cli import COMMANDS
+from topology import ChainSettings, build
 
-from .manifests import DEPLOY, pod_spec, render
-from ..support import ROOT
+from ..support import ROOT, connect, free_port, main_broker_url, remove, report_figures, unique_prefix
+from . import podman as pm
+from .manifests import DEPLOY, by_kind, effective_env, pod_spec, render
 
 DOCKERFILE = DEPLOY / "Dockerfile"
 
@@ -93,9 +103,12 @@ def test_the_image_runs_the_console_command_as_the_charts_user():
             assert "slim" in rest or rest.startswith("${PYTHON_IMAGE}")
     [arg] = [rest for _, word, rest in instructions() if word == "ARG" and rest.startswith("PYTHON_IMAGE=")]
     assert arg.endswith("-slim-bookworm")
-    # the run stage installs the project's wheel, offline, from the build stage's wheels
-    [install] = [rest for rest in final("RUN") if "pip install" in rest]
+    # the build stage installs the project's wheel, offline, from its own wheels, into a
+    # virtual environment; the run stage takes that environment alone
+    [install] = [rest for s, word, rest in instructions() if s == 0 and word == "RUN" and "pip install" in rest]
     assert "--no-index" in install and "/wheels/rabbitmq_delay_gateway-*.whl" in install
+    assert "python3 -m venv /opt/delay-gateway" in install
+    assert final("COPY") == ["--from=build /opt/delay-gateway /opt/delay-gateway"]
 
 
 def test_the_wheel_builds_from_the_copied_files_and_runs(tmp_path):
@@ -138,3 +151,112 @@ def test_the_wheel_builds_from_the_copied_files_and_runs(tmp_path):
 def test_files_the_image_build_needs_are_committed(path):
     tracked = subprocess.run(["git", "ls-files", "--error-unmatch", path], cwd=ROOT, capture_output=True)
     assert tracked.returncode == 0, f"{path} is not in git"
+
+
+# -- the image, built and run ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def image() -> Iterator[str]:
+    """The image, built from the repository's root under a tag of its own (the layers stay
+    cached for the next build); removed afterwards."""
+    tag = f"localhost/rabbitmq-delay-gateway:test-{uuid.uuid4().hex[:8]}"
+    seconds = pm.build(tag)
+    report_figures("image", f"podman build of deploy/k8s/Dockerfile: {seconds:.1f} s")
+    yield tag
+    pm.podman("rmi", "--force", tag, check=False)
+    # the build cache of earlier sources: keep a day's worth for the next builds
+    pm.podman("image", "prune", "--force", "--filter", "until=24h", check=False)
+
+
+@pytest.fixture
+def containers() -> Iterator[list]:
+    started: list = []
+    yield started
+    for container in started:
+        container.remove()
+
+
+def test_the_image_runs_as_uid_10001_on_a_read_only_root(image):
+    """The image's own user (no --user given) and a root it cannot write to."""
+    r = pm.podman("run", "--rm", "--read-only", *pm.ulimits(), "--entrypoint", "id", image, timeout=60)
+    assert r.stdout.split()[:2] == ["uid=10001(gateway)", "gid=10001(gateway)"]
+    r = pm.podman("run", "--rm", "--read-only", *pm.ulimits(), "--entrypoint", "python3", image, "-c",
+                  "open('/opt/delay-gateway/x', 'w')", check=False, timeout=60)
+    assert r.returncode != 0 and "Read-only file system" in r.stderr
+    r = pm.podman("run", "--rm", "--read-only", *pm.ulimits(), image, "--help", timeout=60)
+    assert all(name in r.stdout for name in ("run", "declare", "selftest"))
+
+
+@pytest.mark.broker  # the shared test broker (127.0.0.1:5672), under prefixes of their own
+def test_run_is_ready_and_selftest_from_a_second_container_delivers(image, containers):
+    """`run` (both roles) against the shared broker under a prefix of its own, read-only:
+    /readyz answers 200 on its metrics port, and `selftest` in a second container sees its
+    message delivered through it."""
+    prefix, port = unique_prefix(), free_port()
+    env = {"DELAY_GATEWAY_URL": main_broker_url(), "DELAY_GATEWAY_PREFIX": prefix}
+    try:
+        gateway = pm.Container(f"dg-{prefix}", image, ["run"], {**env, "DELAY_GATEWAY_METRICS_PORT": str(port)},
+                               ["--read-only"], metrics_port=port)
+        containers.append(gateway)
+        gateway.wait_ready()
+        assert gateway.inspect("{{.Config.User}}") == "10001:10001"
+        uid = Path(f"/proc/{gateway.inspect('{{.State.Pid}}')}/status").read_text().split("Uid:")[1].split()[0]
+        assert uid == "10001"
+        selftest = pm.Container(f"dg-{prefix}-selftest", image, ["selftest", "--delay-ms", "1000", "--timeout", "60"],
+                                env, ["--read-only"])
+        containers.append(selftest)
+        assert selftest.wait() == 0, selftest.logs()[-3000:]
+        assert json.loads(selftest.stdout().strip().splitlines()[-1])["delivered"] is True
+    finally:
+        remove(ChainSettings(prefix=prefix))
+
+
+@pytest.mark.broker  # the shared test broker (127.0.0.1:5672), under prefixes of their own
+def test_the_charts_containers_with_another_max_level(image, containers, tmp_path):
+    """The chart rendered for maxLevel 5 and this image: its topology Job's container
+    declares, its two Deployments' containers get ready, its helm test pod's container
+    delivers; each with exactly the rendered arguments, environment, user, read-only root
+    and volumes (only the metrics port moves to a free one: all share the host's network).
+    The broker then holds the 5-level chain and no level beyond it."""
+    prefix = unique_prefix()
+    repository, _, tag = image.rpartition(":")
+    docs = render({"prefix": prefix, "maxLevel": 5, "image": {"repository": repository, "tag": tag},
+                   "metricsPort": free_port(), "test": {"delayMs": 1000, "timeoutSeconds": 60}})
+    url, password = pm.without_password(main_broker_url())
+    secrets = {"delay-gateway-broker": {"url": url, "password": password}}
+    config_maps = by_kind(docs, "ConfigMap")
+
+    def start(doc: dict, role: str) -> pm.Container:
+        [container] = pod_spec(doc)["containers"]
+        env: Dict[str, str] = {}
+        for key, value in effective_env(container, config_maps).items():
+            env[key] = secrets[value[1]][value[2]] if isinstance(value, tuple) else str(value)
+        port = None
+        if container.get("ports"):
+            port = free_port()
+            env["DELAY_GATEWAY_METRICS_PORT"] = str(port)
+        assert container["image"] == image
+        options = pm.from_pod(doc, container, env, tmp_path / role, secrets)
+        started = pm.Container(f"dg-{prefix}-{role}", container["image"], container["args"], env, options, port)
+        containers.append(started)
+        return started
+
+    chain = ChainSettings(prefix=prefix, max_level=5)
+    try:
+        [job] = by_kind(docs, "Job").values()
+        declare = start(job, "topology")
+        assert declare.wait() == 0, declare.logs()[-3000:]
+        for name, deployment in by_kind(docs, "Deployment").items():
+            start(deployment, name.rpartition("delay-gateway-")[2]).wait_ready()
+        [test_pod] = by_kind(docs, "Pod").values()
+        selftest = start(test_pod, "test")
+        assert selftest.wait() == 0, selftest.logs()[-3000:]
+        with connect(main_broker_url()) as connection:
+            channel = connection.channel()
+            for queue in build(chain).queues:
+                channel.queue_declare(queue.name, passive=True)
+            beyond = [q.name for q in build(ChainSettings(prefix=prefix, max_level=6)).queues if q.level == 5]
+            assert beyond
+            with pytest.raises(pika.exceptions.ChannelClosedByBroker, match="NOT_FOUND"):
+                channel.queue_declare(beyond[0], passive=True)
+    finally:
+        remove(chain)

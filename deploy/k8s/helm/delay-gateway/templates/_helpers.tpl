@@ -1,13 +1,19 @@
 {{/* Names ------------------------------------------------------------------------------ */}}
 {{- define "delay-gateway.name" -}}
-{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{/* 50 characters at most: the objects' names append a suffix such as -distributor */}}
 {{- define "delay-gateway.fullname" -}}
-{{- if contains .Chart.Name .Release.Name -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
 {{- .Release.Name | trunc 50 | trimSuffix "-" -}}
 {{- else -}}
-{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 50 | trimSuffix "-" -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 
@@ -20,6 +26,15 @@
 {{- default (include "delay-gateway.fullname" .) .Values.serviceAccount.name -}}
 {{- else -}}
 {{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The broker Secret: the chart's own when broker.url is given inline, else broker.existingSecret */}}
+{{- define "delay-gateway.brokerSecret" -}}
+{{- if .Values.broker.url -}}
+{{- include "delay-gateway.fullname" . }}-broker
+{{- else -}}
+{{- .Values.broker.existingSecret -}}
 {{- end -}}
 {{- end -}}
 
@@ -68,12 +83,12 @@ DELAY_GATEWAY_RETIRE: {{ .Values.retire | toString | quote }}
 DELAY_GATEWAY_RETIRE_AFTER: {{ .Values.retireAfterSeconds | toString | quote }}
 {{- end -}}
 
-{{/* Where the broker's secrets appear inside the container */}}
-{{- define "delay-gateway.brokerEnv" -}}
+{{/* Where the broker's secrets appear inside the container, then the user's extraEnv */}}
+{{- define "delay-gateway.env" -}}
 - name: DELAY_GATEWAY_URL
   valueFrom:
     secretKeyRef:
-      name: {{ .Values.broker.secretName }}
+      name: {{ include "delay-gateway.brokerSecret" . }}
       key: {{ .Values.broker.urlKey }}
 - name: DELAY_GATEWAY_PASSWORD_FILE
   value: /etc/delay-gateway/broker/password
@@ -86,6 +101,9 @@ DELAY_GATEWAY_RETIRE_AFTER: {{ .Values.retireAfterSeconds | toString | quote }}
   value: /etc/delay-gateway/tls-client/tls.crt
 - name: DELAY_GATEWAY_TLS_KEY_FILE
   value: /etc/delay-gateway/tls-client/tls.key
+{{- end }}
+{{- with .Values.extraEnv }}
+{{ toYaml . }}
 {{- end }}
 {{- end -}}
 
@@ -110,7 +128,7 @@ DELAY_GATEWAY_RETIRE_AFTER: {{ .Values.retireAfterSeconds | toString | quote }}
 {{- define "delay-gateway.volumes" -}}
 - name: broker
   secret:
-    secretName: {{ .Values.broker.secretName }}
+    secretName: {{ include "delay-gateway.brokerSecret" . }}
     defaultMode: 0440
     items:
       - key: {{ .Values.broker.passwordKey }}
@@ -140,32 +158,39 @@ DELAY_GATEWAY_RETIRE_AFTER: {{ .Values.retireAfterSeconds | toString | quote }}
 {{- end }}
 {{- end -}}
 
-{{/* Non-root, read-only root filesystem, no privilege escalation, no capabilities */}}
-{{- define "delay-gateway.podSecurityContext" -}}
-runAsNonRoot: true
-runAsUser: 10001
-runAsGroup: 10001
-fsGroup: 10001
-seccompProfile:
-  type: RuntimeDefault
+{{/* The pod template's metadata; call with (dict "root" $ "component" "check-in" "annotations" (dict ...)):
+     the chart's labels (they win over podLabels), podAnnotations after the chart's own */}}
+{{- define "delay-gateway.podMetadata" -}}
+{{- $labels := include "delay-gateway.labels" (dict "root" .root "component" .component) | fromYaml -}}
+labels:
+  {{- toYaml (merge $labels .root.Values.podLabels) | nindent 2 }}
+{{- $annotations := merge (dict) (.annotations | default dict) .root.Values.podAnnotations }}
+{{- with $annotations }}
+annotations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
 {{- end -}}
 
+{{/* The container's security context: securityContext (default: non-root, read-only root
+     filesystem, no privilege escalation, no capabilities) */}}
 {{- define "delay-gateway.securityContext" -}}
-allowPrivilegeEscalation: false
-readOnlyRootFilesystem: true
-runAsNonRoot: true
-capabilities:
-  drop: [ALL]
-seccompProfile:
-  type: RuntimeDefault
+{{- with .Values.securityContext }}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
 {{- end -}}
 
 {{/* The pod spec parts every gateway pod shares; call with the root context */}}
 {{- define "delay-gateway.podCommon" -}}
 serviceAccountName: {{ include "delay-gateway.serviceAccountName" . }}
 automountServiceAccountToken: false
+{{- with .Values.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .Values.podSecurityContext }}
 securityContext:
-  {{- include "delay-gateway.podSecurityContext" . | nindent 2 }}
+  {{- toYaml . | nindent 2 }}
+{{- end }}
 {{- with .Values.imagePullSecrets }}
 imagePullSecrets:
   {{- toYaml . | nindent 2 }}
@@ -208,15 +233,20 @@ spec:
       {{- include "delay-gateway.selectorLabels" (dict "root" $root "component" .role) | nindent 6 }}
   template:
     metadata:
-      labels:
-        {{- include "delay-gateway.labels" (dict "root" $root "component" .role) | nindent 8 }}
-      annotations:
-        checksum/settings: {{ include "delay-gateway.settings" $root | sha256sum }}
-        {{- with $root.Values.podAnnotations }}
-        {{- toYaml . | nindent 8 }}
-        {{- end }}
+      {{- $checksum := dict "checksum/settings" (include "delay-gateway.settings" $root | sha256sum) }}
+      {{- include "delay-gateway.podMetadata" (dict "root" $root "component" .role "annotations" $checksum) | nindent 6 }}
     spec:
       {{- include "delay-gateway.podCommon" $root | nindent 6 }}
+      {{- with $root.Values.topologySpreadConstraints }}
+      topologySpreadConstraints:
+        {{- range . }}
+        {{- $constraint := deepCopy . }}
+        {{- if not (hasKey $constraint "labelSelector") }}
+        {{- $_ := set $constraint "labelSelector" (dict "matchLabels" (include "delay-gateway.selectorLabels" (dict "root" $root "component" $.role) | fromYaml)) }}
+        {{- end }}
+        - {{ toYaml $constraint | indent 10 | trim }}
+        {{- end }}
+      {{- end }}
       # SIGTERM: stop consuming, hand back held messages, wait up to 10 s for confirms
       terminationGracePeriodSeconds: 30
       containers:
@@ -228,7 +258,7 @@ spec:
             - configMapRef:
                 name: {{ include "delay-gateway.fullname" $root }}-settings
           env:
-            {{- include "delay-gateway.brokerEnv" $root | nindent 12 }}
+            {{- include "delay-gateway.env" $root | nindent 12 }}
           ports:
             - name: metrics
               containerPort: {{ int64 $root.Values.metricsPort }}
@@ -248,8 +278,7 @@ spec:
             failureThreshold: 2
           resources:
             {{- toYaml .values.resources | nindent 12 }}
-          securityContext:
-            {{- include "delay-gateway.securityContext" $root | nindent 12 }}
+          {{- include "delay-gateway.securityContext" $root | nindent 10 }}
           volumeMounts:
             {{- include "delay-gateway.volumeMounts" $root | nindent 12 }}
       volumes:
