@@ -8,8 +8,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Tuple
 
-import structlog
-
 from topology import Enter, Meditate, build, plan
 from topology.broker.declare import TopologyConflict, declare, delete
 from topology.broker.inventory import read_registry
@@ -21,7 +19,7 @@ from topology.routing import trace
 from gateway.broker import codec, upkeep
 from gateway import logs
 from gateway.commands import parked, selftest, status
-from gateway.broker.amqp import BrokerError, blocking_channel
+from gateway.broker.amqp import EXIT_NO_BROKER, EXIT_REFUSED, BrokerError, blocking_channel
 from gateway.clock import wall_ms
 from gateway.broker.publish import Publisher, parse_headers
 from gateway.settings import UsageError, add_options, chain_from, integer, settings_from, tls_from, urls_from
@@ -73,10 +71,12 @@ def main(argv: Optional[Sequence[str]] = None, environ=None) -> int:
     except UsageError as exc:
         print(f"delay-gateway {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except (TopologyConflict, BrokerError) as exc:
-        structlog.get_logger("gateway").error("command_failed", command=args.command, error=str(exc))
+    except TopologyConflict as exc:
         print(f"delay-gateway {args.command}: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_REFUSED
+    except BrokerError as exc:
+        print(f"delay-gateway {args.command}: {exc}", file=sys.stderr)
+        return EXIT_NO_BROKER if exc.trouble.heals else EXIT_REFUSED
 
 
 # -- run ------------------------------------------------------------------------------------
@@ -89,7 +89,7 @@ def cmd_run(args) -> int:
 def cmd_declare(args) -> int:
     chain = chain_from(args)
     topology = build(chain)
-    with blocking_channel(urls_from(args)[0], tls=tls_from(args)) as channel:
+    with blocking_channel(urls_from(args), tls=tls_from(args)) as channel:
         declare(channel, topology)
         records = read_registry(channel.connection, chain.names)
         upkeep.record_chain(channel.connection, chain.prefix, ChainKey.of(chain),
@@ -108,7 +108,7 @@ def cmd_delete(args) -> int:
     if not args.yes:
         raise UsageError("delete removes every queue of the topology and the messages in them; add --yes")
     chain = chain_from(args)
-    with blocking_channel(urls_from(args)[0], tls=tls_from(args)) as channel:
+    with blocking_channel(urls_from(args), tls=tls_from(args)) as channel:
         # Every chain the registry knows of under the prefix, then the fixed objects and
         # the registry itself (with the chain of the given settings).
         records = read_registry(channel.connection, chain.names) or []
@@ -173,7 +173,7 @@ def cmd_publish(args) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     body = sys.stdin.buffer.read() if args.body == "-" else args.body.encode()
-    with blocking_channel(urls_from(args)[0], "delay-gateway publish", tls_from(args)) as channel:
+    with blocking_channel(urls_from(args), "delay-gateway publish", tls_from(args)) as channel:
         publisher = Publisher(channel, chain)
         for _ in range(args.count):
             message_id = args.message_id or str(uuid.uuid4())
@@ -234,7 +234,7 @@ def _positive_seconds(text: str) -> float:
 def cmd_status(args) -> int:
     chain = chain_from(args)
     try:
-        return status.command(args, lambda: blocking_channel(urls_from(args)[0], "delay-gateway status",
+        return status.command(args, lambda: blocking_channel(urls_from(args), "delay-gateway status",
                                                              tls_from(args)), ChainKey.of(chain), wall_ms)
     except KeyboardInterrupt:
         return 0
@@ -255,7 +255,7 @@ def cmd_migrate(args) -> int:
     def report(event: str, **fields) -> None:
         print(json.dumps({"event": event, **fields}, default=str), flush=True)
 
-    with blocking_channel(urls_from(args)[0], "delay-gateway migrate", tls_from(args)) as channel:
+    with blocking_channel(urls_from(args), "delay-gateway migrate", tls_from(args)) as channel:
         connection = channel.connection
         while True:
             records = read_registry(connection, chain.names)
@@ -296,12 +296,12 @@ def _step_fields(step) -> dict:
 
 
 def cmd_parked(args) -> int:
-    return parked.command(args, lambda: blocking_channel(urls_from(args)[0], "delay-gateway parked",
+    return parked.command(args, lambda: blocking_channel(urls_from(args), "delay-gateway parked",
                                                          tls_from(args)), chain_from(args))
 
 
 def cmd_selftest(args) -> int:
-    return selftest.run(args, lambda: blocking_channel(urls_from(args)[0], "delay-gateway selftest",
+    return selftest.run(args, lambda: blocking_channel(urls_from(args), "delay-gateway selftest",
                                                        tls_from(args)), chain_from(args))
 
 
