@@ -8,6 +8,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Tuple
 
+from pika.exceptions import NackError, UnroutableError
+
 from topology import Enter, Meditate, build, plan
 from topology.broker.declare import TopologyConflict, declare, delete
 from topology.broker.inventory import read_registry
@@ -19,8 +21,9 @@ from topology.routing import trace
 from gateway.broker import codec, upkeep
 from gateway import logs
 from gateway.commands import parked, selftest, status
-from gateway.broker.amqp import EXIT_NO_BROKER, EXIT_REFUSED, BrokerError, blocking_channel
+from gateway.broker.amqp import EXIT_NO_BROKER, EXIT_REFUSED, BrokerError, Trouble, blocking_channel
 from gateway.clock import wall_ms
+from gateway.core import limits
 from gateway.broker.publish import Publisher, parse_headers
 from gateway.settings import UsageError, add_options, chain_from, integer, settings_from, tls_from, urls_from
 
@@ -172,17 +175,44 @@ def cmd_publish(args) -> int:
         headers = parse_headers(args.header)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    check_publish(args, headers, wall_ms())
+    if args.delay is not None and args.delay <= 0:
+        print(f"delay-gateway publish: note: --delay {args.delay} is 0 or less: the message is due now",
+              file=sys.stderr)
     body = sys.stdin.buffer.read() if args.body == "-" else args.body.encode()
     with blocking_channel(urls_from(args), "delay-gateway publish", tls_from(args)) as channel:
         publisher = Publisher(channel, chain)
         for _ in range(args.count):
             message_id = args.message_id or str(uuid.uuid4())
-            publisher.send(body, args.routing_key, delay_ms=args.delay, deliver_at_ms=args.at,
-                           headers=headers, message_id=message_id)
+            try:
+                publisher.send(body, args.routing_key, delay_ms=args.delay, deliver_at_ms=args.at,
+                               headers=headers, message_id=message_id)
+            except UnroutableError:
+                raise BrokerError(Trouble(False, f"{chain.names.check_in} routed the message to no queue: the "
+                                                 "topology is not fully declared under this --prefix; run "
+                                                 "`delay-gateway declare` with the gateways' settings")) from None
+            except NackError:
+                raise BrokerError(Trouble(True, f"the broker refused the message (a negative confirm): is "
+                                                f"{chain.names.check_in} full or without a leader? Try again")) from None
             print(json.dumps({"published": message_id, "exchange": chain.names.check_in,
                               "routing_key": args.routing_key, "delay_ms": args.delay,
                               "deliver_at": args.at, "confirmed_at": wall_ms()}))
     return 0
+
+
+def check_publish(args, headers: dict, now_ms: int) -> None:
+    """What the broker or check-in would refuse, refused before connecting (exit 2)."""
+    try:
+        limits.short_string("--routing-key", args.routing_key)
+        if args.message_id is not None:
+            limits.short_string("--message-id", args.message_id)
+        limits.headers(headers)
+        if args.delay is not None:
+            limits.delay_ms(args.delay, "--delay")
+        if args.at is not None:
+            limits.deliver_at_ms(args.at, now_ms, "--at")
+    except limits.Refused as exc:
+        raise UsageError(str(exc)) from None
 
 
 def explain_arguments(p: argparse.ArgumentParser) -> None:

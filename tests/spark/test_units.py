@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway.core.envelope import MS_PER_YEAR
 from gateway.spark import example, progress, record, report
 from gateway.spark import rows as R
 from gateway.spark.publisher import PartitionPublisher, PublishError, Target
@@ -38,7 +39,7 @@ def check(rk="k", size=1, delay=None, at=None, at_ts=None, mid=None, headers=Non
     (dict(at=str(NOW - 60_001)), R.DUE_PAST),
     (dict(delay="-60001"), R.DUE_PAST),
     (dict(at="x", at_ts=NOW - 3_600_000), R.DUE_PAST),
-    (dict(delay=str(1001 * R.MS_PER_YEAR)), R.DUE_TOO_FAR),
+    (dict(delay=str(1001 * MS_PER_YEAR)), R.DUE_TOO_FAR),
     (dict(delay="10", size=101), R.PAYLOAD_TOO_LARGE),
     (dict(delay="10", headers="{"), R.HEADERS_INVALID),
     (dict(delay="10", headers="[]"), R.HEADERS_INVALID),
