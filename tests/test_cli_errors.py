@@ -76,7 +76,8 @@ def test_every_command_moves_on_to_the_next_node(broker, make_chain, run_gateway
         "publish": ["publish", *args, "--delay", "100", "--routing-key", "failover"],
         "parked": ["parked", "list", *args],
         "selftest": ["selftest", *args, "--delay-ms", "200", "--timeout", "30"],
-        "record": ["record", *args, "--idle-timeout", "1", "--out", str(tmp_path / "recorded.jsonl")],
+        "record": ["record", "--prefix", chain.prefix, "--idle-timeout", "1",
+                   "--out", str(tmp_path / "recorded.jsonl")],
         "migrate": ["migrate", *args, "--dry-run"],
     }
     results = together(runs, urls)
@@ -140,3 +141,31 @@ def test_a_missing_topology_is_refused_in_one_line(broker):
     r = cli("publish", "--prefix", prefix, "--delay", "10", url=broker)
     line = one_line(r, "publish")
     assert r.returncode == REFUSED and f"{prefix}.check-in" in line and "delay-gateway declare" in line
+
+
+# -- the smaller points ----------------------------------------------------------------------------
+def test_selftest_says_at_once_that_no_gateway_consumes(broker, make_chain):
+    chain = make_chain(max_level=2, resolution_ms=100)
+    r = cli("selftest", "--prefix", chain.prefix, "--timeout", "60", url=broker)
+    line = one_line(r, "selftest")
+    assert r.returncode == 1 and r.stdout == ""
+    assert f"nothing consumes {chain.names.check_in}" in line and "delay-gateway run" in line
+
+
+def test_migrate_dry_run_prints_the_plan_and_changes_nothing(broker, make_chain):
+    old = make_chain(max_level=2, resolution_ms=100)
+    new = make_chain(prefix=old.prefix, max_level=3, resolution_ms=100)
+    for chain in (old, new):  # the CLI's declare records the chain in the registry
+        assert cli("declare", *chain_args(chain), url=broker).returncode == 0
+    alone = cli("migrate", *chain_args(old), "--dry-run", url=broker)
+    r = cli("migrate", *chain_args(new), "--dry-run", "--retire-after", "0", url=broker)
+    assert r.returncode == 0 and alone.returncode == 0, r.stderr + alone.stderr
+    assert "nothing to do" in json.loads(alone.stdout.splitlines()[-1])["summary"], alone.stdout
+    events = [json.loads(line) for line in r.stdout.splitlines()]
+    assert any(e["event"].startswith("would_") for e in events), events
+    assert {"event": "chain_remaining", "chain": "100ms-quorum-queue, 2 levels", "gateways": 0,
+            "empty_by": None} in events
+    assert events[-1]["event"] == "dry_run" and events[-1]["other_chains"] == 1 and "nothing changed" in \
+        events[-1]["summary"]
+    status = json.loads(cli("status", *chain_args(old), "--json", url=broker).stdout)
+    assert [c["chain"]["max_level"] for c in status["chains"] if c["declared"]] == [2, 3]  # both still there

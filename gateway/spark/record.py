@@ -80,8 +80,8 @@ def _ms(value: Any) -> Optional[int]:
 class Recorder:
     """Consumes from a queue bound to pick-up and writes lines to `out` until stopped."""
 
-    def __init__(self, urls: Union[str, Sequence[str]], pick_up: str, out: IO[str], pattern: str = "#", queue: Optional[str] = None,
-                 prefix: str = "delay", prefetch: int = 1000, tls=None) -> None:
+    def __init__(self, urls: Union[str, Sequence[str]], pick_up: str, out: IO[str], pattern: str = "#",
+                 queue: Optional[str] = None, prefix: str = "delay", prefetch: int = 1000, tls=None) -> None:
         self.urls, self.pick_up, self.out, self.pattern = urls, pick_up, out, pattern
         self.durable = queue is not None
         self.queue = queue or f"{prefix}.record.{uuid.uuid4().hex[:8]}"
