@@ -81,8 +81,8 @@ def classify(error: BaseException, url: str) -> Trouble:
     if isinstance(error, ChannelClosedByBroker):
         if code == 404:
             return Trouble(False, f"{where}: {text}: the topology is not declared (with these settings): "
-                                  "run `delay-gateway declare` with the same --prefix and chain settings, or "
-                                  "start without --no-declare")
+                                  "run `delay-gateway declare` with the same --prefix and chain settings (or let "
+                                  "`run` declare it: without --no-declare)")
         if code == 403:
             return Trouble(False, f"{where}: {text}: the user lacks a permission; grant it configure, write "
                                   "and read on the prefix's names (README: Least privilege)")

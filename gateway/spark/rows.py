@@ -19,7 +19,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any, Dict, Optional, Union
 
 from gateway.core import limits
-from gateway.core.envelope import DELAY, DELIVER_AT, MAX_AHEAD_MS, SMALLEST_DELIVER_AT
+from gateway.core.envelope import DELAY, DELIVER_AT, MAX_AHEAD_MS, MS_PER_YEAR, SMALLEST_DELIVER_AT
 
 SHORTSTR = limits.SHORTSTR
 LONG = (limits.LONG_MIN, limits.LONG_MAX)
@@ -135,7 +135,7 @@ def _in_range(due_ms: int, limits: Limits) -> None:
         raise Rejected(DUE_PAST, f"due {limits.now_ms - due_ms} ms before the run started "
                                  f"(limit {limits.max_overdue_ms} ms, --max-overdue-ms)")
     if due_ms - limits.now_ms > MAX_AHEAD_MS:
-        raise Rejected(DUE_TOO_FAR, f"due more than 1000 years ahead ({due_ms})")
+        raise Rejected(DUE_TOO_FAR, f"due more than {MAX_AHEAD_MS // MS_PER_YEAR} years ahead ({due_ms})")
 
 
 def milliseconds(text: str) -> Optional[int]:
