@@ -17,7 +17,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
-from .support import ROOT, chain_args
+from .support import ROOT, chain_args, connect
 
 NO_BROKER, BAD_USAGE, REFUSED = 1, 2, 3
 
@@ -141,6 +141,15 @@ def test_a_missing_topology_is_refused_in_one_line(broker):
     r = cli("publish", "--prefix", prefix, "--delay", "10", url=broker)
     line = one_line(r, "publish")
     assert r.returncode == REFUSED and f"{prefix}.check-in" in line and "delay-gateway declare" in line
+    # check-in there, but no queue behind it: the broker returns the message (mandatory)
+    with connect(broker) as connection:
+        connection.channel().exchange_declare(f"{prefix}.check-in", "topic")
+        try:
+            r = cli("publish", "--prefix", prefix, "--delay", "10", url=broker)
+        finally:
+            connection.channel().exchange_delete(f"{prefix}.check-in")
+    line = one_line(r, "publish")
+    assert r.returncode == REFUSED and "routed the message to no queue" in line and "declare" in line
 
 
 # -- the smaller points ----------------------------------------------------------------------------
