@@ -163,10 +163,10 @@ def test_selftest_says_at_once_that_no_gateway_consumes(broker, make_chain):
 
 def test_migrate_dry_run_prints_the_plan_and_changes_nothing(broker, make_chain):
     old = make_chain(max_level=2, resolution_ms=100)
-    new = make_chain(prefix=old.prefix, max_level=3, resolution_ms=100)
-    for chain in (old, new):  # the CLI's declare records the chain in the registry
-        assert cli("declare", *chain_args(chain), url=broker).returncode == 0
+    assert cli("declare", *chain_args(old), url=broker).returncode == 0  # recorded in the registry
     alone = cli("migrate", *chain_args(old), "--dry-run", url=broker)
+    new = make_chain(prefix=old.prefix, max_level=3, resolution_ms=100)
+    assert cli("declare", *chain_args(new), url=broker).returncode == 0
     r = cli("migrate", *chain_args(new), "--dry-run", "--retire-after", "0", url=broker)
     assert r.returncode == 0 and alone.returncode == 0, r.stderr + alone.stderr
     assert "nothing to do" in json.loads(alone.stdout.splitlines()[-1])["summary"], alone.stdout
