@@ -8,23 +8,24 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Tuple
 
-import structlog
+from pika.exceptions import NackError, UnroutableError
 
-from topology import Enter, Meditate, build, plan
+from topology import build
 from topology.broker.declare import TopologyConflict, declare, delete
 from topology.broker.inventory import read_registry
 from topology.registry import ChainKey, fold
 from topology.render import DESCRIPTIONS, FORMATS, render
 from topology.retirement import DeleteExchange, DeleteQueue, MarkRetired, SealQueues, Unused
-from topology.routing import trace
 
 from gateway.broker import codec, upkeep
 from gateway import logs
-from gateway.commands import parked, selftest, status
-from gateway.broker.amqp import BrokerError, blocking_channel
+from gateway.commands import explain, parked, selftest, status
+from gateway.broker.amqp import EXIT_NO_BROKER, EXIT_REFUSED, BrokerError, Trouble, blocking_channel
 from gateway.clock import wall_ms
+from gateway.core import limits
 from gateway.broker.publish import Publisher, parse_headers
-from gateway.settings import UsageError, add_options, chain_from, integer, settings_from, tls_from, urls_from
+from gateway.settings import (OPTIONS, Option, UsageError, add_options, chain_from, integer, settings_from,
+                              tls_from, urls_from)
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,10 @@ class Command:
     groups: Tuple[str, ...]  # option groups of the settings table it takes
     run: Callable[[argparse.Namespace], int]
     arguments: Optional[Callable[[argparse.ArgumentParser], None]] = None
+    only: Optional[Tuple[str, ...]] = None  # just these options of its groups: the others it ignores
+
+    def takes(self, option: Option) -> bool:
+        return option.group in self.groups and (self.only is None or option.name in self.only)
 
 
 class Parser(argparse.ArgumentParser):
@@ -51,7 +56,7 @@ def parser(environ) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
     for name, command in COMMANDS.items():
         c = sub.add_parser(name, help=command.help, description=command.help)
-        add_options(c, command.groups, environ)
+        add_options(c, command.groups, environ, command.only)
         if command.arguments:
             command.arguments(c)
     return p
@@ -73,10 +78,12 @@ def main(argv: Optional[Sequence[str]] = None, environ=None) -> int:
     except UsageError as exc:
         print(f"delay-gateway {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except (TopologyConflict, BrokerError) as exc:
-        structlog.get_logger("gateway").error("command_failed", command=args.command, error=str(exc))
+    except TopologyConflict as exc:
         print(f"delay-gateway {args.command}: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_REFUSED
+    except BrokerError as exc:
+        print(f"delay-gateway {args.command}: {exc}", file=sys.stderr)
+        return EXIT_NO_BROKER if exc.trouble.heals else EXIT_REFUSED
 
 
 # -- run ------------------------------------------------------------------------------------
@@ -89,7 +96,7 @@ def cmd_run(args) -> int:
 def cmd_declare(args) -> int:
     chain = chain_from(args)
     topology = build(chain)
-    with blocking_channel(urls_from(args)[0], tls=tls_from(args)) as channel:
+    with blocking_channel(urls_from(args), tls=tls_from(args)) as channel:
         declare(channel, topology)
         records = read_registry(channel.connection, chain.names)
         upkeep.record_chain(channel.connection, chain.prefix, ChainKey.of(chain),
@@ -108,7 +115,7 @@ def cmd_delete(args) -> int:
     if not args.yes:
         raise UsageError("delete removes every queue of the topology and the messages in them; add --yes")
     chain = chain_from(args)
-    with blocking_channel(urls_from(args)[0], tls=tls_from(args)) as channel:
+    with blocking_channel(urls_from(args), tls=tls_from(args)) as channel:
         # Every chain the registry knows of under the prefix, then the fixed objects and
         # the registry itself (with the chain of the given settings).
         records = read_registry(channel.connection, chain.names) or []
@@ -172,17 +179,45 @@ def cmd_publish(args) -> int:
         headers = parse_headers(args.header)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    check_publish(args, headers, wall_ms())
+    if args.delay is not None and args.delay <= 0:
+        print(f"delay-gateway publish: note: --delay {args.delay} is 0 or less: the message is due now",
+              file=sys.stderr)
     body = sys.stdin.buffer.read() if args.body == "-" else args.body.encode()
-    with blocking_channel(urls_from(args)[0], "delay-gateway publish", tls_from(args)) as channel:
+    with blocking_channel(urls_from(args), "delay-gateway publish", tls_from(args)) as channel:
         publisher = Publisher(channel, chain)
         for _ in range(args.count):
             message_id = args.message_id or str(uuid.uuid4())
-            publisher.send(body, args.routing_key, delay_ms=args.delay, deliver_at_ms=args.at,
-                           headers=headers, message_id=message_id)
+            try:
+                publisher.send(body, args.routing_key, delay_ms=args.delay, deliver_at_ms=args.at,
+                               headers=headers, message_id=message_id)
+            except UnroutableError:
+                raise BrokerError(Trouble(False, f"{chain.names.check_in} routed the message to no queue: the "
+                                                 "topology is not fully declared under this --prefix; run "
+                                                 "`delay-gateway declare` with the gateways' settings")) from None
+            except NackError:
+                raise BrokerError(Trouble(True, "the broker refused the message (a negative confirm): is "
+                                                f"{chain.names.check_in} full or without a leader? Try again")) \
+                    from None
             print(json.dumps({"published": message_id, "exchange": chain.names.check_in,
                               "routing_key": args.routing_key, "delay_ms": args.delay,
                               "deliver_at": args.at, "confirmed_at": wall_ms()}))
     return 0
+
+
+def check_publish(args, headers: dict, now_ms: int) -> None:
+    """What the broker or check-in would refuse, refused before connecting (exit 2)."""
+    try:
+        limits.short_string("--routing-key", args.routing_key)
+        if args.message_id is not None:
+            limits.short_string("--message-id", args.message_id)
+        limits.headers(headers)
+        if args.delay is not None:
+            limits.delay_ms(args.delay, "--delay")
+        if args.at is not None:
+            limits.deliver_at_ms(args.at, now_ms, "--at")
+    except limits.Refused as exc:
+        raise UsageError(str(exc)) from None
 
 
 def explain_arguments(p: argparse.ArgumentParser) -> None:
@@ -190,24 +225,11 @@ def explain_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_explain(args) -> int:
-    chain = chain_from(args)
-    topology, names = build(chain), chain.names
-    remaining, total = args.delay_ms, 0
-    print(f"delay {args.delay_ms} ms; chain of {chain.max_level} levels x {chain.resolution_ms} ms "
-          f"(up to {chain.meditation_ms} ms), lead {args.lead_ms} ms")
-    while True:
-        route = plan(remaining, chain, args.lead_ms)
-        if not isinstance(route, Meditate):
-            break
-        print(f"  {chain.meditation:<44} wait {chain.meditation_ms} ms, then check in again")
-        remaining -= chain.meditation_ms
-        total += chain.meditation_ms
-    if isinstance(route, Enter):
-        print(f"  publish to {names.level(route.level)} with key {route.key!r}")
-        for hop in trace(topology, names.level(route.level), route.key, names.exit_distributor(chain.queue_type)):
-            print(f"  {hop.queue:<44} wait {hop.wait_ms} ms")
-            total += hop.wait_ms
-    print(f"  {names.exit_distributor(chain.queue_type):<44} hold {args.delay_ms - total} ms, then publish to {names.pick_up}")
+    try:
+        delay_ms = limits.delay_ms(args.delay_ms, "DELAY_MS")
+    except limits.Refused as exc:
+        raise UsageError(str(exc)) from None
+    print("\n".join(explain.lines(delay_ms, chain_from(args), args.lead_ms)))
     return 0
 
 
@@ -234,7 +256,7 @@ def _positive_seconds(text: str) -> float:
 def cmd_status(args) -> int:
     chain = chain_from(args)
     try:
-        return status.command(args, lambda: blocking_channel(urls_from(args)[0], "delay-gateway status",
+        return status.command(args, lambda: blocking_channel(urls_from(args), "delay-gateway status",
                                                              tls_from(args)), ChainKey.of(chain), wall_ms)
     except KeyboardInterrupt:
         return 0
@@ -255,7 +277,7 @@ def cmd_migrate(args) -> int:
     def report(event: str, **fields) -> None:
         print(json.dumps({"event": event, **fields}, default=str), flush=True)
 
-    with blocking_channel(urls_from(args)[0], "delay-gateway migrate", tls_from(args)) as channel:
+    with blocking_channel(urls_from(args), "delay-gateway migrate", tls_from(args)) as channel:
         connection = channel.connection
         while True:
             records = read_registry(connection, chain.names)
@@ -265,21 +287,38 @@ def cmd_migrate(args) -> int:
             if args.dry_run:
                 sequences = upkeep.plan_once(connection, chain.prefix, own, unused, 0, margin_ms, wall_ms,
                                              fold(records), report)
-                for step in (step for steps in sequences for step in steps):
+                steps = [step for steps in sequences for step in steps]
+                for step in steps:
                     report("would_" + _step_event(step), **_step_fields(step))
+                others = _remaining(report, status.one(connection, args, own, wall_ms()))
+                report("dry_run", chain=own.describe(), steps=len(steps), other_chains=len(others),
+                       summary=_dry_run_summary(own, len(steps), others))
                 return 0
             upkeep.retire_once(connection, chain.prefix, own, unused, 0, margin_ms, report,
                                registry=fold(records))
-            r = status.one(connection, args, own, wall_ms())
-            others = [c for c in r.chains if not c.yours]
-            for c in others:
-                report("chain_remaining", chain=c.key.describe(), gateways=c.gateways,
-                       empty_by=None if c.empty_by_ms is None else status.clock_text(c.empty_by_ms))
+            others = _remaining(report, status.one(connection, args, own, wall_ms()))
             if not args.wait or not others:
                 if not others:
                     report("migrated", chain=own.describe())
                 return 0
             connection.sleep(upkeep.tick_s(args.retire_after))
+
+
+def _remaining(report: Callable[..., None], r: status.Report) -> list:
+    """Report the chains other than the one of these settings; returns them."""
+    others = [c for c in r.chains if not c.yours]
+    for c in others:
+        report("chain_remaining", chain=c.key.describe(), gateways=c.gateways,
+               empty_by=None if c.empty_by_ms is None else status.clock_text(c.empty_by_ms))
+    return others
+
+
+def _dry_run_summary(own: ChainKey, steps: int, others: list) -> str:
+    if not others:
+        return f"nothing to do: the chain of these settings ({own.describe()}) is the only one; nothing changed"
+    used = sum(1 for c in others if c.gateways)
+    return (f"{steps} step(s) would be taken now; {len(others)} other chain(s), {used} in use by gateways (kept "
+            "until unused for --retire-after); nothing changed (--dry-run)")
 
 
 def _step_event(step) -> str:
@@ -296,12 +335,12 @@ def _step_fields(step) -> dict:
 
 
 def cmd_parked(args) -> int:
-    return parked.command(args, lambda: blocking_channel(urls_from(args)[0], "delay-gateway parked",
+    return parked.command(args, lambda: blocking_channel(urls_from(args), "delay-gateway parked",
                                                          tls_from(args)), chain_from(args))
 
 
 def cmd_selftest(args) -> int:
-    return selftest.run(args, lambda: blocking_channel(urls_from(args)[0], "delay-gateway selftest",
+    return selftest.run(args, lambda: blocking_channel(urls_from(args), "delay-gateway selftest",
                                                        tls_from(args)), chain_from(args))
 
 
@@ -365,6 +404,8 @@ def example_arguments(p: argparse.ArgumentParser) -> None:
 
 
 BROKER = ("broker", "log")
+# Commands that only publish to check-in or read from pick-up: of the chain, only the prefix matters.
+BROKER_AND_PREFIX = tuple(o.name for o in OPTIONS if o.group in BROKER) + ("prefix",)
 COMMANDS = {
     "run": Command("run the consumers (check-in, distributor, or both) until SIGTERM",
                    BROKER + ("chain", "run", "lead", "retire"), cmd_run),
@@ -389,9 +430,9 @@ COMMANDS = {
     "demo": Command("start the gateway, publish a few delayed messages and watch them arrive",
                     BROKER + ("chain",), cmd_demo, demo_arguments),
     "schedule": Command("publish every row of a table (CSV, JSON lines, Parquet) as a delayed message, on Spark",
-                        BROKER + ("chain",), cmd_schedule, schedule_arguments),
+                        BROKER + ("chain",), cmd_schedule, schedule_arguments, BROKER_AND_PREFIX),
     "record": Command("record deliveries at pick-up as JSON lines (for `report`)", BROKER + ("chain",),
-                      cmd_record, record_arguments),
+                      cmd_record, record_arguments, BROKER_AND_PREFIX),
     "report": Command("delivery analytics from `record`'s output, on Spark: lateness, duplicates, throughput",
                       ("log",), cmd_report, report_arguments),
     "example-orders": Command("write an example orders table to try `schedule` with (review reminders)",

@@ -14,7 +14,9 @@ def configure(level: str = "info", fmt: str = "auto") -> None:
         structlog.stdlib.add_logger_name,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
-    renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer()
+    # Colour codes only where a terminal reads them, not in a file or a pipe.
+    renderer = structlog.processors.JSONRenderer() if json else \
+        structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
     structlog.configure(
         processors=shared + [structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
         logger_factory=structlog.stdlib.LoggerFactory(),
@@ -30,7 +32,8 @@ def configure(level: str = "info", fmt: str = "auto") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    # pika narrates every frame at INFO; its warnings and errors are what an operator needs.
-    logging.getLogger("pika").setLevel(max(logging.WARNING, root.level))
-    # ...but a channel the broker closes is reported by the gateway itself, with the fix.
-    logging.getLogger("pika.channel").setLevel(max(logging.ERROR, root.level))
+    # pika narrates every frame at INFO, and a refused connection as five errors with a
+    # traceback; the gateway reports each trouble itself, once, with the fix (broker.amqp).
+    # --log-level debug shows pika's warnings and errors as well.
+    debug = root.level <= logging.DEBUG
+    logging.getLogger("pika").setLevel(logging.WARNING if debug else logging.CRITICAL + 1)

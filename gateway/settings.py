@@ -10,7 +10,7 @@ the flag, so a bad value is one line naming the variable, and exit 2.
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Collection, Dict, Iterable, Mapping, Optional, Sequence, Tuple
 from urllib.parse import quote, urlsplit, urlunsplit
 
 from topology import ChainSettings
@@ -172,12 +172,14 @@ class UsageError(ValueError):
     """A bad flag or environment value: one line, exit 2."""
 
 
-def add_options(parser: argparse.ArgumentParser, groups: Iterable[str], environ: Mapping[str, str]) -> None:
-    """Add every option of `groups`, its default taken from the environment when set there."""
+def add_options(parser: argparse.ArgumentParser, groups: Iterable[str], environ: Mapping[str, str],
+                only: Optional[Collection[str]] = None) -> None:
+    """Add every option of `groups` (or only those named in `only`), its default taken from
+    the environment when set there."""
     for group in groups:
         g = parser.add_argument_group(GROUP_TITLES[group])
         for o in OPTIONS:
-            if o.group != group:
+            if o.group != group or (only is not None and o.name not in only):
                 continue
             raw = environ.get(o.env)
             # argparse formats help with %: the default URL's %2F would break every --help.

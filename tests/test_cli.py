@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -63,7 +64,11 @@ def test_publish_and_declare_commands_end_to_end(make_chain, run_gateway):
 
 def test_demo_runs_and_checks_its_own_result(broker):
     prefix = "demo" + str(now_ms())
-    r = cli("demo", "--prefix", prefix, "--max-level", "4", "--delays", "600,0,300", timeout=120)
+    with socket.socket() as closed:  # bound, never listening: the first node is down
+        closed.bind(("127.0.0.1", 0))
+        down = f"amqp://guest:guest@127.0.0.1:{closed.getsockname()[1]}/%2F"
+        r = cli("demo", "--prefix", prefix, "--max-level", "4", "--delays", "600,0,300", timeout=120,
+                env={"DELAY_GATEWAY_URL": f"{down},{broker_url()}"})
     try:
         assert r.returncode == 0, r.stdout + r.stderr
         assert "3 delivered, in due order, 0 early" in r.stdout

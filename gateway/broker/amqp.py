@@ -9,9 +9,10 @@ arguments. Retrying those forever would only fill the logs.
 """
 
 import contextlib
+import socket
 import ssl
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 import pika
 from pika.exceptions import (AMQPConnectionError, AuthenticationError, ChannelClosedByBroker,
@@ -39,6 +40,11 @@ def parameters(url: str, name: str = "delay-gateway", tls: Optional[Tls] = None)
             raise UsageError(f"cannot load the TLS files: {exc}") from None
         params.ssl_options = pika.SSLOptions(context, params.host)
     return params
+
+
+# Exit codes of every command (README): 0 done, 2 a bad flag, value or setting (UsageError),
+# and for the broker's troubles: those that might heal (none answered) and those that will not.
+EXIT_NO_BROKER, EXIT_REFUSED = 1, 3
 
 
 @dataclass(frozen=True)
@@ -75,8 +81,8 @@ def classify(error: BaseException, url: str) -> Trouble:
     if isinstance(error, ChannelClosedByBroker):
         if code == 404:
             return Trouble(False, f"{where}: {text}: the topology is not declared (with these settings): "
-                                  "run `delay-gateway declare` with the same --prefix and chain settings, or "
-                                  "start without --no-declare")
+                                  "run `delay-gateway declare` with the same --prefix and chain settings (or let "
+                                  "`run` declare it: without --no-declare)")
         if code == 403:
             return Trouble(False, f"{where}: {text}: the user lacks a permission; grant it configure, write "
                                   "and read on the prefix's names (README: Least privilege)")
@@ -84,21 +90,71 @@ def classify(error: BaseException, url: str) -> Trouble:
             return Trouble(False, f"{where}: {text}: an object of the same name exists with other "
                                   "arguments; keep its settings, or see `delay-gateway migrate`")
         return Trouble(True, f"{where}: the broker closed a channel: {text}")
-    if isinstance(error, AMQPConnectionError):
-        return Trouble(True, f"{where}: cannot connect: {error!r}")
+    if isinstance(error, (AMQPConnectionError, OSError)):
+        return Trouble(True, f"{where}: cannot connect: {unreachable(error)}")
     return Trouble(True, f"{where}: {error!r}")
 
 
+def unreachable(error: BaseException) -> str:
+    """Why a connection could not be made, in words (pika nests the socket's error in its own)."""
+    cause: BaseException = error
+    for _ in range(5):  # AMQPConnectionError(AMQPConnectorSocketConnectError(exception=OSError))
+        inner = getattr(cause, "exception", None)
+        if isinstance(inner, BaseException):
+            cause = inner
+            continue
+        first = cause.args[0] if cause.args else None
+        if isinstance(first, BaseException):
+            cause = first
+            continue
+        break
+    if isinstance(cause, ConnectionRefusedError):
+        return "connection refused (no RabbitMQ listening there: check the host and port, and that it runs)"
+    if isinstance(cause, socket.gaierror):
+        return f"unknown host ({cause.strerror}): check the URL's host name"
+    if isinstance(cause, (socket.timeout, TimeoutError)):
+        return "timed out (a firewall, or the host is down): check the host and port"
+    if isinstance(cause, ssl.SSLError):
+        return f"TLS failed ({cause.reason or cause}): check --tls-ca-file and the broker's certificate"
+    if isinstance(cause, OSError) and cause.strerror:
+        return f"{cause.strerror.lower()}: check the host and port"
+    text = str(cause).strip() or type(cause).__name__
+    return text.replace("\n", " ")
+
+
+def connect(urls: Union[str, Sequence[str]], name: str = "delay-gateway",
+            tls: Optional[Tls] = None) -> Tuple[pika.BlockingConnection, str]:
+    """A connection to the first of `urls` that answers, and its URL, as `run` moves on to
+    the next node. Raises BrokerError: a refusal (login, virtual host) if any node refused,
+    since another node of the same cluster would refuse alike; else why none answered."""
+    urls = (urls,) if isinstance(urls, str) else tuple(urls)
+    troubles: List[Trouble] = []
+    for url in urls:
+        params = parameters(url, name, tls)
+        try:
+            return pika.BlockingConnection(params), url
+        except (AMQPConnectionError, OSError) as exc:
+            trouble = classify(exc, url)
+            if not trouble.heals:
+                raise BrokerError(trouble) from None
+            troubles.append(trouble)
+    if len(troubles) == 1:
+        raise BrokerError(troubles[0])
+    raise BrokerError(Trouble(True, f"none of the {len(troubles)} brokers answered: "
+                                    + "; ".join(t.message for t in troubles)))
+
+
 @contextlib.contextmanager
-def blocking_channel(url: str, name: str = "delay-gateway", tls: Optional[Tls] = None) -> Iterator:
-    """A channel for one-off work; any broker error is a BrokerError with its explanation."""
-    try:
-        connection = pika.BlockingConnection(parameters(url, name, tls))
-    except AMQPConnectionError as exc:
-        raise BrokerError(classify(exc, url)) from None
+def blocking_channel(urls: Union[str, Sequence[str]], name: str = "delay-gateway",
+                     tls: Optional[Tls] = None) -> Iterator:
+    """A channel for one-off work, on the first of `urls` that answers; any broker error is a
+    BrokerError with its explanation."""
+    connection, url = connect(urls, name, tls)
     try:
         yield connection.channel()
     except (ChannelClosedByBroker, ConnectionClosedByBroker) as exc:
+        raise BrokerError(classify(exc, url)) from None
+    except AMQPConnectionError as exc:  # lost mid-way (a node stopping)
         raise BrokerError(classify(exc, url)) from None
     finally:
         if connection.is_open:

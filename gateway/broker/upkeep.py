@@ -31,7 +31,7 @@ from topology.model import PRESENCE_ARGUMENTS
 from topology.registry import ChainKey, Record, Registry, fold
 from topology.retirement import Step, Unused, plan
 
-from gateway.broker.amqp import parameters
+from gateway.broker.amqp import parameters, unreachable
 from gateway.clock import wall_ms
 from gateway.settings import Settings, redact
 
@@ -120,7 +120,7 @@ class Upkeep:
                 connection = pika.BlockingConnection(parameters(url, "delay-gateway upkeep", self.settings.tls))
             except Exception as exc:  # the worker reports bad settings itself
                 failures += 1
-                self.log.warning("upkeep_cannot_connect", broker=redact(url), error=repr(exc))
+                self.log.warning("upkeep_cannot_connect", broker=redact(url), error=unreachable(exc))
                 self.stop.wait(min(10.0, 0.5 * 2 ** min(failures, 5)))
                 continue
             failures = 0

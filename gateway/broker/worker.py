@@ -271,6 +271,8 @@ def run(settings: Settings, stop: threading.Event, metrics: Metrics, health: Hea
         elif time.monotonic() - last_up > settings.connect_timeout:
             log.error("giving_up", seconds=settings.connect_timeout,
                       error=trouble.message if trouble else "no connection")
+            print(f"delay-gateway run: no broker for {settings.connect_timeout:g} s (--connect-timeout), giving up: "
+                  f"{trouble.message if trouble else 'no connection'}", flush=True, file=sys.stderr)
             return EXIT_NO_BROKER
         wait = backoff.next(stable)
         log.warning("reconnecting", after_s=round(wait, 2), error=trouble.message if trouble else None)

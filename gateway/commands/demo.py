@@ -12,13 +12,14 @@ from topology.broker.declare import declare
 from gateway.broker.amqp import blocking_channel
 from gateway.clock import wall_ms
 from gateway.broker.publish import Publisher
-from gateway.settings import chain_from, urls_from
+from gateway.settings import chain_from, tls_from, urls_from
 
 
 def demo(args) -> int:
-    chain, url = chain_from(args), urls_from(args)[0]
+    chain, urls = chain_from(args), urls_from(args)
+    url = ",".join(urls)  # the gateway it starts takes the whole list too
     delays = [int(d) for d in args.delays.split(",")]
-    with blocking_channel(url, "delay-gateway demo") as channel:
+    with blocking_channel(urls, "delay-gateway demo", tls_from(args)) as channel:
         declare(channel, build(chain))
         queue = channel.queue_declare("", exclusive=True).method.queue
         channel.queue_bind(queue, chain.names.pick_up, "demo.#")

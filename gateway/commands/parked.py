@@ -18,10 +18,11 @@ Where a replayed message goes:
 import argparse
 import fnmatch
 import json
+import re
 import sys
 from collections import Counter
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 from pika.exceptions import AMQPError
 
@@ -85,10 +86,31 @@ def selected(message: Parked, reason: Optional[str], routing_key: Optional[str])
     return True
 
 
+# What varies from message to message inside a reason: quoted values (a routing key, a
+# header's text; not the names of exchanges and queues, which are the same for all) and long
+# numbers (a delay, a due time). Replaced, they leave the kind of reason to group by.
+_QUOTED = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"")
+_NAMED = ("exchange ", "queue ")
+_NUMBER = re.compile(r"-?\d{5,}")
+EXAMPLES = 5  # routing keys shown per kind
+
+
+def kind(reason: str) -> str:
+    """The reason without what is particular to one message: what groups messages parked alike."""
+    def value(m: "re.Match[str]") -> str:
+        return m.group(0) if reason[:m.start()].endswith(_NAMED) else "'…'"
+    return _NUMBER.sub("N", _QUOTED.sub(value, reason))
+
+
 def report(messages: Iterable[Parked]) -> dict:
     messages = list(messages)
+    kinds: Dict[str, Counter] = {}
+    for m in messages:
+        kinds.setdefault(kind(m.reason), Counter())[envelope.shown(m.routing_key)] += 1
     return {
         "count": len(messages),
+        "kinds": [{"kind": k, "count": sum(keys.values()), "routing_keys": dict(keys.most_common())}
+                  for k, keys in sorted(kinds.items(), key=lambda item: -sum(item[1].values()))],
         "reasons": dict(Counter(m.reason for m in messages).most_common()),
         "routing_keys": dict(Counter(envelope.shown(m.routing_key) for m in messages).most_common()),
         "messages": [m.summary() for m in messages],
@@ -182,8 +204,12 @@ def print_report(r: dict, as_json: bool) -> None:
     print(f"{r['count']} parked message(s)")
     if r["count"]:
         print("reasons:")
-        for reason, n in r["reasons"].items():
-            print(f"  {n:6d}  {reason}")
+        for k in r["kinds"]:
+            keys = list(k["routing_keys"].items())
+            shown = ", ".join(f"{key!r} ({n})" for key, n in keys[:EXAMPLES])
+            more = f" and {len(keys) - EXAMPLES} more" if len(keys) > EXAMPLES else ""
+            print(f"  {k['count']:6d}  {k['kind']}")
+            print(f"          routing keys: {shown}{more}")
         print("routing keys:")
         for key, n in r["routing_keys"].items():
             print(f"  {n:6d}  {key!r}")

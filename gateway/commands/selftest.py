@@ -4,13 +4,16 @@ for it at pick-up. The Helm chart's `helm test` runs it; it is as useful after a
 It binds a queue of its own (named under the prefix, so a user limited to `^<prefix>\\.`
 may run it; exclusive, so it goes away with the connection) to pick-up with a routing key
 no one else uses, publishes with confirms and waits. Exit 0 when the message arrived, not
-early; 1 when it did not arrive within --timeout or arrived early.
+early; 1 when it did not arrive within --timeout or arrived early, or at once when no gateway
+consumes check-in or the distributor (nothing would deliver it).
 """
 
 import argparse
 import json
+import sys
 import time
 import uuid
+from typing import List
 
 import structlog
 
@@ -20,6 +23,7 @@ from gateway.clock import wall_ms
 from gateway.broker.publish import Publisher
 
 POLL_S = 0.05
+CONSUMERS_WAIT_S = 5.0  # for gateways that are starting, before saying none consumes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,11 +32,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how long to wait for it after its due time")
 
 
+def unconsumed(channel, chain: ChainSettings) -> List[str]:
+    """The gateway's queues a message must pass that no gateway consumes (a passive declare
+    counts consumers; a queue that does not exist is the broker's 404: not declared)."""
+    names = chain.names
+    return [q for q in (names.check_in, names.distributor)
+            if channel.queue_declare(q, passive=True).method.consumer_count == 0]
+
+
 def run(args, channel_factory, chain: ChainSettings) -> int:
     log = structlog.get_logger("gateway")
     token = uuid.uuid4().hex
     key, queue = f"selftest.{token}", f"{chain.prefix}.selftest.{token}"
     with channel_factory() as channel:
+        idle = unconsumed(channel, chain)
+        waited_until = time.monotonic() + min(args.timeout, CONSUMERS_WAIT_S)
+        while idle and time.monotonic() < waited_until:  # gateways that are starting
+            channel.connection.sleep(POLL_S * 10)
+            idle = unconsumed(channel, chain)
+        if idle:
+            # Waiting out --timeout would only say "not delivered" a minute later.
+            print(f"delay-gateway selftest: nothing consumes {' or '.join(idle)}: no gateway runs with --prefix "
+                  f"{chain.prefix!r} on this broker; start `delay-gateway run` (or check --prefix and --url). "
+                  "Nothing was published", file=sys.stderr)
+            return 1
         channel.queue_declare(queue, exclusive=True, arguments={"x-queue-type": "classic"})
         channel.queue_bind(queue, chain.names.pick_up, key)
         sent = wall_ms()

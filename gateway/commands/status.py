@@ -229,7 +229,7 @@ def _gateways(n: Optional[int]) -> str:
 
 
 def human_ms(ms: int) -> str:
-    for unit, size in (("d", 86_400_000), ("h", 3_600_000), ("min", 60_000), ("s", 1000)):
+    for unit, size in (("years", 31_557_600_000), ("d", 86_400_000), ("h", 3_600_000), ("min", 60_000), ("s", 1000)):
         if ms >= size:
             value = ms / size
             return f"{value:.3g} {unit}"
@@ -251,6 +251,8 @@ def clock_text(ms: int) -> str:
 
 def text(r: Report) -> str:
     lines = [f"prefix {r.prefix!r} at {clock_text(r.at_ms)}; lead {r.lead_ms} ms"]
+    if r.missing:  # every row would say "missing": only what to do
+        return "\n".join(lines + [f"problem: {p}" for p in r.problems]) + "\n"
     if r.chains:
         lines.append("chains:")
         width = max(len(c.key.describe()) for c in r.chains)
@@ -385,6 +387,10 @@ def command(args, open_channel, own: ChainKey, clock) -> int:
         connection = channel.connection
         while True:
             r = one(connection, args, own, clock())
+            if r.missing and not args.watch and not args.json:
+                # Nothing under this prefix: the one useful line, not a table of "missing".
+                print(f"delay-gateway status: {r.problems[0]}", file=sys.stderr)
+                return 3
             # --watch --json: one document per line, for a reader that follows the stream
             out = as_json(r, None if args.watch else 2) if args.json else text(r)
             if args.watch and sys.stdout.isatty():

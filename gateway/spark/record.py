@@ -19,12 +19,12 @@ import sys
 import threading
 import time
 import uuid
-from typing import Any, Dict, IO, Optional
+from typing import Any, Dict, IO, Optional, Sequence, Union
 
 import pika
 import structlog
 
-from gateway.broker.amqp import BrokerError, classify, parameters
+from gateway.broker.amqp import BrokerError, classify, connect
 from gateway.clock import wall_ms
 from gateway.settings import chain_from, tls_from, urls_from
 
@@ -80,9 +80,9 @@ def _ms(value: Any) -> Optional[int]:
 class Recorder:
     """Consumes from a queue bound to pick-up and writes lines to `out` until stopped."""
 
-    def __init__(self, url: str, pick_up: str, out: IO[str], pattern: str = "#", queue: Optional[str] = None,
-                 prefix: str = "delay", prefetch: int = 1000, tls=None) -> None:
-        self.url, self.pick_up, self.out, self.pattern = url, pick_up, out, pattern
+    def __init__(self, urls: Union[str, Sequence[str]], pick_up: str, out: IO[str], pattern: str = "#",
+                 queue: Optional[str] = None, prefix: str = "delay", prefetch: int = 1000, tls=None) -> None:
+        self.urls, self.pick_up, self.out, self.pattern = urls, pick_up, out, pattern
         self.durable = queue is not None
         self.queue = queue or f"{prefix}.record.{uuid.uuid4().hex[:8]}"
         self.prefetch, self.tls = prefetch, tls
@@ -92,10 +92,7 @@ class Recorder:
         self.stopping = threading.Event()
 
     def run(self, limit: int = 0, idle_timeout: float = 0) -> int:
-        try:
-            connection = pika.BlockingConnection(parameters(self.url, "delay-gateway record", self.tls))
-        except pika.exceptions.AMQPConnectionError as exc:
-            raise BrokerError(classify(exc, self.url)) from None
+        connection, url = connect(self.urls, "delay-gateway record", self.tls)
         try:
             channel = connection.channel()
             channel.queue_declare(self.queue, durable=self.durable, exclusive=not self.durable,
@@ -106,7 +103,7 @@ class Recorder:
             self.ready.set()
             self._consume(channel, limit, idle_timeout)
         except (pika.exceptions.ChannelClosedByBroker, pika.exceptions.ConnectionClosedByBroker) as exc:
-            raise BrokerError(classify(exc, self.url)) from None
+            raise BrokerError(classify(exc, url)) from None
         finally:
             if connection.is_open:
                 connection.close()
@@ -141,7 +138,7 @@ class Recorder:
 def run(args: argparse.Namespace) -> int:
     chain = chain_from(args)
     out = sys.stdout if args.out == "-" else open(args.out, "a", encoding="utf-8")
-    recorder = Recorder(urls_from(args)[0], chain.names.pick_up, out, args.routing_key_pattern, args.queue,
+    recorder = Recorder(urls_from(args), chain.names.pick_up, out, args.routing_key_pattern, args.queue,
                         chain.prefix, args.prefetch, tls_from(args))
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: recorder.stop())

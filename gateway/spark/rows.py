@@ -18,14 +18,11 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any, Dict, Optional, Union
 
-DELIVER_AT = "x-deliver-at"  # the contract's headers (CONTRACT.md)
-DELAY = "x-delay"
-SHORTSTR = 255
-# An x-deliver-at below this (March 1973) is almost certainly epoch seconds: check-in parks it.
-SMALLEST_DELIVER_AT = 100_000_000_000
-MS_PER_YEAR = 31_557_600_000
-MAX_AHEAD_MS = 1000 * MS_PER_YEAR  # check-in parks due times further ahead
-LONG = (-2**63, 2**63 - 1)
+from gateway.core import limits
+from gateway.core.envelope import DELAY, DELIVER_AT, MAX_AHEAD_MS, MS_PER_YEAR, SMALLEST_DELIVER_AT
+
+SHORTSTR = limits.SHORTSTR
+LONG = (limits.LONG_MIN, limits.LONG_MAX)
 # Message ids made for rows that have none: uuid5 of the row's JSON in this namespace, so a
 # re-run gives every row the id it had (consumers can de-duplicate), whatever the partitioning.
 ID_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "https://github.com/rabbitmq-delay-gateway/schedule")
@@ -138,7 +135,7 @@ def _in_range(due_ms: int, limits: Limits) -> None:
         raise Rejected(DUE_PAST, f"due {limits.now_ms - due_ms} ms before the run started "
                                  f"(limit {limits.max_overdue_ms} ms, --max-overdue-ms)")
     if due_ms - limits.now_ms > MAX_AHEAD_MS:
-        raise Rejected(DUE_TOO_FAR, f"due more than 1000 years ahead ({due_ms})")
+        raise Rejected(DUE_TOO_FAR, f"due more than {MAX_AHEAD_MS // MS_PER_YEAR} years ahead ({due_ms})")
 
 
 def milliseconds(text: str) -> Optional[int]:
@@ -175,25 +172,10 @@ def check_headers(text: Optional[str]) -> Optional[str]:
 
 def _carried(name: str, value: Any) -> None:
     """Raise Rejected if AMQP cannot carry `value` (JSON has numbers it has no type for)."""
-    if isinstance(value, bool) or value is None or isinstance(value, str):
-        return
-    if isinstance(value, int):
-        if not LONG[0] <= value <= LONG[1]:
-            raise Rejected(HEADERS_INVALID, f"header {name}: {value} does not fit a 64-bit integer")
-        return
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise Rejected(HEADERS_INVALID, f"header {name}: {value} is not a finite number")
-        return
-    if isinstance(value, list):
-        for item in value:
-            _carried(name, item)
-        return
-    if isinstance(value, dict):
-        for key, item in value.items():
-            _carried(f"{name}.{key}", item)
-        return
-    raise Rejected(HEADERS_INVALID, f"header {name}: a {type(value).__name__} cannot be sent")
+    try:
+        limits.header(name, value)
+    except limits.Refused as exc:
+        raise Rejected(HEADERS_INVALID, str(exc)) from None
 
 
 def message_headers(checked_headers: Optional[str], deliver_at_ms: int) -> Dict[str, Any]:

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import structlog
 
@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     urls, tls = urls_from(args), tls_from(args)
     confs = session.conf_pairs(args.spark_conf)
     input_format(args)  # usage errors before Spark starts (that takes a while)
-    check_exchange(urls[0], tls, exchange)
+    check_exchange(urls, tls, exchange)
     spark, owned = session.start("delay-gateway schedule", args.master, confs)
     # Without ANSI mode a value that does not convert (to_timestamp('soon') in --due-expr, a
     # cast) is null, and that row is rejected with its reason; with it, one bad row would
@@ -147,10 +147,11 @@ def run(args: argparse.Namespace) -> int:
     return 0 if summary["complete"] else 1
 
 
-def check_exchange(url: str, tls, exchange: str) -> None:
-    """Fail before Spark starts (tens of seconds) if check-in is not there."""
+def check_exchange(urls: Sequence[str], tls, exchange: str) -> None:
+    """Fail before Spark starts (tens of seconds) if check-in is not there (on the first node
+    that answers, as the executors connect)."""
     from gateway.broker.amqp import blocking_channel
-    with blocking_channel(url, "delay-gateway schedule", tls) as channel:
+    with blocking_channel(urls, "delay-gateway schedule", tls) as channel:
         channel.exchange_declare(exchange, passive=True)
 
 

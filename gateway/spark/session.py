@@ -9,7 +9,8 @@ notebook, the tests) is used as it is, and is not stopped at the end.
 import logging
 import os
 import sys
-from typing import Iterable, Optional, Tuple
+import tempfile
+from typing import Any, Dict, Iterable, Optional, Tuple
 
 
 def start(app: str, master: Optional[str] = None, confs: Iterable[Tuple[str, str]] = ()):
@@ -22,7 +23,9 @@ def start(app: str, master: Optional[str] = None, confs: Iterable[Tuple[str, str
     # The executors' Python must be one with pika and this package: the driver's, unless
     # the user chose (a cluster's nodes have their own paths).
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    SparkContext._ensure_initialized()  # reads spark-submit's settings and spark-defaults.conf
+    # reads spark-submit's settings and spark-defaults.conf; starts the JVM unless spark-submit did
+    launch, profile = _quiet_jvm(dict(confs))
+    SparkContext._ensure_initialized(conf=launch)
     given = SparkConf()
     builder = SparkSession.builder.appName(app)
     if master:
@@ -38,8 +41,43 @@ def start(app: str, master: Optional[str] = None, confs: Iterable[Tuple[str, str
     # py4j logs every connection it closes at info level: noise among our own events
     logging.getLogger("py4j").setLevel(logging.WARNING)
     spark = builder.getOrCreate()
-    spark.sparkContext.setLogLevel("WARN")
+    spark.sparkContext.setLogLevel("ERROR" if profile else "WARN")
+    if profile:
+        os.unlink(profile)  # read when the JVM started
     return spark, True
+
+
+# Spark's default log4j profile writes its start-up warnings (host name, native libraries,
+# "Setting default log level") among the command's own output. This one keeps errors, on stderr.
+LOG4J2 = """\
+rootLogger.level = warn
+rootLogger.appenderRef.stderr.ref = stderr
+appender.console.type = Console
+appender.console.name = stderr
+appender.console.target = SYSTEM_ERR
+appender.console.layout.type = PatternLayout
+appender.console.layout.pattern = %d{yy/MM/dd HH:mm:ss} %p %c{1}: %m%n%ex
+# errors only, by the appender: a root level other than WARN makes Spark announce that it
+# changes it ("Setting default log level to WARN"), on stderr, at every start
+appender.console.filter.threshold.type = ThresholdFilter
+appender.console.filter.threshold.level = error
+"""
+
+
+def _quiet_jvm(confs: Dict[str, str]) -> Tuple[Any, Optional[str]]:
+    """The settings the JVM starts with, and the file of our log4j profile, unless the user
+    has their own (driver Java options, or a log4j2.properties in SPARK_CONF_DIR)."""
+    from pyspark import SparkConf
+
+    conf = SparkConf(loadDefaults=False)
+    conf_dir = os.environ.get("SPARK_CONF_DIR")
+    if "spark.driver.extraJavaOptions" in confs or (conf_dir and os.path.exists(
+            os.path.join(conf_dir, "log4j2.properties"))):
+        return conf, None
+    fd, path = tempfile.mkstemp(prefix="delay-gateway-log4j2-", suffix=".properties")
+    with os.fdopen(fd, "w") as f:
+        f.write(LOG4J2)
+    return conf.set("spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile=file:{path}"), path
 
 
 def conf_pairs(pairs: Iterable[str]) -> Tuple[Tuple[str, str], ...]:

@@ -54,7 +54,7 @@ def test_password_never_in_logs_or_errors(own_node, node_chain):
         wrong = f"Wrong-{uuid.uuid4().hex}"
         r = gateway_cli("declare", *chain_args(chain), "--url", f"amqp://{user}:{wrong}@127.0.0.1:{port}/%2F")
         outputs.append(("declare with a wrong password", r))
-        assert r.returncode == 1 and "login refused" in r.stderr and wrong not in r.stdout + r.stderr
+        assert r.returncode == 3 and "login refused" in r.stderr and wrong not in r.stdout + r.stderr
         # 4. the right password from DELAY_GATEWAY_PASSWORD_FILE: it works end to end
         gateway = GatewayProcess(chain, "--log-level", "debug", url=f"amqp://{user}@127.0.0.1:{port}/%2F",
                                  env={"DELAY_GATEWAY_PASSWORD_FILE": path}).wait_ready()

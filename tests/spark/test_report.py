@@ -12,8 +12,6 @@ import pytest
 from gateway.cli import main
 from gateway.spark.record import Recorder
 
-from ..support import chain_args
-
 pytestmark = pytest.mark.spark
 
 EDGES = [(0, "overdue"), (1_000, "0-1s"), (10_000, "1-10s"), (60_000, "10s-1m"), (600_000, "1-10m"),
@@ -100,7 +98,7 @@ def test_report_numbers_match_a_direct_computation(spark, broker, make_chain, ru
         table = tmp_path / "in.csv"
         table.write_text("routing_key,payload,delay_ms\n" + "".join(
             f"k.{i % 3},row {i},{(i * 37) % 2000}\n" for i in range(n)))
-        assert main(["schedule", str(table), "--url", broker, *chain_args(chain), "--progress-interval", "0",
+        assert main(["schedule", str(table), "--url", broker, "--prefix", chain.prefix, "--progress-interval", "0",
                      "--errors", str(tmp_path / "errors"), "--summary", str(tmp_path / "s.json"),
                      "--state", str(tmp_path / "state")]) == 0
         thread.join(120)

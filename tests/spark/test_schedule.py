@@ -16,7 +16,7 @@ import pytest
 from gateway.cli import main
 from gateway.spark import rows as R
 
-from ..support import ROOT, Receiver, chain_args, connect, drain, now_ms, unique_prefix
+from ..support import ROOT, Receiver, connect, drain, now_ms, unique_prefix
 from . import data
 
 pytestmark = pytest.mark.spark
@@ -26,7 +26,7 @@ ON_TIME_MS = 10_000
 
 
 def schedule_args(chain, broker, path, tmp, *extra):
-    return ["schedule", path, "--url", broker, *chain_args(chain), "--spark-conf", "spark.ui.enabled=false",
+    return ["schedule", path, "--url", broker, "--prefix", chain.prefix, "--spark-conf", "spark.ui.enabled=false",
             "--errors", str(tmp / "errors"),
             "--summary", str(tmp / "summary.json"), "--state", str(tmp / "state"),
             "--max-payload-bytes", str(data.MAX_PAYLOAD), "--progress-interval", "0", *extra]

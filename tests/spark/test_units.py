@@ -1,6 +1,7 @@
-"""The Spark jobs' pure parts, without Spark; and the publisher against the real broker."""
+"""The Spark jobs' pure parts, without Spark; the publisher against the real broker; and one Spark start."""
 
 import json
+import os
 import subprocess
 import sys
 import uuid
@@ -11,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway.core.envelope import MS_PER_YEAR
 from gateway.spark import example, progress, record, report
 from gateway.spark import rows as R
 from gateway.spark.publisher import PartitionPublisher, PublishError, Target
@@ -38,7 +40,7 @@ def check(rk="k", size=1, delay=None, at=None, at_ts=None, mid=None, headers=Non
     (dict(at=str(NOW - 60_001)), R.DUE_PAST),
     (dict(delay="-60001"), R.DUE_PAST),
     (dict(at="x", at_ts=NOW - 3_600_000), R.DUE_PAST),
-    (dict(delay=str(1001 * R.MS_PER_YEAR)), R.DUE_TOO_FAR),
+    (dict(delay=str(1001 * MS_PER_YEAR)), R.DUE_TOO_FAR),
     (dict(delay="10", size=101), R.PAYLOAD_TOO_LARGE),
     (dict(delay="10", headers="{"), R.HEADERS_INVALID),
     (dict(delay="10", headers="[]"), R.HEADERS_INVALID),
@@ -167,6 +169,25 @@ def test_without_pyspark_the_spark_commands_say_how_to_install_it():
     assert done.stderr.strip().splitlines() == [
         "delay-gateway report: error: this command runs on Spark and PySpark is not installed: "
         "pip install 'rabbitmq-delay-gateway[spark]'"]
+
+
+@pytest.mark.spark
+def test_a_session_the_commands_start_keeps_sparks_start_up_log_lines_to_itself(tmp_path):
+    """Spark's default log4j profile writes warnings (host name, native libraries, "Setting
+    default log level") among a command's output; the commands start Spark with errors only."""
+    code = ("from gateway.spark import session\n"
+            "spark, _ = session.start('quiet', 'local[1]', (('spark.ui.enabled', 'false'),))\n"
+            "print('rows', spark.range(3).count())\n"
+            "spark.stop()")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYSPARK_", "SPARK_CONF"))}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240,
+                          env={**env, "TMPDIR": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "rows 3\n"
+    # the JVM's own notice of the vector module is not log4j's, and not ours to silence
+    said = [line for line in done.stderr.splitlines() if "incubator modules" not in line]
+    assert said == [], done.stderr
+    assert list(tmp_path.glob("delay-gateway-log4j2-*")) == []  # the profile is removed once read
 
 
 def test_the_publisher_confirms_every_message_and_refuses_a_check_in_without_queue(broker, make_chain):

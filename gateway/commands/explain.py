@@ -1,0 +1,51 @@
+"""`delay-gateway explain DELAY_MS`: the route a delay takes through the chain (pure)."""
+
+from typing import List
+
+from topology import ChainSettings, Enter, Meditate, build, plan
+from topology.routing import trace
+
+from gateway.commands.status import human_ms
+
+
+def laps(delay_ms: int, chain: ChainSettings, lead_ms: int) -> int:
+    """How many times a message of this delay passes the meditation queue: the fewest laps
+    after which the rest fits the level chain (a binary search: a long delay on a short
+    chain laps billions of times)."""
+    lap = chain.meditation_ms
+    if not isinstance(plan(delay_ms, chain, lead_ms), Meditate):
+        return 0
+    low, high = 0, max(1, delay_ms // lap + 1)  # plan(delay - high * lap) does not meditate
+    while high - low > 1:
+        mid = (low + high) // 2
+        if isinstance(plan(delay_ms - mid * lap, chain, lead_ms), Meditate):
+            low = mid
+        else:
+            high = mid
+    return high
+
+
+def lines(delay_ms: int, chain: ChainSettings, lead_ms: int) -> List[str]:
+    names = chain.names
+    out = [f"delay {delay_ms} ms; chain of {chain.max_level} levels x {chain.resolution_ms} ms "
+           f"(up to {chain.meditation_ms} ms), lead {lead_ms} ms"]
+    exit_queue = names.exit_distributor(chain.queue_type)
+    if delay_ms <= 0:
+        out.append(f"  due now (a delay of 0 or less): check-in sends it to {exit_queue}, which publishes it "
+                   f"to {names.pick_up} at once")
+        return out
+    n = laps(delay_ms, chain, lead_ms)
+    total = n * chain.meditation_ms
+    if n == 1:
+        out.append(f"  {chain.meditation:<44} wait {chain.meditation_ms} ms, then check in again")
+    elif n > 1:
+        out.append(f"  {chain.meditation:<44} wait {chain.meditation_ms} ms, {n} times ({human_ms(total)}), "
+                   "checking in again after each lap")
+    route = plan(delay_ms - total, chain, lead_ms)
+    if isinstance(route, Enter):
+        out.append(f"  publish to {names.level(route.level)} with key {route.key!r}")
+        for hop in trace(build(chain), names.level(route.level), route.key, exit_queue):
+            out.append(f"  {hop.queue:<44} wait {hop.wait_ms} ms")
+            total += hop.wait_ms
+    out.append(f"  {exit_queue:<44} hold {delay_ms - total} ms, then publish to {names.pick_up}")
+    return out
