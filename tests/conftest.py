@@ -73,8 +73,6 @@ ONE_BROKER: Dict[str, Tuple[Sequence[str], dict, str]] = {
         (RMQ4, {}, "message interceptors exist from 3.12 on"),
     "test_the_receiver_sees_the_stamp_of_the_original_publish":
         (RMQ4, {}, "message interceptors exist from 3.12 on"),
-    "test_a_gateway_on_a_stamping_broker_says_so":
-        (RMQ4, {}, "message interceptors exist from 3.12 on"),
 }
 # Whole modules whose parameter combinations run on some brokers only.
 ONE_BROKER_IN_MODULE: Dict[str, List[Tuple[Sequence[str], dict]]] = {
