@@ -111,11 +111,7 @@ HOST_RUNTIME = Runtime("rmq3.10")
 # Every broker version the tests know; test ids carry the label. Which of them a run uses is
 # tests/conftest.py's choice (DELAY_GATEWAY_TEST_BROKERS).
 BROKER_LABELS = ["rmq3.10", "rmq4.3", "rmq4.0"]
-# What only some versions do, for the tests that show the difference.
-# 4.3 closes the publisher's connection (501 FRAME_ERROR) on a short string (routing key,
-# header name) that is not UTF-8; 3.10 and 4.0 take it.
-REFUSES_NON_UTF8_SHORTSTR = {"rmq4.3"}
-# RabbitMQ 3.12+ has message interceptors, and so the arrival stamp.
+# The versions that can stamp arrival times (3.12+ has message interceptors).
 HAS_ARRIVAL_STAMP = {"rmq4.0", "rmq4.3"}
 
 
