@@ -1,8 +1,9 @@
 """The gateway on a broker that stamps arrival times (RabbitMQ 3.12+ with
-`message_interceptors.incoming.set_header_timestamp.overwrite = false`: the 4.0 node of
+`message_interceptors.incoming.set_header_timestamp.overwrite = false`: the 4.x nodes of
 these tests). Every publish, the gateway's own to the chain and to pick-up included, gets
 `timestamp_in_ms` unless it has one; the stamp of the publisher's message must be the one
-the receiver sees, and nothing may arrive before that stamp plus its delay. About 2 s.
+the receiver sees, and nothing may arrive before that stamp plus its delay. The gateway
+says at start that x-delay counts from arrival (and gives no warning). About 2 s.
 """
 
 import pika
@@ -12,7 +13,10 @@ from .support import Receiver, connect, now_ms
 
 def test_the_receiver_sees_the_stamp_of_the_original_publish(make_chain, run_gateway):
     chain = make_chain(max_level=3, resolution_ms=100)
-    run_gateway(chain)
+    gateway = run_gateway(chain)
+    [said] = gateway.events("arrival_stamp")
+    assert said["state"] == "on" and said["x_delay_counts_from"] == "arrival", said
+    assert gateway.events("arrival_stamp_off") == []
     receiver = Receiver(chain)
     delays = [0, 450, 1200]  # now; the chain; a meditation lap (the chain holds 700 ms)
     window = {}

@@ -3,15 +3,19 @@ each broker version (README, "Tested on"). No gateway here: plain AMQP against t
 so a change in a new RabbitMQ release shows up as a failure naming the mechanism.
 
 - x-death: a client-republished `x-death` header counts for cycle detection on 3.10 (the
-  message is dropped) and is ignored on 4.0; the gateway strips it either way.
-- Quorum delivery limit: unlimited redelivery on 3.10, a default limit of 20 on 4.0 (the
+  message is dropped) and is ignored on 4.0 and 4.3; the gateway strips it either way.
+- Quorum delivery limit: unlimited redelivery on 3.10, a default limit of 20 on 4.x (the
   21st return drops the message when there is nowhere to dead-letter it).
 - At-least-once dead-lettering: an unroutable dead-letter stays in its quorum source queue
   (it is not dropped) on both; with the default overflow it silently becomes at-most-once.
 - Alternate exchange: catches dead-letters that match no binding, on both.
 - Definitions: what `delay-gateway definitions` prints imports on both.
-- Arrival stamp (4.0 only; 3.10 has no message interceptors): every publish without
+- Arrival stamp (4.x only; 3.10 has no message interceptors): every publish without
   `timestamp_in_ms` gets the broker's arrival time; a publisher's own value is kept.
+- Short strings that are not UTF-8: carried as bytes in a publish (routing key, header
+  names), refused with 501 FRAME_ERROR in a binding key, on every version.
+- Global QoS (`basic.qos` with global=true): taken by 3.10 and 4.0, refused by 4.3; the
+  gateway's prefetch is per consumer.
 
 Each test costs a second or two per broker.
 """
@@ -76,8 +80,8 @@ def messages_in(channel, queue) -> int:
 # second pass through the chain would be (a replayed parked message, say) were the gateway
 # not to strip the death history. When level.01 dead-letters it into level.00 again, 3.10
 # sees level.00 in the history (expired there, nothing rejected since) and drops it as a
-# cycle; 4.0 ignores a client's x-death and delivers it.
-X_DEATH_KEPT = {"rmq3.10": "dropped", "rmq4.0": "delivered"}
+# cycle; 4.x ignores a client's x-death and delivers it.
+X_DEATH_KEPT = {"rmq3.10": "dropped", "rmq4.0": "delivered", "rmq4.3": "delivered"}
 
 
 @pytest.mark.parametrize("strip", [False, True], ids=["x-death-kept", "x-death-stripped"])
@@ -132,8 +136,19 @@ def test_two_ttl_queues_dead_lettering_into_each_other_lose_the_message(request,
 
 
 # How many times a quorum queue without x-delivery-limit lets a message be returned
-# (nack, requeue) before it drops it, there being no dead-letter target.
-DEFAULT_DELIVERY_LIMIT = {"rmq3.10": None, "rmq4.0": 20}
+# (reject, requeue) before it drops it, there being no dead-letter target.
+DEFAULT_DELIVERY_LIMIT = {"rmq3.10": None, "rmq4.0": 20, "rmq4.3": 20}
+# Which returns count against a delivery limit: basic.reject with requeue and a consumer
+# gone with the message unacked (its channel closed, its connection lost) count everywhere;
+# basic.nack with requeue counts on 3.10 and 4.0 but not on 4.3 (no x-delivery-count either).
+NACK_COUNTS = {"rmq3.10": True, "rmq4.0": True, "rmq4.3": False}
+
+
+def give_back(channel, tag: int, how: str) -> None:
+    if how == "nack":
+        channel.basic_nack(tag, requeue=True)
+    else:
+        channel.basic_reject(tag, requeue=True)
 
 
 def test_quorum_default_delivery_limit(request, names):
@@ -152,7 +167,7 @@ def test_quorum_default_delivery_limit(request, names):
                 method, properties, _ = channel.basic_get(queue)
                 if method is None:
                     break
-            channel.basic_nack(method.delivery_tag, requeue=True)
+            channel.basic_reject(method.delivery_tag, requeue=True)
             returns += 1
         time.sleep(0.3)  # the last return reaches the queue
         left = messages_in(channel, queue)
@@ -163,9 +178,12 @@ def test_quorum_default_delivery_limit(request, names):
         assert returns == limit + 1 and left == 0, (returns, left)
 
 
-def test_explicit_delivery_limit_dead_letters_on_both(request, names):
+@pytest.mark.parametrize("how", ["reject", "nack", "consumer-gone"])
+def test_explicit_delivery_limit_dead_letters(request, names, how):
     """The gateway's consumed queues set x-delivery-limit (20) and dead-letter at least once
-    to parking, so the 21st return moves the message aside on every version."""
+    to parking, so the 21st return moves the message aside. The returns the gateway causes
+    are those of a consumer gone (a crash, a lost connection): they count on every version.
+    (It never requeues with basic.nack, which 4.3 does not count.)"""
     prefix, made = names
     with connect() as connection:
         channel = connection.channel()
@@ -179,15 +197,22 @@ def test_explicit_delivery_limit_dead_letters_on_both(request, names):
         channel.basic_publish("", queue, b"poison", pika.BasicProperties(delivery_mode=2), mandatory=True)
         returns = 0
         while returns < 10:
-            method, _, _ = channel.basic_get(queue)
+            reader = connection.channel() if how == "consumer-gone" else channel
+            method, _, _ = reader.basic_get(queue)
             if method is None:
                 time.sleep(0.2)
-                method, _, _ = channel.basic_get(queue)
+                method, _, _ = reader.basic_get(queue)
                 if method is None:
                     break
-            channel.basic_nack(method.delivery_tag, requeue=True)
+            if how == "consumer-gone":
+                reader.close()  # unacked: back to the queue
+            else:
+                give_back(channel, method.delivery_tag, how)
             returns += 1
-        parked = wait_for_message(channel, parking)
+        parked = wait_for_message(channel, parking, timeout=5 if returns < 10 else 0.5)
+    if how == "nack" and not NACK_COUNTS[version_of(request)]:
+        assert returns == 10 and parked is None, (returns, parked)  # still in the queue, never parked
+        return
     assert returns == 4, returns
     assert parked is not None and parked[1] == b"poison"
     [death] = parked[0].headers["x-death"]
@@ -257,7 +282,7 @@ def test_alternate_exchange_catches_dead_letters_with_no_binding(request, names)
 
 def test_gateway_definitions_import_on_each_version(names, broker_ctl):
     """`delay-gateway definitions` imported with rabbitmqctl, then the gateway's own
-    declare: any difference in arguments would be a 406 (4.0 checks them as 3.10 does)."""
+    declare: any difference in arguments would be a 406 (4.x checks them as 3.10 does)."""
     prefix, _ = names
     chain = ChainSettings(prefix=prefix, max_level=4)
     topology = build(chain)
@@ -278,7 +303,7 @@ def test_gateway_definitions_import_on_each_version(names, broker_ctl):
 
 
 # The broker's arrival stamp (3.12+, `message_interceptors.incoming.set_header_timestamp`):
-# the RabbitMQ 4.0 node of these tests has it on; 3.10 has no interceptors.
+# the RabbitMQ 4.x nodes of these tests have it on; 3.10 has no interceptors.
 def test_arrival_stamp_is_added_and_a_publishers_own_is_kept(names):
     prefix, made = names
     with connect() as connection:
@@ -296,3 +321,59 @@ def test_arrival_stamp_is_added_and_a_publishers_own_is_kept(names):
     assert plain[0].timestamp == plain[0].headers["timestamp_in_ms"] // 1000  # the property, in seconds
     # overwrite = false: what a publisher sets is kept, so the stamp can be forged.
     assert forged[0].headers["timestamp_in_ms"] == 1
+
+
+def test_short_strings_that_are_not_utf8(names):
+    """A routing key and a header name that are not UTF-8 are carried as bytes in a publish,
+    on every version (the gateway keeps them: tests/test_isolation.py); the same bytes as
+    a binding key, in a method the broker decodes, close the client's connection with 501
+    FRAME_ERROR "Malformed UTF-8 in shortstr": a receiver cannot bind to such a key."""
+    from gateway.broker import codec
+    from gateway.core.wire import Properties, Table
+    prefix, made = names
+    codec.install()
+    with connect() as connection:
+        channel = connection.channel()
+        channel.confirm_delivery()
+        exchange = declare_exchange(channel, made, f"{prefix}.topic", "topic")
+        queue = declare_queue(channel, made, f"{prefix}.all")
+        channel.queue_bind(queue, exchange, "#")
+        headers = Table.parse(bytes([5]) + b"\xffname" + b"b" + b"\x01")
+        channel.basic_publish(exchange, b"key.\xff\xfe", b"bytes", codec.RawProperties(Properties.build(
+            headers=headers)), mandatory=True)
+        method, properties, body = channel.basic_get(queue, auto_ack=True)
+        assert body == b"bytes" and method.routing_key in (b"key.\xff\xfe", "key.\xff\xfe")
+        assert b"\xffname" in properties.headers
+    with connect() as connection:
+        channel = connection.channel()
+        with pytest.raises(pika.exceptions.ConnectionClosedByBroker) as refused:
+            channel.queue_bind(queue, exchange, b"key.\xff\xfe")
+    assert refused.value.reply_code == 501 and "UTF-8" in refused.value.reply_text
+
+
+# basic.qos with global=true shares one prefetch among a channel's consumers: a deprecated
+# feature (`rabbitmqctl list_deprecated_features`: global_qos) that 4.3 denies by default. It
+# does not refuse the method: it takes the prefetch per consumer instead and logs an error.
+# Two consumers on one channel with a global prefetch of 1: how many deliveries unacked.
+GLOBAL_QOS_UNACKED = {"rmq3.10": 1, "rmq4.0": 1, "rmq4.3": 2}
+
+
+def test_global_qos_is_per_consumer_on_4_3(request, names):
+    """The gateway's prefetch is per consumer (pika's default), the same on every version."""
+    prefix, made = names
+    with connect() as connection:
+        channel = connection.channel()
+        queues = [declare_queue(channel, made, f"{prefix}.q{i}") for i in (1, 2)]
+        for queue in queues:
+            for _ in range(3):
+                channel.basic_publish("", queue, b"x")
+        consumer = connection.channel()
+        consumer.basic_qos(prefetch_count=1, global_qos=True)
+        got = []
+        for queue in queues:
+            consumer.basic_consume(queue, lambda ch, method, properties, body: got.append(method.routing_key))
+        deadline = time.monotonic() + 1.5  # long enough for a second delivery to arrive if allowed
+        while time.monotonic() < deadline:
+            connection.process_data_events(0.1)
+        consumer.close()  # the unacked go back
+    assert len(got) == GLOBAL_QOS_UNACKED[version_of(request)], got

@@ -23,6 +23,7 @@ from topology.broker.declare import TopologyConflict, declare
 from topology.settings import QUEUE_TYPES
 
 from gateway import health as health_http
+from gateway.broker import stamp
 from gateway.broker.amqp import BrokerError, Trouble, blocking_channel, classify, parameters
 from gateway.clock import wall_ms
 from gateway.core.carrier import Batcher
@@ -236,6 +237,7 @@ def run(settings: Settings, stop: threading.Event, metrics: Metrics, health: Hea
     log = structlog.get_logger("gateway")
     urls = itertools.cycle(settings.urls)
     declared = not settings.declare
+    stamp_checked = False  # said once per process, on the first broker that answers
     backoff = Backoff()
     refused = 0
     last_up = time.monotonic()
@@ -249,6 +251,9 @@ def run(settings: Settings, stop: threading.Event, metrics: Metrics, health: Hea
                 log.info("topology_declared", prefix=settings.chain.prefix, generation=settings.chain.generation,
                          max_level=settings.chain.max_level)
                 declared = True
+            if not stamp_checked:
+                stamp.check(url, settings, log)
+                stamp_checked = True
             session = Session(url, settings, metrics, health, stop, other_exits(url, settings))
             session.run()
             trouble = classify(session.error, url) if session.error is not None else None

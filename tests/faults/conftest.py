@@ -11,10 +11,10 @@ import tempfile
 
 import pytest
 
-from ..conftest import broker_label
+from ..conftest import broker_label, checked_runtime
 from ..support import chains, report_figures
 from .load import Figures
-from .nodes import BROKER_LABELS, HOST_RUNTIME, Cluster, unique_names
+from .nodes import BROKER_LABELS, Cluster, unique_names
 
 
 @pytest.fixture
@@ -53,13 +53,10 @@ def own_cluster(request, tls_files):
     """One private node (AMQP and a TLS listener) of each broker version in turn, for the
     tests that disturb a broker."""
     from .nodes import free_port
-    if request.param == "rmq3.10":
-        runtime = HOST_RUNTIME
-    else:
-        runtime = request.getfixturevalue("rabbitmq4_runtime_checked")
+    runtime = checked_runtime(request.param)
     tls_port = free_port()
     cluster = Cluster(unique_names(1), runtime=runtime)
-    # The node reads its certificates from where it runs (inside the 4.0 root for 4.0).
+    # The node reads its certificates from where it runs (inside its root for 4.x).
     tls_dir = os.path.join(cluster.home, "tls")
     os.makedirs(tls_dir)
     for name in ("ca", "cert", "key"):

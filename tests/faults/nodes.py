@@ -5,9 +5,9 @@ it. Each node gets its own RABBITMQ_NODENAME, AMQP and distribution ports, data 
 directories, an empty plugins file and a HOME of its own (so its Erlang cookie is ours,
 shared only by the nodes we start together and the rabbitmqctl calls that drive them).
 
-A node runs either the host's RabbitMQ (Debian bookworm: 3.10.x) or the one in the
-RabbitMQ 4.0 root that scripts/ensure-rabbitmq4 caches (Debian trixie in a chroot): see
-`Runtime`. The same Node and Cluster drive both.
+A node runs the host's RabbitMQ (Debian bookworm: 3.10.x) or the one in a RabbitMQ 4.x root
+that scripts/ensure-rabbitmq4 caches (Debian trixie's 4.0.x or forky's 4.3.x in a chroot):
+see `Runtime`. The same Node and Cluster drive all of them.
 """
 
 import os
@@ -27,7 +27,11 @@ from bench import launcher
 SERVER = "/usr/lib/rabbitmq/bin/rabbitmq-server"  # the Debian wrapper in /usr/sbin would su to rabbitmq
 CTL = "/usr/lib/rabbitmq/bin/rabbitmqctl"
 HOST = "localhost"
-RABBITMQ4_ROOT = "/var/cache/delay-gateway/rabbitmq-4.0-trixie"
+# label -> (the variable that may name its root, the default root): as scripts/ensure-rabbitmq4
+ROOTS = {
+    "rmq4.0": ("DELAY_GATEWAY_RABBITMQ4_ROOT", "/var/cache/delay-gateway/rabbitmq-4.0-trixie"),
+    "rmq4.3": ("DELAY_GATEWAY_RABBITMQ43_ROOT", "/var/cache/delay-gateway/rabbitmq-4.3-forky"),
+}
 RABBITMQ4_MARK = ".delay-gateway-complete"
 # Adds header timestamp_in_ms and the timestamp property to every incoming publish that has
 # none: the broker's arrival time, which the gateway counts x-delay from where present.
@@ -41,12 +45,12 @@ class NodeError(RuntimeError):
 @dataclass(frozen=True)
 class Runtime:
     """Which RabbitMQ runs a node: the host's own package (root "/"), or the one installed
-    in a chroot by scripts/ensure-rabbitmq4, run as that root's `rabbitmq` user in a mount
+    in a chroot by scripts/ensure-rabbitmq4 (4.0 or 4.3), run as that root's `rabbitmq` user in a mount
     namespace of its own where /proc, /dev and /sys are bind-mounted (without /proc the
     node's memory monitor is broken). The mounts die with the node's last process, so the
     host keeps no trace and the cached root is never written to but below /srv."""
 
-    label: str  # "rmq3.10" or "rmq4.0": what test ids show
+    label: str  # "rmq3.10", "rmq4.0" or "rmq4.3": what test ids show
     root: str = "/"
 
     @property
@@ -69,11 +73,19 @@ class Runtime:
                 fields = line.split(":")
                 if fields[0] == "rabbitmq":
                     return int(fields[2]), int(fields[3])
-        raise NodeError(f"no rabbitmq user in {self.root}/etc/passwd: run scripts/ensure-rabbitmq4")
+        raise NodeError(f"no rabbitmq user in {self.root}/etc/passwd: run {self.provision}")
+
+    @property
+    def version(self) -> str:
+        return self.label[len("rmq"):]
+
+    @property
+    def provision(self) -> str:
+        return f"scripts/ensure-rabbitmq4 --version {self.version}"
 
     def check(self) -> None:
         if self.chroot and not os.path.exists(os.path.join(self.root, RABBITMQ4_MARK)):
-            raise NodeError(f"no complete RabbitMQ 4.0 root at {self.root}: run scripts/ensure-rabbitmq4")
+            raise NodeError(f"no complete RabbitMQ {self.version} root at {self.root}: run {self.provision}")
         if not os.path.exists(os.path.join(self.root, SERVER.lstrip("/"))):
             raise NodeError(f"{SERVER} not found: run scripts/ensure-rabbitmq to install rabbitmq-server")
 
@@ -96,16 +108,23 @@ class Runtime:
 
 
 HOST_RUNTIME = Runtime("rmq3.10")
-# Every broker version the tests run on; test ids carry the label.
-BROKER_LABELS = ["rmq3.10", "rmq4.0"]
-
-
-def rabbitmq4_runtime(root: Optional[str] = None) -> Runtime:
-    return Runtime("rmq4.0", root or os.environ.get("DELAY_GATEWAY_RABBITMQ4_ROOT", RABBITMQ4_ROOT))
+# Every broker version the tests know; test ids carry the label. Which of them a run uses is
+# tests/conftest.py's choice (DELAY_GATEWAY_TEST_BROKERS).
+BROKER_LABELS = ["rmq3.10", "rmq4.3", "rmq4.0"]
+# The versions that can stamp arrival times (3.12+ has message interceptors).
+HAS_ARRIVAL_STAMP = {"rmq4.0", "rmq4.3"}
 
 
 def runtime_for(label: str) -> Runtime:
-    return {"rmq3.10": HOST_RUNTIME, "3.10": HOST_RUNTIME}.get(label) or rabbitmq4_runtime()
+    """The runtime of "rmq4.3" or "4.3" (and so on)."""
+    label = label if label.startswith("rmq") else "rmq" + label
+    if label == HOST_RUNTIME.label:
+        return HOST_RUNTIME
+    if label not in ROOTS:
+        raise NodeError(f"no RabbitMQ {label[3:]} here: the versions are "
+                        + ", ".join(b[3:] for b in BROKER_LABELS))
+    variable, default = ROOTS[label]
+    return Runtime(label, os.environ.get(variable) or default)
 
 
 def free_port() -> int:
@@ -371,17 +390,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="scripts/rabbit-cluster", description=main.__doc__)
     p.add_argument("--nodes", type=int, default=3)
     p.add_argument("--name", default="delaygw", help="node names are NAME1@localhost, NAME2@localhost, ...")
-    p.add_argument("--broker", choices=["3.10", "4.0"], default="3.10",
-                   help="3.10: the host's rabbitmq-server; 4.0: Debian trixie's, from the root "
-                        "scripts/ensure-rabbitmq4 caches")
+    p.add_argument("--broker", choices=["3.10", "4.0", "4.3"], default="3.10",
+                   help="3.10: the host's rabbitmq-server; 4.0: Debian trixie's, 4.3: Debian forky's, from "
+                        "the roots scripts/ensure-rabbitmq4 caches")
     p.add_argument("--arrival-stamp", action="store_true",
-                   help="4.0: stamp incoming messages with the arrival time (timestamp_in_ms)")
-    p.add_argument("--khepri", action="store_true", help="4.0: enable the experimental khepri_db feature flag")
+                   help="4.x: stamp incoming messages with the arrival time (timestamp_in_ms)")
+    p.add_argument("--khepri", action="store_true",
+                   help="4.0: enable the experimental khepri_db feature flag (4.3 has Khepri only)")
     args = p.parse_args(argv)
     if args.nodes < 1:
         p.error("--nodes must be at least 1")
-    if (args.arrival_stamp or args.khepri) and args.broker != "4.0":
-        p.error("--arrival-stamp and --khepri need --broker 4.0")
+    if args.arrival_stamp and args.broker == "3.10":
+        p.error("--arrival-stamp needs --broker 4.0 or 4.3")
+    if args.khepri and args.broker != "4.0":
+        p.error("--khepri needs --broker 4.0 (4.3 has Khepri from the first boot)")
     runtime = runtime_for(args.broker)
     try:
         runtime.check()

@@ -14,7 +14,7 @@ import pika
 
 from ..support import ROOT, GatewayProcess, chain_args, connect
 from .load import Sink, count, mixed_delays, publish, where_are_they
-from .test_broker import queue_depths, wait_until
+from .test_broker import wait_until
 
 
 def gateway_cli(*args, url, timeout=60) -> subprocess.CompletedProcess:
@@ -23,39 +23,45 @@ def gateway_cli(*args, url, timeout=60) -> subprocess.CompletedProcess:
 
 
 def test_a_message_the_broker_refuses_is_parked_and_touches_no_other(own_node, node_chain, fault_report):
-    """The broker refuses bodies above max_message_size on new channels; lowered while a big
-    message waits in the chain, its publish to pick-up closes the publishing channel. The
-    gateway must find that message alone, park it (the broker dead-letters what cannot even
-    be parked), and deliver everything else exactly once, on one connection."""
-    chain = node_chain(max_level=5, resolution_ms=200)  # meditation: 6.2 s
+    """The broker refuses bodies above max_message_size on channels opened after the limit
+    was lowered (3.10 reads it per new channel). A publisher's channel opened before takes a
+    2 MB message, which the gateway, all of whose channels are newer, cannot publish on: the
+    publishing channel closes. The gateway must find that message alone among the 300 sent
+    around it, park it (the broker dead-letters what cannot even be parked), and deliver
+    everything else exactly once, on one connection.
+
+    No step depends on timing: the limit is in effect before the gateway starts and before
+    the big message exists, and the test waits for what it checks (every message delivered,
+    one parked), never for a time to pass."""
+    chain = node_chain(max_level=5, resolution_ms=200)
     sink = Sink([own_node.url], chain)
-    gateway = GatewayProcess(chain, url=own_node.url).wait_ready()
     limit = "max_message_size"
+    gateway = None
     try:
-        started = time.monotonic()
-        with connect(own_node.url) as c:
-            ch = c.channel()
-            ch.confirm_delivery()
-            ch.basic_publish(chain.names.check_in, "big", b"\xa5" * 2_000_000, pika.BasicProperties(
-                message_id="big", headers={"x-delay": 9000}), mandatory=True)
-        # it waits in meditation while the limit changes (nothing of it in flight, which a
-        # lost connection would deliver twice)
-        wait_until(lambda: queue_depths(own_node, chain.prefix).get(chain.meditation) == 1, 5)
-        own_node.ctl("eval", f"application:set_env(rabbit, {limit}, 1000000).")
-        # new channels only: the gateway's publishing channels must be opened anew (well
-        # before the big message is due)
-        own_node.ctl("close_all_connections", "test: new channels take the lower limit")
-        wait_until(lambda: gateway.metric("delay_gateway_connections_total") == 2 and gateway.ready, 20)
-        connections = gateway.metric("delay_gateway_connections_total")
-        sent = publish([own_node.url], chain, mixed_delays(300, 4000, seed=12))
-        delivered = sink.wait_for([s.message_id for s in sent], timeout=30)
-        time.sleep(max(0.0, 10 - (time.monotonic() - started)))  # the big one is due at 9 s
+        with connect(own_node.url) as early:
+            big_channel = early.channel()  # opened under the default limit: keeps it
+            big_channel.confirm_delivery()
+            own_node.ctl("eval", f"application:set_env(rabbit, {limit}, 1000000).")
+            gateway = GatewayProcess(chain, url=own_node.url).wait_ready()
+            connections = gateway.metric("delay_gateway_connections_total")
+            # The big one among the others, with delays that put some in every part of the
+            # chain with it; the gateway carries them together, so the refusal hits a batch.
+            sent = publish([own_node.url], chain, mixed_delays(150, 4000, seed=12))
+            big_channel.basic_publish(chain.names.check_in, "big", b"\xa5" * 2_000_000, pika.BasicProperties(
+                message_id="big", headers={"x-delay": 1500}), mandatory=True)
+            sent += publish([own_node.url], chain, mixed_delays(150, 4000, seed=13))
+        delivered = sink.wait_for([s.message_id for s in sent], timeout=60)
+        listed = {"count": 0, "messages": []}
+        deadline = time.monotonic() + 30
+        while listed["count"] == 0 and time.monotonic() < deadline:
+            listed = json.loads(gateway_cli("parked", "list", "--json", *chain_args(chain), url=own_node.url).stdout)
+            time.sleep(0.2)
         whereabouts = where_are_they([own_node.url], chain)
-        listed = json.loads(gateway_cli("parked", "list", "--json", *chain_args(chain), url=own_node.url).stdout)
         after = gateway.metric("delay_gateway_connections_total")
     finally:
         own_node.ctl("eval", f"application:set_env(rabbit, {limit}, 134217728).", check=False)
-        gateway.terminate()
+        if gateway is not None:
+            gateway.terminate()
         sink.close()
         sink.delete()
     figures = fault_report(count("broker-refuses-one-message", sent, sink, 1, parked=listed["count"]))
@@ -64,7 +70,7 @@ def test_a_message_the_broker_refuses_is_parked_and_touches_no_other(own_node, n
     [big] = listed["messages"]
     assert big["message_id"] == "big" and big["bytes"] == 2_000_000
     assert "rejected by the gateway" in big["reason"], listed
-    assert after == connections, "the refusal made the gateway reconnect"
+    assert after == connections == 1, "the refusal made the gateway reconnect"
 
 
 def test_missing_permissions_are_one_line_and_a_bounded_number_of_attempts(own_node, node_chain):
