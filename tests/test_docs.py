@@ -1,0 +1,226 @@
+"""The documentation, checked (pure, fast): every relative link resolves, every
+`delay-gateway ...` command line quoted in the docs parses with the real CLI parser, and
+nothing in the repository points outside it."""
+
+import contextlib
+import glob
+import inspect
+import io
+import os
+import re
+import shlex
+import subprocess
+from typing import Dict, Iterator, List, Set, Tuple
+
+import pytest
+
+from gateway import cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def doc_files() -> List[str]:
+    patterns = ["README.md", "BENCHMARKS.md", "docs/*.md", "deploy/**/*.md"]
+    found = {os.path.relpath(path, ROOT) for pattern in patterns
+             for path in glob.glob(os.path.join(ROOT, pattern), recursive=True)}
+    return sorted(found)
+
+
+def read(relative: str) -> str:
+    with open(os.path.join(ROOT, relative), encoding="utf-8") as f:
+        return f.read()
+
+
+# -- Markdown, as far as these checks need it -------------------------------------------------
+FENCE = re.compile(r"^\s*(```|~~~)")
+
+
+def lines_outside_code(text: str) -> Iterator[Tuple[int, str, bool]]:
+    """(line number, line, inside a fenced code block) for every line."""
+    fenced = False
+    for number, line in enumerate(text.splitlines(), 1):
+        if FENCE.match(line):
+            fenced = not fenced
+            continue
+        yield number, line, fenced
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"`|\*\*|\[([^\]]*)\]\([^)]*\)", lambda m: m.group(1) or "", heading.strip())
+    text = re.sub(r"[^\w\- ]", "", text.lower())
+    return text.replace(" ", "-")
+
+
+def anchors(relative: str) -> Set[str]:
+    seen: Dict[str, int] = {}
+    result = set()
+    for _, line, fenced in lines_outside_code(read(relative)):
+        m = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if fenced or not m:
+            continue
+        base = slug(m.group(1))
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        result.add(base if n == 0 else f"{base}-{n}")
+    return result
+
+
+LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+INLINE_CODE = re.compile(r"(`+)(.+?)\1")
+
+
+def links(relative: str) -> Iterator[Tuple[int, str]]:
+    for number, line, fenced in lines_outside_code(read(relative)):
+        if fenced:
+            continue
+        prose = INLINE_CODE.sub("", line)
+        for m in LINK.finditer(prose):
+            yield number, m.group(1)
+
+
+def test_the_docs_exist():
+    files = doc_files()
+    for required in ("README.md", "BENCHMARKS.md", "docs/contract.md", "docs/operating.md",
+                     "docs/kubernetes.md", "docs/spark.md", "docs/security.md", "docs/development.md"):
+        assert required in files
+
+
+def test_every_relative_link_resolves():
+    broken = []
+    for relative in doc_files():
+        for number, target in links(relative):
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            resolved = os.path.normpath(os.path.join(os.path.dirname(relative), path)) if path else relative
+            where = f"{relative}:{number}: {target}"
+            if resolved.startswith(".."):
+                broken.append(f"{where}: points outside the repository")
+            elif not os.path.exists(os.path.join(ROOT, resolved)):
+                broken.append(f"{where}: no such file")
+            elif anchor and resolved.endswith(".md") and anchor not in anchors(resolved):
+                broken.append(f"{where}: no heading with this anchor in {resolved}")
+    assert not broken, "\n".join(broken)
+
+
+# -- command lines ------------------------------------------------------------------------------
+PROGRAM = re.compile(r"^(?:\S*/)?delay-gateway$")
+SHELL_OPERATORS = {"|", "||", "&", "&&", ";", ">", ">>", "<", "2>"}
+# Placeholders the docs use in command lines, and a value of the right kind for each.
+PLACEHOLDERS = {"MS": "1000", "DELAY_MS": "1000", "EPOCH_MS": "1795324334323", "N": "1",
+                "SECONDS": "1", "URL": "amqp://127.0.0.1/%2F", "ROWS_PER_S": "100"}
+SAMPLE_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
+
+
+def command_lines(relative: str) -> Iterator[Tuple[int, str]]:
+    """Every `delay-gateway ...` line: in code blocks (with continuation lines joined), and
+    in inline code."""
+    pending: List[str] = []
+    start = 0
+    for number, line, fenced in lines_outside_code(read(relative)):
+        if fenced:
+            if pending:
+                pending.append(line.strip())
+            else:
+                start = number
+                pending = [line.strip()]
+            if pending[-1].endswith("\\"):
+                pending[-1] = pending[-1][:-1]
+                continue
+            joined, pending = " ".join(pending), []
+            words = joined.lstrip("$ ").split()
+            while words and re.match(r"^[A-Z_][A-Z0-9_]*=", words[0]):  # VAR=value delay-gateway ...
+                words.pop(0)
+            if words and PROGRAM.match(words[0]) and len(words) > 1:
+                yield start, " ".join(words)
+        else:
+            pending = []
+            for m in INLINE_CODE.finditer(line):
+                words = m.group(2).split()
+                if len(words) > 1 and PROGRAM.match(words[0]) and not words[1].startswith("…"):
+                    yield number, m.group(2)
+
+
+def argv_of(line: str) -> List[str]:
+    lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    lexer.commenters = "#"
+    argv = []
+    for token in lexer:
+        if token in SHELL_OPERATORS:
+            break
+        if token.startswith("$"):  # a shell variable: in these docs always a URL
+            token = SAMPLE_URL
+        argv.append(PLACEHOLDERS.get(token, token))
+    return argv[1:]
+
+
+def parse(argv: List[str]) -> str:
+    """'' when the real parser takes argv, else what it said."""
+    build = cli.parser
+    parser = build({}) if inspect.signature(build).parameters else build()  # type: ignore[call-arg]
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            parser.parse_args(argv)
+    except SystemExit as exc:
+        if exc.code:
+            return err.getvalue().strip() or f"exit {exc.code}"
+    return ""
+
+
+def test_the_command_lines_are_found():
+    found = {relative: list(command_lines(relative)) for relative in doc_files()}
+    assert len(found["docs/operating.md"]) >= 20
+    assert any("publish" in line for _, line in found["README.md"])
+    assert argv_of("delay-gateway status --watch   # redrawn > every 2 s") == ["status", "--watch"]
+    assert argv_of("delay-gateway render --format terraform > main.tf") == ["render", "--format", "terraform"]
+
+
+def test_every_quoted_command_line_parses():
+    wrong = []
+    for relative in doc_files():
+        for number, line in command_lines(relative):
+            said = parse(argv_of(line))
+            if said:
+                wrong.append(f"{relative}:{number}: {line}\n    {said}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_a_wrong_command_line_is_caught():
+    assert "invalid choice" in parse(argv_of("delay-gateway definitions"))
+    assert parse(argv_of("delay-gateway publish --delay 5000 --routing-key a.b --body hi")) == ""
+
+
+# -- nothing points outside the repository ------------------------------------------------------
+OUTSIDE = [
+    (re.compile(r"\.\./shared|/work/|shared notes|CONTRACT\.md"), "a file outside the repository"),
+    (re.compile(r"\bissues? #?\d+", re.IGNORECASE), "an issue number a reader cannot see"),
+    (re.compile(r"\bbranch(?:es)? `|\bon the `\w+` branch", re.IGNORECASE), "a branch a reader cannot see"),
+]
+
+
+def tracked_text_files() -> List[str]:
+    try:
+        listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+        files = listed.split()
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout: the docs at least
+        files = doc_files()
+    return [f for f in files if f.endswith((".md", ".py", ".yaml", ".yml", ".txt", ".toml", ".tpl", ".json"))
+            and f != "tests/test_docs.py" and os.path.exists(os.path.join(ROOT, f))]
+
+
+@pytest.mark.parametrize("pattern,what", OUTSIDE, ids=["files", "issues", "branches"])
+def test_nothing_points_outside_the_repository(pattern, what):
+    hits = []
+    for relative in tracked_text_files():
+        for number, line in enumerate(read(relative).splitlines(), 1):
+            if pattern.search(line):
+                hits.append(f"{relative}:{number}: {what}: {line.strip()}")
+    assert not hits, "\n".join(hits)
+
+
+def test_the_install_hint_is_the_one_that_works_from_a_clone():
+    from gateway.spark import INSTALL
+    assert "pip install -e" in INSTALL and "rabbitmq-delay-gateway[" not in INSTALL
