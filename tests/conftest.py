@@ -21,9 +21,9 @@ from .support import GatewayProcess, chains, main_broker_url
 
 
 # Tests that run on one broker only, and why; every other broker-facing test runs on both
-# (README, "Tested on", says what each version changes). Keyed by test function name, with
+# (docs/reliability.md, "Tested on", says what each version changes). Keyed by test function name, with
 # the parameters a rule is limited to. The gateway-only checks run on 3.10, where the
-# README's figures come from, to keep the suite within its 15 minutes.
+# reliability guide's figures come from, to keep the suite within its 15 minutes.
 ONE_BROKER = {
     "test_imported_definitions_equal_what_declare_makes":
         ("rmq3.10", {}, "imports with the host's rabbitmqctl into the local node; "

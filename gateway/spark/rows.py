@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any, Dict, Optional, Union
 
-DELIVER_AT = "x-deliver-at"  # the contract's headers (CONTRACT.md)
+DELIVER_AT = "x-deliver-at"  # the contract's headers (docs/contract.md)
 DELAY = "x-delay"
 SHORTSTR = 255
 # An x-deliver-at below this (March 1973) is almost certainly epoch seconds: check-in parks it.
