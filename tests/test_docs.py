@@ -109,7 +109,7 @@ PROGRAM = re.compile(r"^(?:\S*/)?delay-gateway$")
 SHELL_OPERATORS = {"|", "||", "&", "&&", ";", ">", ">>", "<", "2>"}
 # Placeholders the docs use in command lines, and a value of the right kind for each.
 PLACEHOLDERS = {"MS": "1000", "DELAY_MS": "1000", "EPOCH_MS": "1795324334323", "N": "1",
-                "SECONDS": "1", "URL": "amqp://127.0.0.1/%2F", "ROWS_PER_S": "100"}
+                "SECONDS": "1", "COMMAND": "run", "URL": "amqp://127.0.0.1/%2F", "ROWS_PER_S": "100"}
 SAMPLE_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
 
 
@@ -138,7 +138,7 @@ def command_lines(relative: str) -> Iterator[Tuple[int, str]]:
             pending = []
             for m in INLINE_CODE.finditer(line):
                 words = m.group(2).split()
-                if len(words) > 1 and PROGRAM.match(words[0]) and not words[1].startswith("…"):
+                if len(words) > 1 and PROGRAM.match(words[0]) and words[1] not in ("...", "…"):
                     yield number, m.group(2)
 
 
