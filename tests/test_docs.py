@@ -188,6 +188,44 @@ def test_every_quoted_command_line_parses():
     assert not wrong, "\n".join(wrong)
 
 
+BENCH = re.compile(r"(?:^|[\s`])((?:\S*/)?python3? -m bench [^`#>|]*)")
+
+
+def bench_lines(relative: str) -> Iterator[Tuple[int, str]]:
+    """Every `python -m bench ...` line, in code blocks and in inline code."""
+    for number, line, fenced in lines_outside_code(read(relative)):
+        spans = [line] if fenced else [m.group(2) for m in INLINE_CODE.finditer(line)]
+        for span in spans:
+            m = BENCH.search(span)
+            if m:
+                yield number, m.group(1).strip()
+
+
+def parse_bench(line: str) -> str:
+    from bench import cli as bench_cli
+    argv = argv_of(line.split(" -m ", 1)[1])  # argv_of drops the first word ("bench")
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            args = bench_cli.parser({}).parse_args(argv)
+        bench_cli.expand(args.scenarios)
+    except SystemExit as exc:
+        if exc.code:
+            return err.getvalue().strip() or f"exit {exc.code}"
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def test_every_quoted_benchmark_command_parses():
+    lines = [(relative, number, line) for relative in doc_files() for number, line in bench_lines(relative)]
+    assert len(lines) >= 10
+    wrong = [f"{relative}:{number}: {line}\n    {said}" for relative, number, line in lines
+             for said in [parse_bench(line)] if said]
+    assert not wrong, "\n".join(wrong)
+    assert "unknown scenario" in parse_bench("python -m bench accuracy")
+
+
 def test_a_wrong_command_line_is_caught():
     assert "invalid choice" in parse(argv_of("delay-gateway definitions"))
     assert parse(argv_of("delay-gateway publish --delay 5000 --routing-key a.b --body hi")) == ""
