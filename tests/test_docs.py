@@ -2,7 +2,9 @@
 `delay-gateway ...` command line quoted in the docs parses with the real CLI parser, and
 nothing in the repository points outside it."""
 
+import argparse
 import contextlib
+import functools
 import glob
 import inspect
 import io
@@ -156,10 +158,16 @@ def argv_of(line: str) -> List[str]:
     return argv[1:]
 
 
+@functools.lru_cache(maxsize=None)
+def real_parser() -> argparse.ArgumentParser:
+    """The CLI's own parser, built without the environment (its defaults come from it)."""
+    build = cli.parser
+    return build({}) if inspect.signature(build).parameters else build()  # type: ignore[call-arg]
+
+
 def parse(argv: List[str]) -> str:
     """'' when the real parser takes argv, else what it said."""
-    build = cli.parser
-    parser = build({}) if inspect.signature(build).parameters else build()  # type: ignore[call-arg]
+    parser = real_parser()
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
@@ -262,3 +270,10 @@ def test_nothing_points_outside_the_repository(pattern, what):
 def test_the_install_hint_is_the_one_that_works_from_a_clone():
     from gateway.spark import INSTALL
     assert "pip install -e" in INSTALL and "rabbitmq-delay-gateway[" not in INSTALL
+
+
+def test_anchors_are_githubs():
+    assert slug("What waits where: `delay-gateway status`") == "what-waits-where-delay-gateway-status"
+    assert slug("Names (prefix `delay`)") == "names-prefix-delay"
+    assert slug("Side by side with the plugin, 2026-11-22") == "side-by-side-with-the-plugin-2026-11-22"
+    assert "changing-the-chain" in anchors("docs/operating.md")
