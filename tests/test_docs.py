@@ -12,7 +12,7 @@ import os
 import re
 import shlex
 import subprocess
-from typing import Dict, Iterator, List, Set, Tuple
+from typing import Callable, Dict, Iterator, List, Set, Tuple, cast
 
 import pytest
 
@@ -161,8 +161,8 @@ def argv_of(line: str) -> List[str]:
 @functools.lru_cache(maxsize=None)
 def real_parser() -> argparse.ArgumentParser:
     """The CLI's own parser, built without the environment (its defaults come from it)."""
-    build = cli.parser
-    return build({}) if inspect.signature(build).parameters else build()  # type: ignore[call-arg]
+    build = cast(Callable[..., argparse.ArgumentParser], cli.parser)
+    return build({}) if inspect.signature(build).parameters else build()
 
 
 def parse(argv: List[str]) -> str:
