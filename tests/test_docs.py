@@ -277,3 +277,19 @@ def test_anchors_are_githubs():
     assert slug("Names (prefix `delay`)") == "names-prefix-delay"
     assert slug("Side by side with the plugin, 2026-11-22") == "side-by-side-with-the-plugin-2026-11-22"
     assert "changing-the-chain" in anchors("docs/operating.md")
+
+
+# Sections the README once had and the guides in docs/ now hold: a pointer to one of them
+# beside the word README is stale.
+MOVED_SECTIONS = ["Changing the chain", "Changing the max level", "Least privilege", "Tested on",
+                  "What survives what", "Performance", "How it works", "Data pipeline", "Operating it",
+                  "Running it", "Settings table", "Kubernetes:"]
+
+
+def test_no_pointer_to_a_readme_section_that_moved():
+    stale = []
+    for relative in tracked_text_files():
+        for number, line in enumerate(read(relative).splitlines(), 1):
+            if "README" in line:
+                stale += [f"{relative}:{number}: {line.strip()}" for name in MOVED_SECTIONS if name in line]
+    assert not stale, "\n".join(stale)
