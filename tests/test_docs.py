@@ -293,3 +293,14 @@ def test_no_pointer_to_a_readme_section_that_moved():
             if "README" in line:
                 stale += [f"{relative}:{number}: {line.strip()}" for name in MOVED_SECTIONS if name in line]
     assert not stale, "\n".join(stale)
+
+
+def test_the_readme_is_a_front_page_that_starts_with_the_two_commands():
+    readme = read("README.md")
+    assert len(readme.splitlines()) <= 250, "the README is a front page: move the detail into a guide in docs/"
+    first_block = readme.split("```")[1]
+    commands = [line.split("#")[0].strip() for line in first_block.splitlines()[1:] if line.strip()]
+    assert commands == ["./scripts/run", "./scripts/test"]
+    for guide in doc_files():
+        if guide.startswith("docs/"):
+            assert f"]({guide})" in readme, f"the README's table of guides does not link {guide}"
