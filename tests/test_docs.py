@@ -47,6 +47,18 @@ def lines_outside_code(text: str) -> Iterator[Tuple[int, str, bool]]:
         yield number, line, fenced
 
 
+def transcripts(text: str) -> Set[int]:
+    """Line numbers of the code blocks that are console transcripts (`$ command` lines)."""
+    blocks: List[List[Tuple[int, str]]] = []
+    for number, line, fenced in lines_outside_code(text):
+        if fenced:
+            if not blocks or blocks[-1][-1][0] != number - 1:
+                blocks.append([])
+            blocks[-1].append((number, line))
+    return {number for block in blocks if any(line.lstrip().startswith("$ ") for _, line in block)
+            for number, _ in block}
+
+
 def slug(heading: str) -> str:
     """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
     text = re.sub(r"`|\*\*|\[([^\]]*)\]\([^)]*\)", lambda m: m.group(1) or "", heading.strip())
@@ -116,12 +128,16 @@ SAMPLE_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
 
 
 def command_lines(relative: str) -> Iterator[Tuple[int, str]]:
-    """Every `delay-gateway ...` line: in code blocks (with continuation lines joined), and
-    in inline code."""
+    """Every `delay-gateway ...` line: in code blocks (with continuation lines joined; in a
+    console transcript only the `$ ` lines, not the output), and in inline code."""
+    text = read(relative)
+    in_transcript = transcripts(text)
     pending: List[str] = []
     start = 0
-    for number, line, fenced in lines_outside_code(read(relative)):
+    for number, line, fenced in lines_outside_code(text):
         if fenced:
+            if not pending and number in in_transcript and not line.lstrip().startswith("$ "):
+                continue
             if pending:
                 pending.append(line.strip())
             else:
@@ -140,7 +156,9 @@ def command_lines(relative: str) -> Iterator[Tuple[int, str]]:
             pending = []
             for m in INLINE_CODE.finditer(line):
                 words = m.group(2).split()
-                if len(words) > 1 and PROGRAM.match(words[0]) and words[1] not in ("...", "…"):
+                # `delay-gateway run: ...` is a message the command prints, not a command line
+                if len(words) > 1 and PROGRAM.match(words[0]) and words[1] not in ("...", "…") \
+                        and not words[1].endswith(":"):
                     yield number, m.group(2)
 
 
@@ -184,13 +202,18 @@ def test_the_command_lines_are_found():
     assert any("publish" in line for _, line in found["README.md"])
     assert argv_of("delay-gateway status --watch   # redrawn > every 2 s") == ["status", "--watch"]
     assert argv_of("delay-gateway render --format terraform > main.tf") == ["render", "--format", "terraform"]
+    transcript = [line for _, line in command_lines("docs/operating.md") if "5999" in line]
+    assert transcript and all(line.startswith("delay-gateway status --url") for line in transcript)
 
 
 def test_every_quoted_command_line_parses():
     wrong = []
     for relative in doc_files():
         for number, line in command_lines(relative):
-            said = parse(argv_of(line))
+            try:
+                said = parse(argv_of(line))
+            except ValueError as exc:  # shlex: an unclosed quote
+                said = f"not a shell command line: {exc}"
             if said:
                 wrong.append(f"{relative}:{number}: {line}\n    {said}")
     assert not wrong, "\n".join(wrong)
