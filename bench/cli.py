@@ -18,7 +18,7 @@ from .clients import blocking
 from .scenarios import GROUPS, SCENARIOS, Context
 from .systems import HEADERS, unique_prefix
 
-DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"  # the gateway's default (README)
+DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"  # the gateway's default (docs/operating.md)
 SCENARIO_HELP = (f"{', '.join(SCENARIOS)}; or a group: "
                  + "; ".join(f"{g} ({' '.join(s)})" for g, s in GROUPS.items()))
 

@@ -24,7 +24,7 @@ from .sampler import Sampler
 from .stats import lateness_stats, per_message, per_second, thin
 from .systems import DELAY, DELIVER_AT, Gateway, Plugin, Target, headers_for, unique_prefix
 
-GATEWAY_DEFAULT_LEAD_MS = 50  # the gateway's documented default (README, settings table)
+GATEWAY_DEFAULT_LEAD_MS = 50  # the gateway's documented default (docs/operating.md, settings table)
 
 
 @dataclass
@@ -281,7 +281,7 @@ def compared(ctx: Context, load: Load, targets: Optional[List[Target]] = None) -
     return [delayed_run(ctx, load, t, r) for r, t in schedule(targets or gateway_targets(ctx), ctx.rounds, ctx.plugin)]
 
 
-# -- the loads of issue 12 -----------------------------------------------------------------
+# -- the side-by-side loads --------------------------------------------------------------------
 def paced(ctx: Context) -> List[dict]:
     """1,000 msg/s, delays 2-10 s, 20,000 messages."""
     rate = ctx.rate or 1000.0

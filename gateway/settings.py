@@ -2,7 +2,7 @@
 
 Each `Option` is a command-line flag, an environment variable (DELAY_GATEWAY_ + its env
 name) and, where it is deployment configuration, a Helm value: the parser, the Settings
-dataclass, the README's settings table and the chart's values all come from this table.
+dataclass, the settings table in docs/operating.md and the chart's values all come from this table.
 Environment values are read when the parser is built and checked by the same function as
 the flag, so a bad value is one line naming the variable, and exit 2.
 """
@@ -153,7 +153,7 @@ OPTIONS: Tuple[Option, ...] = (
            "cut off from its cluster; not during a resource alarm; 0: never", "run", "confirmTimeoutSeconds",
            metavar="SECONDS"),
     Option("retire", True, boolean, "remove chains of other settings once no gateway uses them and they are "
-           "empty (README: Changing the chain)", "run", "retire"),
+           "empty (docs/operating.md: Changing the chain)", "run", "retire"),
     # retire: old chains
     Option("retire_after", 600.0, number(0),
            "safety margin: a chain is retired after no gateway has used it for this long, and each of its "
@@ -219,7 +219,7 @@ def _shown(value: Any) -> str:
 
 
 def settings_table() -> str:
-    """The README's settings table (a test keeps the README equal to it)."""
+    """The settings table of docs/operating.md (a test keeps the guide equal to it)."""
     rows = ["| flag | environment | default | meaning |", "| --- | --- | --- | --- |"]
     for o in OPTIONS:
         meaning = o.help or "debug, info, warning or error"

@@ -1,5 +1,5 @@
 """What the broker itself does with the four mechanisms the gateway's design leans on, on
-each broker version (README, "Tested on"). No gateway here: plain AMQP against the broker,
+each broker version (docs/reliability.md, "Tested on"). No gateway here: plain AMQP against the broker,
 so a change in a new RabbitMQ release shows up as a failure naming the mechanism.
 
 - x-death: a client-republished `x-death` header counts for cycle detection on 3.10 (the

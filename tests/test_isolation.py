@@ -1,5 +1,5 @@
 """Messages that once crashed the gateway, made it reconnect in a loop, lost their key or
-let a publisher steer it, sent beside ordinary traffic (issue 7, "What was seen"). Each
+let a publisher steer it, sent beside ordinary traffic. Each
 must arrive at pick-up exactly as sent, or be parked with a reason, without touching any
 other message: no crash, no reconnect, no copy, nothing late."""
 

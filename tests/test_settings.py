@@ -83,10 +83,10 @@ def test_settings_rabbitmq_cannot_hold_are_refused_with_the_fix(capsys):
     assert "use max_level <= 28" in capsys.readouterr().err
 
 
-def test_the_readme_settings_table_is_the_settings_table():
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        readme = f.read()
-    assert settings_table() in readme
+def test_the_operating_guide_settings_table_is_the_settings_table():
+    with open(os.path.join(ROOT, "docs", "operating.md"), encoding="utf-8") as f:
+        guide = f.read()
+    assert settings_table() in guide
 
 
 def test_explain_reads_the_lead_from_the_environment(capsys):

@@ -160,7 +160,7 @@ def build(settings: ChainSettings) -> Topology:
         Exchange(n.parking, "fanout"),
         Exchange(n.parked, "fanout"),
         # Records reach the registry through an exchange of the prefix, so the least
-        # privilege (README) holds: nothing is published to the default exchange.
+        # privilege (docs/security.md) holds: nothing is published to the default exchange.
         Exchange(n.registry, "fanout"),
         Exchange(settings.meditation, "fanout"),
     ] + [Exchange(n.level(k), "topic", catch) for k in range(settings.max_level)]

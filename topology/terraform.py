@@ -15,7 +15,7 @@ What the provider cannot say, and how the module says it anyway:
   provisioner) with the management URL and credentials given as variables.
 - Every resource carries `prevent_destroy`: queues hold the delayed messages, and an old
   chain's exchanges and bindings carry them down its levels until it is empty. A plan that
-  would delete one (a changed chain setting renames the chain) stops instead; the README
+  would delete one (a changed chain setting renames the chain) stops instead; docs/operating.md
   (Changing the chain) says how to hand the old chain to the gateway, which removes it
   once it is empty.
 """
@@ -72,7 +72,7 @@ def render(topology: Topology, options: object = None) -> str:
         f"# The delay gateway's topology for prefix {s.prefix!r}: chain {s.generation}, {s.max_level} levels.",
         "# Rendered by `delay-gateway render --format terraform`: the objects `delay-gateway declare` creates,",
         "# for the cyrilgdn/rabbitmq provider. Everything has prevent_destroy (the queues hold delayed messages):",
-        "# after changing a chain setting, see the README's 'Changing the chain' before applying.",
+        "# after changing a chain setting, see docs/operating.md, 'Changing the chain', before applying.",
         "",
         "terraform {",
         "  required_providers {",

@@ -85,7 +85,7 @@ def classify(error: BaseException, url: str) -> Trouble:
                                   "`run` declare it: without --no-declare)")
         if code == 403:
             return Trouble(False, f"{where}: {text}: the user lacks a permission; grant it configure, write "
-                                  "and read on the prefix's names (README: Least privilege)")
+                                  "and read on the prefix's names (docs/security.md: Least privilege)")
         if code == 406:
             return Trouble(False, f"{where}: {text}: an object of the same name exists with other "
                                   "arguments; keep its settings, or see `delay-gateway migrate`")

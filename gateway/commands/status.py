@@ -193,7 +193,8 @@ def report(prefix: str, own: ChainKey, lead_ms: int, registry: Optional[Registry
                             "Give status the gateways' --max-level, --resolution-ms, --queue-type and --zero-bits")
         if others:
             notes.append(f"{len(others) + (1 if mine.declared else 0)} chains exist: messages in older ones keep "
-                         "their due times and the older chains are removed once empty (README: Changing the chain)")
+                         "their due times and the older chains are removed once empty "
+                         "(docs/operating.md: Changing the chain)")
         if held is None and consumers:
             notes.append(f"the distributor's {consumers} consumer(s) may each hold up to their prefetch "
                          "(--distributor-prefetch) messages; --metrics-url shows how many")

@@ -13,7 +13,7 @@ parking:     say why a message could not go on, and park it.
 Which queue a message came from decides how it is read. Only the check-in queue holds
 messages as publishers sent them, and there every header, `x-gateway-*` included, is the
 publisher's data; the other queues can only be reached through the gateway's own publishes
-and the broker's dead-lettering (with the least-privilege permissions in the README).
+and the broker's dead-lettering (with the least-privilege permissions of docs/security.md).
 """
 
 from typing import Callable, List, Optional, Tuple

@@ -11,7 +11,8 @@ Spark job), record (the consumer), report (the Spark analysis and its charts), e
 (an orders table to try it with).
 """
 
-INSTALL = "pip install 'rabbitmq-delay-gateway[spark]'"
+# The package is installed from a clone (it is on no package index): the same line in docs/spark.md.
+INSTALL = "python -m pip install -e '.[spark]' in a clone of the repository (docs/spark.md)"
 
 
 def require() -> None:

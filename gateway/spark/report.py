@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import structlog
 
 from gateway.settings import UsageError
-from gateway.spark import require
+from gateway.spark import INSTALL, require
 
 log = structlog.get_logger("report")
 
@@ -216,8 +216,7 @@ def draw(out: str, cdf: Dict[str, List[float]], seconds: List[tuple]) -> List[st
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("report: no charts: matplotlib is not installed (pip install 'rabbitmq-delay-gateway[spark]')",
-              file=sys.stderr)
+        print(f"report: no charts: matplotlib is not installed ({INSTALL})", file=sys.stderr)
         return []
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for label, values in cdf.items():

@@ -109,8 +109,8 @@ def test_tls_with_ca_and_client_certificate(own_node, node_chain, tls_files):
 
 
 def readme_permissions_line() -> str:
-    """The README's set_permissions line, read from the README: the test runs exactly it."""
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    """The security guide's set_permissions line, read from the guide: the test runs exactly it."""
+    with open(os.path.join(ROOT, "docs", "security.md"), encoding="utf-8") as f:
         [line] = [x.strip() for x in f if x.startswith("rabbitmqctl set_permissions -p / delay-gateway ")]
     return line
 
@@ -122,7 +122,7 @@ def test_least_privilege_user_runs_the_gateway(own_node):
     assert argv[-3:] == [r"^delay\."] * 3
     assert argv[0] == "rabbitmqctl"
     own_node.ctl(*argv[1:])
-    chain = ChainSettings(prefix="delay", max_level=3, resolution_ms=100)  # the README's prefix
+    chain = ChainSettings(prefix="delay", max_level=3, resolution_ms=100)  # the guide's prefix
     url = f"amqp://delay-gateway:{password}@127.0.0.1:{own_node.amqp_port}/%2F"
     gateway = None
     try:
@@ -161,13 +161,13 @@ def test_least_privilege_user_runs_the_gateway(own_node):
 
 
 def readme_publisher_line() -> str:
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    with open(os.path.join(ROOT, "docs", "security.md"), encoding="utf-8") as f:
         [line] = [x.strip() for x in f if x.startswith("rabbitmqctl set_permissions -p / app ")]
     return line
 
 
 def test_a_least_privileged_publisher_reaches_check_in_and_pick_up_only(own_node):
-    """The README's line for applications: check-in to publish, pick-up to bind; nothing
+    """The security guide's line for applications: check-in to publish, pick-up to bind; nothing
     else of the gateway's, not even by dead-lettering into its internal entrance."""
     password = uuid.uuid4().hex
     own_node.ctl("add_user", "app", password)

@@ -32,7 +32,7 @@ from ..support import Receiver, broker_url, connect, now_ms, remove, unique_pref
 from .manifests import by_kind, render
 from .pods import Kubelet
 
-# Never early is exact. Lateness: the usual figure is tens of ms (README, Performance); the
+# Never early is exact. Lateness: the usual figure is tens of ms (BENCHMARKS.md); the
 # bound leaves room for a loaded 2-core machine while still catching a message that waited
 # for a retry, a lap or a lost consumer (each costs seconds).
 LATE_BOUND_MS = 1500

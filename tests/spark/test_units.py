@@ -168,7 +168,7 @@ def test_without_pyspark_the_spark_commands_say_how_to_install_it():
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         "delay-gateway report: error: this command runs on Spark and PySpark is not installed: "
-        "pip install 'rabbitmq-delay-gateway[spark]'"]
+        "python -m pip install -e '.[spark]' in a clone of the repository (docs/spark.md)"]
 
 
 @pytest.mark.spark
