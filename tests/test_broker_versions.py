@@ -9,7 +9,7 @@ so a change in a new RabbitMQ release shows up as a failure naming the mechanism
 - At-least-once dead-lettering: an unroutable dead-letter stays in its quorum source queue
   (it is not dropped) on both; with the default overflow it silently becomes at-most-once.
 - Alternate exchange: catches dead-letters that match no binding, on both.
-- Definitions: what `delay-gateway definitions` prints imports on both.
+- Definitions: what `delay-gateway render --format definitions` prints imports on both.
 - Arrival stamp (4.x only; 3.10 has no message interceptors): every publish without
   `timestamp_in_ms` gets the broker's arrival time; a publisher's own value is kept.
 - Short strings that are not UTF-8: carried as bytes in a publish (routing key, header
@@ -281,7 +281,7 @@ def test_alternate_exchange_catches_dead_letters_with_no_binding(request, names)
 
 
 def test_gateway_definitions_import_on_each_version(names, broker_ctl):
-    """`delay-gateway definitions` imported with rabbitmqctl, then the gateway's own
+    """`delay-gateway render --format definitions` imported with rabbitmqctl, then the gateway's own
     declare: any difference in arguments would be a 406 (4.x checks them as 3.10 does)."""
     prefix, _ = names
     chain = ChainSettings(prefix=prefix, max_level=4)
