@@ -53,6 +53,12 @@ def _attributes(self, name):
     return self.__dict__[name]
 
 
+class WireProperties(spec.BasicProperties):
+    """What the consumer's callbacks receive: `wire` holds the exact bytes."""
+
+    wire: wire.Properties
+
+
 class RawProperties(spec.BasicProperties):
     """Properties sent as exactly these bytes (a `wire.Properties`)."""
 

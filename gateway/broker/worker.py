@@ -112,7 +112,7 @@ class Session:
         ready = bool(self.pipes) and all(p.consuming for p in self.pipes)
         if ready and self.ready_since is None:
             self.ready_since = time.monotonic()
-            self.log.info("ready", queues=[p._queue for p in self.pipes])
+            self.log.info("ready", queues=[p.queue for p in self.pipes])
         self.health.ready(ready, "" if ready else "connecting to the queues")
         self.metrics.ready.set(int(ready))
         self.connection.ioloop.call_later(STOP_POLL_S, self._watch)

@@ -64,6 +64,26 @@ def park_delivery(names: Names, d: Delivery, reason: str) -> List[Forward]:
         return [park(names, d.props, d.routing_key, d.body, f"{reason} ({exc})")]
 
 
+def parker(names: Names, queue: str) -> Callable[[Delivery, str], List[Forward]]:
+    """How a consumer of this queue parks a whole delivery it cannot handle: as the
+    publisher sent it at check-in; each of its messages (in the gateway's format) elsewhere."""
+    if queue == names.check_in:
+        return lambda d, reason: [park(names, d.props, d.routing_key, d.body, reason)]
+    return lambda d, reason: park_delivery(names, d, reason)
+
+
+def unroutable(names: Names, e: Entry) -> Forward:
+    """It came back from pick-up: no queue is bound for its routing key."""
+    return park_entry(names, e, f"unroutable: no queue bound to exchange {names.pick_up!r} matches routing key "
+                                f"{envelope.shown(e.routing_key)!r}")
+
+
+def hand_back(names: Names, e: Entry) -> Forward:
+    """A held message back into the distributor queue, for another gateway to hold."""
+    return Forward(names.distributor, b"", envelope.inside(e.user, e.routing_key, e.due_ms), e.body, "handed back",
+                   entry=e)
+
+
 def route(chain: ChainSettings, remaining_ms: int, lead_ms: int) -> Tuple[str, bytes, str]:
     """Where a message with this much time to go goes next: (exchange, routing key, outcome)."""
     step = plan(remaining_ms, chain, lead_ms)
@@ -136,10 +156,8 @@ class Distributor:
                        not_before_ms=e.due_ms, mandatory=True, entry=e)
 
     def unroutable(self, e: Entry) -> Forward:
-        """It came back from pick-up: no queue is bound for its routing key."""
-        return park_entry(self.chain.names, e, f"unroutable: no queue bound to exchange "
-                                               f"{self.chain.names.pick_up!r} matches routing key "
-                                               f"{envelope.shown(e.routing_key)!r}")
+        return unroutable(self.chain.names, e)
+
 
 
 DEATH_REASONS = {
