@@ -272,7 +272,8 @@ def delayed_run(ctx: Context, load: Load, target: Target, round_: int = 1) -> di
         result["writes_model_per_message"] = round(
             sum(writes_model(d, chain, ctx.lead_ms) for d in delays) / max(1, len(delays)), 2)
     ctx.log(f"    p50 {result.get('p50_ms')} ms, p99 {result.get('p99_ms')} ms, max {result.get('max_ms')} ms, "
-            f"early {result['early']}, lost {result['lost']}, queue writes/msg {result.get('queue_writes_per_message')}, "
+            f"early {result['early']}, lost {result['lost']}, "
+            f"queue writes/msg {result.get('queue_writes_per_message')}, "
             f"broker CPU {result.get('broker_cpu_us_per_message')} us/msg")
     return result
 
@@ -385,7 +386,8 @@ def _pending_run(ctx: Context, target: Target, n: int, lo: int, hi: int) -> dict
     for k in ("broker", "gateway0", "gateway1"):
         if f"{k}_rss_mb" in before and f"{k}_rss_mb" in after:
             r[f"{k}_rss_mb_delta"] = round(after[f"{k}_rss_mb"] - before[f"{k}_rss_mb"], 1)
-    ctx.log(f"    broker RSS {before.get('broker_rss_mb')} -> peak {r['resources'].get('broker', {}).get('rss_mb_max')} "
+    peak = r['resources'].get('broker', {}).get('rss_mb_max')
+    ctx.log(f"    broker RSS {before.get('broker_rss_mb')} -> peak {peak} "
             f"-> {after.get('broker_rss_mb')} MB")
     return r
 
@@ -403,7 +405,7 @@ def roles(ctx: Context) -> List[dict]:
     n = ctx.n(50_000)
     out = []
     for qt, zb in ctx.topologies():
-        for role, alone in (("check-in", _check_in_alone), ("distributor", _distributor_alone)):
+        for _role, alone in (("check-in", _check_in_alone), ("distributor", _distributor_alone)):
             chain = ctx.chain("roles", qt, zb)
             sink = f"{chain.prefix}.receiver"
             topology = build(chain)
@@ -528,7 +530,8 @@ def ceiling(ctx: Context, hops: int = 8) -> List[dict]:
             payload = body(0, 0, ctx.size)
             props = pika.BasicProperties(delivery_mode=2)
             t0 = time.monotonic()
-            Publisher(ctx.url, n, lambda i: ("", names[0], props, payload, 0.0)).run()
+            message = ("", names[0], props, payload, 0.0)
+            Publisher(ctx.url, n, lambda i, m=message: m).run()
             deadline = time.monotonic() + 600
             while _depth(ctx, names[-1]) < n and time.monotonic() < deadline:
                 time.sleep(0.05)

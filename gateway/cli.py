@@ -207,7 +207,8 @@ def cmd_explain(args) -> int:
         for hop in trace(topology, names.level(route.level), route.key, names.exit_distributor(chain.queue_type)):
             print(f"  {hop.queue:<44} wait {hop.wait_ms} ms")
             total += hop.wait_ms
-    print(f"  {names.exit_distributor(chain.queue_type):<44} hold {args.delay_ms - total} ms, then publish to {names.pick_up}")
+    print(f"  {names.exit_distributor(chain.queue_type):<44} hold {args.delay_ms - total} ms, "
+          f"then publish to {names.pick_up}")
     return 0
 
 

@@ -131,9 +131,10 @@ class FakeChannel:
         self.nacks.append((delivery_tag, requeue))
 
     # -- what the test does, as the broker ----------------------------------------------
-    def deliver(self, body: bytes, props: Properties = Properties.build(), routing_key: str = "k",
+    def deliver(self, body: bytes, props: Optional[Properties] = None, routing_key: str = "k",
                 exchange: str = "", redelivered: bool = False) -> int:
         assert self.on_message is not None, "nobody consumes on this channel"
+        props = props if props is not None else Properties.build()
         self.delivery_tag += 1
         method = spec.Basic.Deliver(self.consumer_tag, self.delivery_tag, redelivered, exchange, routing_key)
         self.on_message(self, method, RawProperties(props), body)

@@ -2,7 +2,7 @@
 machine that drives the real consumer (broker.consumer.Pipe, with its core) over a fake
 connection, as a broker would, and checks the rules after every step."""
 
-from typing import Dict, List, Optional, Set
+from typing import Dict, List, Set
 
 import pytest
 import structlog.testing
@@ -10,7 +10,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from .fake_broker import FakeChannel, FakeConnection, Published
+from .fake_broker import FakeConnection, Published
 from gateway.broker.consumer import Pipe
 from gateway.core import carrier
 from gateway.core.actions import Action, Delivery, Enqueue, Forward

@@ -47,7 +47,8 @@ EVERY_TYPE = [
 ]
 
 
-@pytest.mark.parametrize("kind,raw,value", EVERY_TYPE, ids=[f"{k.decode()}-{i}" for i, (k, _, _) in enumerate(EVERY_TYPE)])
+@pytest.mark.parametrize("kind,raw,value", EVERY_TYPE,
+                         ids=[f"{k.decode()}-{i}" for i, (k, _, _) in enumerate(EVERY_TYPE)])
 def test_every_type_reads_and_keeps_its_bytes(kind, raw, value):
     data = table_bytes(entry(b"h", kind, raw))
     table = Table.parse(data[4:])

@@ -21,9 +21,11 @@ What the provider cannot say, and how the module says it anyway:
 """
 
 import json
-from typing import Any, List
+from typing import Any, Dict, List
 
 from topology.model import Topology
+
+Json = Dict[str, Any]  # a JSON object
 
 PROVIDER_VERSION = ">= 1.8.0"
 
@@ -49,7 +51,7 @@ def hcl_value(value: Any, indent: int) -> str:
     raise TypeError(f"cannot write {value!r} as HCL")
 
 
-def _inline(value: dict) -> str:
+def _inline(value: Json) -> str:
     """A short object on one line: { type = "topic", arguments = {} }."""
     parts = []
     for k, v in value.items():
@@ -110,7 +112,8 @@ def render(topology: Topology, options: object = None) -> str:
     for e in topology.exchanges:
         if not e.internal:
             out.append(f"    {hcl_string(e.name)} = {_inline({'type': e.type, 'arguments': dict(e.arguments)})}")
-    out += ["  }", "  # Created through the HTTP API: the provider has no `internal` setting.", "  internal_exchanges = {"]
+    out += ["  }", "  # Created through the HTTP API: the provider has no `internal` setting.",
+            "  internal_exchanges = {"]
     for e in topology.exchanges:
         if e.internal:
             out.append(f"    {hcl_string(e.name)} = {_inline({'type': e.type, 'arguments': dict(e.arguments)})}")

@@ -215,12 +215,12 @@ def due_within(rows: Sequence[Row]) -> List[Window]:
     counted = [r for r in rows if r.scheduled and r.exists and r.messages]
     out = []
     for label, ms in HORIZONS:
-        at_least = sum(r.messages for r in counted if r.due_max_ms is not None and r.due_max_ms <= ms)
-        at_most = sum(r.messages for r in counted if r.due_min_ms < ms)
+        at_least = sum(r.messages or 0 for r in counted if r.due_max_ms is not None and r.due_max_ms <= ms)
+        at_most = sum(r.messages or 0 for r in counted if (r.due_min_ms or 0) < ms)
         out.append(Window(label, ms, at_least, at_most))
     last = HORIZONS[-1][1]
-    out.append(Window("later", None, sum(r.messages for r in counted if r.due_min_ms >= last),
-                      sum(r.messages for r in counted if r.due_max_ms is None or r.due_max_ms > last)))
+    out.append(Window("later", None, sum(r.messages or 0 for r in counted if (r.due_min_ms or 0) >= last),
+                      sum(r.messages or 0 for r in counted if r.due_max_ms is None or r.due_max_ms > last)))
     return out
 
 
@@ -240,7 +240,7 @@ def _window(r: Row) -> str:
     if r.note and not r.scheduled:
         return r.note
     if r.due_max_ms is None:
-        return r.note or f"in {human_ms(r.due_min_ms)} or later"
+        return r.note or f"in {human_ms(r.due_min_ms or 0)} or later"
     text = f"within {human_ms(r.due_max_ms)}"
     return f"{text} ({r.note})" if r.note else text
 

@@ -258,8 +258,8 @@ class Flow:
                 self._retries.append((now + RETRY_REFUSED_MS, pub))
         for pub in outcome.returned:
             self._park_publication(pub, lambda e: handlers.unroutable(self._names, e), "", now, out)
+        reason = f"the broker refused to take it: {self._refusal}"
         for pub in outcome.guilty:
-            reason = f"the broker refused to take it: {self._refusal}"
             self._park_publication(pub, lambda e: handlers.park_entry(self._names, e, reason), reason, now, out)
         for tag in outcome.reject:
             self._observer.note("error", "rejected_to_dead_letter", delivery_tag=tag)
