@@ -18,7 +18,7 @@ from topology.render import DESCRIPTIONS, FORMATS, render
 from topology.retirement import DeleteExchange, DeleteQueue, MarkRetired, SealQueues, Unused
 from topology.routing import trace
 
-from gateway.broker import codec, upkeep
+from gateway.broker import upkeep
 from gateway import logs
 from gateway.commands import parked, selftest, status
 from gateway.broker.amqp import BrokerError, blocking_channel
@@ -66,7 +66,6 @@ def main(argv: Optional[Sequence[str]] = None, environ=None) -> int:
         return 2
     except SystemExit as exc:  # --help (0), or a bad flag or value, already said in one line (2)
         return int(exc.code or 0)
-    codec.install()
     logs.configure(getattr(args, "log_level", "info"), getattr(args, "log_format", "auto"))
     try:
         return COMMANDS[args.command].run(args)

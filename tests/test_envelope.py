@@ -18,8 +18,7 @@ NOW = 1_800_000_000_000
 
 def props(**kwargs) -> Properties:
     """Properties as pika would send them (doubles for floats, as other clients do)."""
-    codec.install()
-    return Properties.parse(b"".join(BasicProperties(**kwargs).encode()))
+    return codec.encoded(BasicProperties(**kwargs)).wire
 
 
 def headers(**values) -> Table:

@@ -17,6 +17,7 @@ import pika
 from pika.exceptions import (AMQPConnectionError, AuthenticationError, ChannelClosedByBroker,
                              ConnectionClosedByBroker, ProbableAccessDeniedError, ProbableAuthenticationError)
 
+from gateway.broker import codec
 from gateway.settings import Tls, UsageError, redact
 
 
@@ -93,7 +94,7 @@ def classify(error: BaseException, url: str) -> Trouble:
 def blocking_channel(url: str, name: str = "delay-gateway", tls: Optional[Tls] = None) -> Iterator:
     """A channel for one-off work; any broker error is a BrokerError with its explanation."""
     try:
-        connection = pika.BlockingConnection(parameters(url, name, tls))
+        connection = codec.blocking(parameters(url, name, tls))
     except AMQPConnectionError as exc:
         raise BrokerError(classify(exc, url)) from None
     try:

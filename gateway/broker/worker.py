@@ -23,6 +23,7 @@ from topology.broker.declare import TopologyConflict, declare
 from topology.settings import QUEUE_TYPES
 
 from gateway import health as health_http
+from gateway.broker import codec
 from gateway.broker.amqp import BrokerError, Trouble, blocking_channel, classify, parameters
 from gateway.clock import wall_ms
 from gateway.core.carrier import Batcher
@@ -72,7 +73,7 @@ class Session:
 
     def run(self) -> None:
         """Returns when the connection closes."""
-        self.connection = pika.SelectConnection(
+        self.connection = codec.WireConnection(
             parameters(self.url, f"delay-gateway {self.settings.role}", self.settings.tls),
             on_open_callback=self._on_open, on_open_error_callback=self._on_open_error,
             on_close_callback=self._on_close)

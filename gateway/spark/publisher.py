@@ -57,7 +57,6 @@ class PartitionPublisher:
 
     def __init__(self, target: Target, items: Iterator[Any], make: Callable[[Any], Outgoing],
                  name: str = "delay-gateway schedule") -> None:
-        codec.install()  # JSON headers have floats: sent as AMQP doubles, as the gateway sends them
         self.target, self.items, self.make, self.name = target, items, make, name
         self.pending: Dict[int, Tuple[Outgoing, int]] = {}  # sequence number -> (message, attempt)
         self.retry: List[Tuple[float, Outgoing, int]] = []  # (not before, message, attempt)
@@ -183,7 +182,8 @@ class PartitionPublisher:
 
     def _send(self, message: Outgoing, attempt: int) -> None:
         routing_key, body, properties = message
-        self.channel.basic_publish(self.target.exchange, routing_key, body, properties, mandatory=True)
+        # JSON headers have floats: sent as AMQP doubles, as the gateway sends them
+        self.channel.basic_publish(self.target.exchange, routing_key, body, codec.encoded(properties), mandatory=True)
         self.seq += 1  # delivery tags of a confirming channel count publishes from 1
         self.pending[self.seq] = (message, attempt)
 

@@ -24,6 +24,7 @@ from typing import Any, Dict, IO, Optional
 import pika
 import structlog
 
+from gateway.broker import codec
 from gateway.broker.amqp import BrokerError, classify, parameters
 from gateway.clock import wall_ms
 from gateway.settings import chain_from, tls_from, urls_from
@@ -93,7 +94,7 @@ class Recorder:
 
     def run(self, limit: int = 0, idle_timeout: float = 0) -> int:
         try:
-            connection = pika.BlockingConnection(parameters(self.url, "delay-gateway record", self.tls))
+            connection = codec.blocking(parameters(self.url, "delay-gateway record", self.tls))
         except pika.exceptions.AMQPConnectionError as exc:
             raise BrokerError(classify(exc, self.url)) from None
         try:

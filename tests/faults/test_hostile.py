@@ -173,7 +173,6 @@ async def _publish_pamqp(url, exchange, batch) -> set:
 
 
 def test_hostile_publishers_beside_ordinary_traffic(make_chain, fault_report):
-    codec.install()
     chain = make_chain(max_level=3, resolution_ms=100)
     gateway = GatewayProcess(chain).wait_ready()
     connection = connect()
