@@ -132,6 +132,17 @@ class Batcher:
     def next_deadline(self) -> Optional[int]:
         return min((b.opened_ms + self.wait_ms for b in self._open.values()), default=None)
 
+    def discard(self, tag: int) -> None:
+        """Forget the messages of this delivery (rare: a delivery given up)."""
+        for key, batch in list(self._open.items()):
+            kept = [(t, e) for t, e in batch.items if t != tag]
+            if len(kept) == len(batch.items):
+                continue
+            if kept:
+                batch.items, batch.size = kept, sum(e.size for _, e in kept)
+            else:
+                del self._open[key]
+
     def drain(self) -> List[Batch]:
         out = list(self._open.values())
         self._open.clear()

@@ -263,8 +263,11 @@ class Flow:
             self._park_publication(pub, lambda e: handlers.park_entry(self._names, e, reason), reason, now, out)
         for tag in outcome.reject:
             self._observer.note("error", "rejected_to_dead_letter", delivery_tag=tag)
+            # given up: none of its messages may be sent any more
             self._delivered.pop(tag, None)
+            self._left.pop(tag, None)
             self._holds.discard(tag)
+            self._batcher.discard(tag)
             out.reject.append(tag)
 
     def _park_publication(self, pub: Sent, parked: Callable[[Entry], Forward], reason: str, now: int,
