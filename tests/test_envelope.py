@@ -18,7 +18,7 @@ NOW = 1_800_000_000_000
 
 def props(**kwargs) -> Properties:
     """Properties as pika would send them (doubles for floats, as other clients do)."""
-    return codec.encoded(BasicProperties(**kwargs)).wire
+    return codec.to_wire(BasicProperties(**kwargs))
 
 
 def headers(**values) -> Table:

@@ -18,7 +18,7 @@ MEDITATION = "d.1000ms-quorum-queue.meditation.04"
 
 
 def props(**kwargs) -> Properties:
-    return codec.encoded(BasicProperties(**kwargs)).wire
+    return codec.to_wire(BasicProperties(**kwargs))
 
 
 def published(headers=None, key=b"user.key", **properties) -> Delivery:

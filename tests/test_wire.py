@@ -153,7 +153,7 @@ def test_with_the_codec_pika_keeps_the_bytes_and_decodes_only_when_asked():
 
 
 def test_python_floats_are_sent_as_doubles():
-    props = decode_frame(codec.encoded(BasicProperties(headers={"v": 1.5, "l": [2.25]})).wire.raw)
+    props = decode_frame(codec.to_wire(BasicProperties(headers={"v": 1.5, "l": [2.25]})).raw)
     assert props.headers == {"v": 1.5, "l": [2.25]}
     assert props.wire.headers.find("v").kind == b"d"
 

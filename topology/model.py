@@ -44,7 +44,7 @@ def _frozen(mapping: Optional[Mapping[str, Any]]) -> Mapping[str, Any]:
 class Exchange:
     name: str
     type: str
-    arguments: Mapping[str, Any] = field(default_factory=Json)
+    arguments: Mapping[str, Any] = field(default_factory=dict)
     internal: bool = False
 
     def __post_init__(self) -> None:
@@ -56,7 +56,7 @@ class Exchange:
 @dataclass(frozen=True)
 class Queue:
     name: str
-    arguments: Mapping[str, Any] = field(default_factory=Json)
+    arguments: Mapping[str, Any] = field(default_factory=dict)
     role: str = "delay"
     level: Optional[int] = None  # delay and pass queues: their level; meditation, presence: the chain's max_level
 
