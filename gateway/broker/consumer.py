@@ -25,7 +25,8 @@ from gateway.clock import wall_ms
 from gateway.core import envelope
 from gateway.core.actions import Action, Delivery
 from gateway.core.carrier import Batcher
-from gateway.core.flow import Actions, Flow, Handler
+from gateway.core.answers import Actions, Handler
+from gateway.core.flow import Flow
 from gateway.metrics import Metrics
 
 # Channel errors that no message causes: the topology or the permissions are wrong, and

@@ -10,71 +10,22 @@ the returned `Actions` say, nothing more. The core keeps:
 - the held messages (`Holds`), released at their due time: `held` is their count, the one
   the held-messages gauge reads;
 - the open batches (`Batcher`), closed by count, bytes or age;
-- the refused publishes waiting to be retried, and when acknowledgements are due.
+- when acknowledgements are due; and (answers.Answers) the refused publishes waiting to be
+  retried.
 
 Time comes in with each event (epoch ms); `next_wake()` says when the core wants a `tick`.
 """
 
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 from topology.names import Names
 
 from gateway.core import envelope, handlers
-from gateway.core.actions import Action, Delivery, Enqueue, Forward
-from gateway.core.carrier import Batch, Batcher, Entry, Holds
-from gateway.core.deliveries import Deliveries, Outcome, Publication
-
-ACK_FLUSH_MS = 5  # acknowledgements wait this long for others to share one frame
-ACK_BATCH = 500  # ... or until this many are due
-# A publish the broker refuses (basic.nack: a quorum queue without a leader during a
-# failover) is retried after this long while we keep the delivery. Requeueing it instead
-# would spin: each requeue counts against the queue's delivery limit, which a failover of a
-# few seconds exhausts, and the message would be parked for nothing.
-RETRY_REFUSED_MS = 1000
-# After this many refusals of one message, start over on a new connection: in a cluster
-# failover a channel opened while a quorum queue's leader was moving can keep being refused
-# while a fresh channel is accepted (seen on 3.10.8 with a 3-node cluster).
-REFUSED_RECONNECT = 3
-
-Member = Tuple[int, Optional[Entry]]  # a delivery tag, and the publisher's message if it is one
-Handler = Callable[[Delivery], List[Action]]
-
-
-@dataclass
-class Out:
-    """What one publication is: the frame to send, and whose messages it holds."""
-
-    forward: Forward
-    members: Sequence[Member]
-
-
-Sent = Publication[Out]
-
-
-@dataclass
-class Actions:
-    """What the adapter must do after an event, in this order."""
-
-    publish: List[Sent] = field(default_factory=list)  # send each `payload.forward`, in order
-    ack: List[Tuple[int, bool]] = field(default_factory=list)  # (delivery tag, multiple)
-    reject: List[int] = field(default_factory=list)  # nack without requeue: the broker dead-letters it
-    reconnect: bool = False  # start over on a new connection
-    finished: bool = False  # stopping, and nothing is left to wait for
-
-
-class Observer(Protocol):
-    """Metrics and logs: told what was decided; they decide nothing."""
-
-    def forwarded(self, action: Action) -> None: ...
-
-    def batched(self, outcome: str, messages: int) -> None: ...
-
-    def late(self, ms: int) -> None: ...
-
-    def note(self, level: str, event: str, **fields: object) -> None: ...
-
+from gateway.core.actions import Delivery, Enqueue, Forward
+from gateway.core.answers import ACK_BATCH, ACK_FLUSH_MS, Actions, Answers, Handler, Member, Observer, Out
+from gateway.core.carrier import Batch, Batcher, Holds
+from gateway.core.deliveries import Deliveries
 
 class Flow:
     def __init__(self, queue: str, names: Names, handler: Handler, observer: Observer,
@@ -86,10 +37,9 @@ class Flow:
         self._delivered: Dict[int, Delivery] = {}  # outstanding deliveries (to park them whole)
         self._left: Dict[int, int] = {}  # tag -> its messages not yet in a sent publication
         self._holds: Holds[int, Forward] = Holds()  # a delivery tag's message, due at its time
-        self._retries: List[Tuple[int, Sent]] = []  # (when, a refused publication)
         self._flush_at: Optional[int] = None
-        self._refusal = "?"
         self._draining = False
+        self._answers = Answers(self.ledger, names, self._park, self._delivered, observer, self._give_up)
 
     # -- queries --------------------------------------------------------------------------
     @property
@@ -99,9 +49,8 @@ class Flow:
 
     def next_wake(self) -> Optional[int]:
         """When the next `tick` is due (epoch ms), if any."""
-        times = [t for t in (self._holds.next_due(), self._batcher.next_deadline(), self._flush_at) if t is not None]
-        times.extend(at for at, _ in self._retries)
-        return min(times, default=None)
+        times = (self._holds.next_due(), self._batcher.next_deadline(), self._flush_at, self._answers.next_retry())
+        return min((t for t in times if t is not None), default=None)
 
     def waiting_for_confirm_ms(self, now_ms: int) -> int:
         """How long the oldest publish not yet confirmed has been waiting (0: none)."""
@@ -138,14 +87,14 @@ class Flow:
 
     def publishing_opened(self, now: int) -> Actions:
         out = Actions()
-        self._apply(self.ledger.channel_open(), now, out)
+        self._answers.apply(self.ledger.channel_open(), now, out)
         return out
 
     def publishing_closed(self, refusal: str, now: int) -> Actions:
         """The broker closed the publishing channel over a message (a new one is opening)."""
-        self._refusal = refusal
+        self._answers.refusal = refusal
         out = Actions()
-        self._apply(self.ledger.channel_closed(), now, out)
+        self._answers.apply(self.ledger.channel_closed(), now, out)
         return out
 
     def publishing_gone(self) -> None:
@@ -163,7 +112,7 @@ class Flow:
 
     def confirmed(self, seq: int, multiple: bool, ack: bool, now: int) -> Actions:
         out = Actions()
-        self._apply(self.ledger.confirmed(seq, multiple, ack), now, out)
+        self._answers.apply(self.ledger.confirmed(seq, multiple, ack), now, out)
         if self.ledger.done_count >= ACK_BATCH:
             self._flush(out)
         elif self._flush_at is None and self.ledger.done_count:
@@ -178,11 +127,7 @@ class Flow:
             self._flush_batch(batch, now, out)
         if self._flush_at is not None and now >= self._flush_at:
             self._flush(out)
-        due = [pub for at, pub in self._retries if at <= now]
-        if due:
-            self._retries = [(at, pub) for at, pub in self._retries if at > now]
-            for pub in due:
-                self._apply(self.ledger.retry(pub), now, out)
+        self._answers.retry_due(now, out)
         return out
 
     def drain(self, now: int) -> Actions:
@@ -211,7 +156,7 @@ class Flow:
         self._batcher.drain()
         self._delivered.clear()
         self._left.clear()
-        self._retries.clear()
+        self._answers.clear()
         self._flush_at = None
 
     # -- decisions ------------------------------------------------------------------------
@@ -243,43 +188,14 @@ class Flow:
                 self._left[tag] = left
         outcome = self.ledger.publish(tuple(dict.fromkeys(tags)), Out(forward, members), finishing,
                                       parking=forward.outcome == "parked")
-        self._apply(outcome, now, out)
+        self._answers.apply(outcome, now, out)
 
-    def _apply(self, outcome: Outcome[Out], now: int, out: Actions) -> None:
-        for pub in outcome.send:
-            pub.sent_ms = now
-        out.publish.extend(outcome.send)
-        for pub in outcome.refused:
-            if pub.refused > REFUSED_RECONNECT:
-                self._observer.note("error", "broker_keeps_refusing", refusals=pub.refused)
-                out.reconnect = True
-            else:
-                self._observer.note("warning", "publish_nacked_by_broker", after_s=RETRY_REFUSED_MS / 1000)
-                self._retries.append((now + RETRY_REFUSED_MS, pub))
-        for pub in outcome.returned:
-            self._park_publication(pub, lambda e: handlers.unroutable(self._names, e), "", now, out)
-        reason = f"the broker refused to take it: {self._refusal}"
-        for pub in outcome.guilty:
-            self._park_publication(pub, lambda e: handlers.park_entry(self._names, e, reason), reason, now, out)
-        for tag in outcome.reject:
-            self._observer.note("error", "rejected_to_dead_letter", delivery_tag=tag)
-            # given up: none of its messages may be sent any more
-            self._delivered.pop(tag, None)
-            self._left.pop(tag, None)
-            self._holds.discard(tag)
-            self._batcher.discard(tag)
-            out.reject.append(tag)
-
-    def _park_publication(self, pub: Sent, parked: Callable[[Entry], Forward], reason: str, now: int,
-                          out: Actions) -> None:
-        """Publish a parked copy of each message of a publication that cannot go on."""
-        for tag, entry in pub.payload.members:
-            if tag not in self.ledger:
-                continue
-            copies = [parked(entry)] if entry is not None else self._park(self._delivered[tag], reason)
-            for copy in copies:
-                self._observer.forwarded(copy)
-                self._apply(self.ledger.publish((tag,), Out(copy, [(tag, copy.entry)]), (), parking=True), now, out)
+    def _give_up(self, tag: int) -> None:
+        """The delivery is gone (the broker dead-letters it): none of its messages may be sent."""
+        self._delivered.pop(tag, None)
+        self._left.pop(tag, None)
+        self._holds.discard(tag)
+        self._batcher.discard(tag)
 
     def _flush(self, out: Actions) -> None:
         self._flush_at = None
