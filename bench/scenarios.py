@@ -17,6 +17,8 @@ import pika
 from topology import ChainSettings, build, units_for
 from topology.broker.declare import declare, delete
 
+from gateway.settings import default
+
 from .broker import Broker, cpu_seconds, delta
 from .clients import Publisher, Receiver, blocking, body, declare_receiver_queue, now_ms
 from .launcher import GatewayProcess
@@ -24,7 +26,7 @@ from .sampler import Sampler
 from .stats import lateness_stats, per_message, per_second, thin
 from .systems import DELAY, DELIVER_AT, Gateway, Plugin, Target, headers_for, unique_prefix
 
-GATEWAY_DEFAULT_LEAD_MS = 50  # the gateway's documented default (README, settings table)
+GATEWAY_DEFAULT_LEAD_MS = default("lead_ms")  # the gateway's own default
 
 
 @dataclass

@@ -27,6 +27,8 @@ from topology.registry import ChainKey, Registry, chain_queues, fold, level_queu
 from topology.retirement import Observed
 from topology.settings import MAX_LEVELS, QUEUE_TYPES
 
+from gateway.settings import default
+
 HORIZONS: Tuple[Tuple[str, int], ...] = (
     ("1 second", 1000), ("1 minute", 60_000), ("1 hour", 3_600_000), ("1 day", 86_400_000))
 
@@ -374,8 +376,8 @@ def one(connection, args, own: ChainKey, now_ms: int) -> Report:
             source = "metrics"
         except (OSError, ValueError) as exc:
             source = f"--metrics-url failed: {exc}"
-    return report(args.prefix, own, getattr(args, "lead_ms", 50), registry, chains, observed, held, source, now_ms,
-                  carried)
+    lead_ms = getattr(args, "lead_ms", default("lead_ms"))
+    return report(args.prefix, own, lead_ms, registry, chains, observed, held, source, now_ms, carried)
 
 
 def command(args, open_channel, own: ChainKey, clock) -> int:
