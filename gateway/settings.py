@@ -115,8 +115,8 @@ OPTIONS: Tuple[Option, ...] = (
     # chain: the topology, the same for every gateway and for declare
     Option("prefix", _CHAIN.prefix, text, "first part of every exchange and queue name", "chain",
            "prefix"),
-    Option("max_level", _CHAIN.max_level, integer(1, 40), "binary delay levels; level k waits 2^k x resolution", "chain",
-           "maxLevel", metavar="N"),
+    Option("max_level", _CHAIN.max_level, integer(1, 40), "binary delay levels; level k waits 2^k x resolution",
+           "chain", "maxLevel", metavar="N"),
     Option("resolution_ms", _CHAIN.resolution_ms, integer(1), "the chain's unit, in ms", "chain", "resolutionMs",
            metavar="MS"),
     Option("queue_type", _CHAIN.queue_type, one_of(QUEUE_TYPES),
