@@ -27,7 +27,10 @@ from gateway.core.answers import ACK_BATCH, ACK_FLUSH_MS, Actions, Answers, Hand
 from gateway.core.carrier import Batch, Batcher, Holds
 from gateway.core.deliveries import Deliveries
 
+
 class Flow:
+    """The core of one consumer (see the module doc): events in, `Actions` out."""
+
     def __init__(self, queue: str, names: Names, handler: Handler, observer: Observer,
                  batcher: Optional[Batcher] = None) -> None:
         self._names, self._handler, self._observer = names, handler, observer

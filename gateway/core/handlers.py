@@ -162,7 +162,6 @@ class Distributor:
         return unroutable(self.chain.names, e)
 
 
-
 DEATH_REASONS = {
     "delivery_limit": "redelivered too often (a consumer kept failing on it)",
     "expired": "its own expiration ran out before the gateway read it",
