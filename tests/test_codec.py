@@ -63,3 +63,20 @@ def test_the_codec_decodes_exactly_and_leaves_pika_as_it_was():
     assert pikas.properties.headers == {"f": 2}  # pika's own decoder truncates doubles: not ours to change
     with pytest.raises(pika.exceptions.UnsupportedAMQPFieldException):  # and pika alone cannot encode a float
         spec.BasicProperties(headers={"f": 1.5}).encode()
+
+
+def test_the_cli_publisher_sends_a_float_header_as_a_double():
+    from gateway.broker.publish import Publisher
+    from topology import ChainSettings
+
+    class Channel:
+        def confirm_delivery(self):
+            pass
+
+        def basic_publish(self, exchange, routing_key, body, properties, mandatory):
+            self.sent = b"".join(properties.encode())
+
+    channel = Channel()
+    Publisher(channel, ChainSettings(prefix="t")).send(b"x", "k", delay_ms=5, headers={"f": 1.5})
+    assert Properties.parse(channel.sent).headers.find("f").kind == b"d"
+    assert Properties.parse(channel.sent).headers.get("f") == 1.5
