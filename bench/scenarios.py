@@ -196,6 +196,27 @@ class _Costs:
 
 
 # -- one delayed run ---------------------------------------------------------------------
+def _maker(ctx: Context, load: Load, target: Target, exchange: str, delays: List[int]):
+    """make(i) for the publisher: the load's next message, its delay noted in `delays`."""
+    lo, hi = load.delay_ms
+    rnd = random.Random(load.seed)
+    instant: List[float] = []  # the at-once due time, fixed by the first publish
+
+    def make(i: int):
+        published = now_ms()
+        if load.at_once_ms is not None:
+            if not instant:
+                instant.append(published + load.at_once_ms)
+            delay = max(0, int(instant[0] - published))
+        else:
+            delay = rnd.randint(lo, hi)
+        delays.append(delay)
+        headers, due = headers_for(target.header, published, delay)
+        props = pika.BasicProperties(delivery_mode=2, headers=headers)
+        return exchange, "bench", props, body(i, due, ctx.size), due
+    return make
+
+
 def delayed_run(ctx: Context, load: Load, target: Target, round_: int = 1) -> dict:
     """Open the target, publish the load to it, collect every message in a separate
     receiver process, and measure what it cost."""
@@ -214,23 +235,8 @@ def delayed_run(ctx: Context, load: Load, target: Target, round_: int = 1) -> di
         costs.start()
         load_start = os.getloadavg()[0]
         sampler.start()
-        rnd = random.Random(load.seed)
         delays: List[int] = []
-        instant: List[float] = []  # the at-once due time, fixed by the first publish
-
-        def make(i: int):
-            published = now_ms()
-            if load.at_once_ms is not None:
-                if not instant:
-                    instant.append(published + load.at_once_ms)
-                delay = max(0, int(instant[0] - published))
-            else:
-                delay = rnd.randint(lo, hi)
-            delays.append(delay)
-            headers, due = headers_for(target.header, published, delay)
-            props = pika.BasicProperties(delivery_mode=2, headers=headers)
-            return system.publish_exchange, "bench", props, body(i, due, ctx.size), due
-
+        make = _maker(ctx, load, target, system.publish_exchange, delays)
         t_pub = time.monotonic() - sampler.t0
         wall0 = now_ms()
         pub = Publisher(ctx.url, n, make, rate=load.rate).run()
