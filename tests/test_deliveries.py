@@ -163,7 +163,8 @@ class Plans:
         ident, plan = d.body.split(b":")
         if b"x" in plan:
             raise RuntimeError("a bug")
-        now, out = self.clock(), []  # type: ignore[var-annotated]
+        now = self.clock()
+        out: List[Action] = []
         for i, letter in enumerate(plan.decode()):
             due = now + (100 * int(letter) if letter.isdigit() else 0)
             e = Entry(b"k", Properties.build(message_id=f"{i}"), ident + b"." + str(i).encode(), due)
