@@ -100,6 +100,22 @@ def test_a_returned_publish_is_reported_with_its_confirm_and_not_acknowledged():
     assert d.acks()[2] == [1]
 
 
+def test_a_delivery_is_not_done_while_a_returned_publish_awaits_its_parked_copy():
+    # one confirm covers three publishes of one delivery, the first of them returned:
+    # the delivery waits for the parked copy the consumer makes next (found by the state machine)
+    d = opened()
+    d.received(5)
+    d.publish((5,), "now", finishing=())
+    d.publish((5,), "handed back 1", finishing=())
+    d.publish((5,), "handed back 2")
+    d.returned(1)
+    out = d.confirmed(3, multiple=True, ack=True)
+    assert [p.payload for p in out.returned] == ["now"] and d.acks()[2] == []
+    d.publish((5,), "parked copy", (), parking=True)
+    d.confirmed(4, multiple=False, ack=True)
+    assert d.acks()[2] == [5]
+
+
 def test_a_closed_publishing_channel_isolates_the_publishes_it_had_not_confirmed():
     d = opened()
     for tag in (1, 2, 3):
@@ -343,5 +359,5 @@ class Driver(RuleBasedStateMachine):
         self.quiet.__exit__(None, None, None)
 
 
-Driver.TestCase.settings = settings(max_examples=300, stateful_step_count=30, deadline=None)
+Driver.TestCase.settings = settings(max_examples=1000, stateful_step_count=40, deadline=None)
 TestDeliveries = Driver.TestCase

@@ -156,14 +156,16 @@ class Deliveries(Generic[P]):
 
     def confirmed(self, seq: int, multiple: bool, ack: bool) -> Outcome[P]:
         out = self._window.confirmed(seq, multiple, ack)
+        # A delivery with a publish returned here is not done, even if this confirm covers
+        # all its others: the parked copy the consumer makes next is still to come.
+        returned = {tag for pub in out.returned for tag in pub.tags}
         for pub in out.confirmed:
-            returned = pub.returned and not pub.parking
             for tag in pub.tags:
                 d = self._deliveries.get(tag)
                 if d is None:
                     continue
                 d.pending -= 1
-                if not returned:
+                if tag not in returned:
                     self._settle(tag, d)
         return out
 
