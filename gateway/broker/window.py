@@ -56,6 +56,7 @@ class WindowPublisher:
         self._connection: Any = None
         self._channel: Any = None
         self._closing = False
+        self._ticking = self._watching = False  # timers scheduled (one each: every confirm calls fill)
 
     @property
     def unconfirmed(self) -> int:
@@ -182,10 +183,16 @@ class WindowPublisher:
             self.sent += 1
         if self.exhausted and not self.pending and not self.retry:
             self._close()
-        elif self.retry or (not self.exhausted and self.sent >= allowed):
-            self._connection.ioloop.call_later(self.tick_s, self.fill)
-        elif self.exhausted and self.confirm_timeout_s and self.pending:
+        elif (self.retry or (not self.exhausted and self.sent >= allowed)) and not self._ticking:
+            self._ticking = True
+            self._connection.ioloop.call_later(self.tick_s, self._tick)
+        elif self.exhausted and self.confirm_timeout_s and self.pending and not self._watching:
+            self._watching = True
             self._connection.ioloop.call_later(0.5, self._watch)
+
+    def _tick(self) -> None:
+        self._ticking = False
+        self.fill()
 
     def _watch(self) -> None:
         """All sent: give up on confirms that do not come (they count as unconfirmed)."""
