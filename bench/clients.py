@@ -13,9 +13,11 @@ import signal
 import struct
 import time
 import uuid
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import pika
+
+from gateway.broker.window import Outgoing, PublishError, WindowPublisher
 
 HEAD = struct.Struct("<qd")  # message number, due time (epoch ms)
 
@@ -34,128 +36,60 @@ def blocking(url: str, name: str = "delay-gateway bench") -> pika.BlockingConnec
     return pika.BlockingConnection(params)
 
 
-class _Pending(dict):
-    """An insertion-ordered dict of sequence numbers with a cheap 'pop the oldest'."""
-
-    def popitem_first(self) -> int:
-        key = next(iter(self))
-        del self[key]
-        return key
-
-
 # make(i) -> (exchange, routing key, properties, body, due ms); called just before the publish
 Make = Callable[[int], Tuple[str, str, pika.BasicProperties, bytes, float]]
 
 
 class Publisher:
     """Publishes n messages with confirms, at most `window` unconfirmed, optionally at a
-    fixed rate."""
+    fixed rate: the gateway's own confirm-window publisher, noting each message's due time."""
 
     def __init__(self, url: str, n: int, make: Make, rate: Optional[float] = None, window: int = 2000,
                  confirm_timeout_s: float = 60.0) -> None:
-        self.url, self.n, self.make, self.rate, self.window = url, n, make, rate, window
-        self.confirm_timeout_s = confirm_timeout_s
-        self._last_confirm = 0.0
-        self._pending = _Pending()  # publish sequence numbers not yet confirmed, in order
+        self.n = n
         self.due: List[float] = []
-        self.sent = 0
-        self.acked = 0
-        self.nacked = 0
-        self.confirm_times: List[float] = []  # one per confirmed message, s since start (for the chart)
-        self.start = self.end = 0.0
-        self.error: Optional[str] = None
+
+        def items() -> Iterator[Outgoing]:
+            for i in range(n):
+                exchange, key, props, payload, due = make(i)
+                self.due.append(due)
+                yield exchange, key, props, payload
+
+        # a refused publish is not retried: it is what the benchmark counts as lost
+        self._w = WindowPublisher([url], items(), "delay-gateway bench publisher", window=window,
+                                  max_rate=rate or 0.0, mandatory=False, nack_attempts=0,
+                                  confirm_timeout_s=confirm_timeout_s, tick_s=0.002)
 
     def run(self) -> "Publisher":
-        params = pika.URLParameters(self.url)
-        params.client_properties = {"connection_name": "delay-gateway bench publisher"}
-        self._conn = pika.SelectConnection(
-            params, on_open_callback=self._on_open,
-            on_open_error_callback=lambda c, e: self._fail(e), on_close_callback=lambda c, r: c.ioloop.stop())
-        self._conn.ioloop.start()
-        if self.error:
-            raise RuntimeError(f"publisher failed: {self.error}")
+        try:
+            self._w.run()
+        except PublishError as exc:
+            raise RuntimeError(f"publisher failed: {exc}") from None
         return self
 
-    def _close(self) -> None:
-        if self._conn.is_open:
-            self._conn.close()
+    @property
+    def sent(self) -> int:
+        return self._w.sent
 
-    def _fail(self, error) -> None:
-        self.error = str(error)
-        self._conn.ioloop.stop()
+    @property
+    def acked(self) -> int:
+        return self._w.acked
 
-    def _on_open(self, conn) -> None:
-        conn.channel(on_open_callback=self._on_channel)
-
-    def _on_channel(self, ch) -> None:
-        self._ch = ch
-        ch.add_on_close_callback(self._on_channel_closed)
-        ch.confirm_delivery(self._on_confirm, callback=lambda _: self._begin())
-
-    def _on_channel_closed(self, ch, reason) -> None:
-        if self.acked + self.nacked < self.n:
-            self.error = f"channel closed: {reason}"
-        self._close()
-
-    def _begin(self) -> None:
-        self.start = time.monotonic()
-        self._tick()
-
-    def _tick(self, timer: bool = True) -> None:
-        allowed = self.n if self.rate is None else min(
-            self.n, int((time.monotonic() - self.start) * self.rate) + 1)
-        while self.sent < allowed and self.sent - self.acked - self.nacked < self.window:
-            exchange, key, props, payload, due = self.make(self.sent)
-            self._ch.basic_publish(exchange, key, payload, props)
-            self.due.append(due)
-            self.sent += 1
-            self._pending[self.sent] = True  # delivery tags count from 1 on a channel
-        if timer and self.sent < self.n:
-            self._conn.ioloop.call_later(0.002, self._tick)
-        elif timer:
-            self._watch()
-
-    def _watch(self) -> None:
-        """All sent: give up on confirms that do not come (reported as unconfirmed)."""
-        if self.acked + self.nacked >= self.n:
-            return
-        if time.monotonic() - max(self._last_confirm, self.start) > self.confirm_timeout_s:
-            self.end = time.monotonic()
-            self._close()
-        else:
-            self._conn.ioloop.call_later(0.5, self._watch)
+    @property
+    def nacked(self) -> int:
+        return self._w.nacked
 
     @property
     def unconfirmed(self) -> int:
-        return self.sent - self.acked - self.nacked
+        return self._w.unconfirmed
 
-    def _on_confirm(self, frame) -> None:
-        m = frame.method
-        self._last_confirm = time.monotonic()
-        # Confirms may come out of order (a single ack for a later message before a
-        # multiple ack that covers earlier ones): track each publish, never count by tag.
-        if m.multiple:
-            tags = []
-            while self._pending and next(iter(self._pending)) <= m.delivery_tag:
-                tags.append(self._pending.popitem_first())
-        else:
-            tags = [m.delivery_tag] if self._pending.pop(m.delivery_tag, False) else []
-        count = len(tags)
-        if isinstance(m, pika.spec.Basic.Ack):
-            self.acked += count
-            t = time.monotonic() - self.start
-            self.confirm_times.extend([t] * count)
-        else:
-            self.nacked += count
-        if self.acked + self.nacked >= self.n:
-            self.end = time.monotonic()
-            self._close()
-        elif self.rate is None or self.sent >= self.n:
-            self._tick(timer=False)
+    @property
+    def confirm_times(self) -> List[float]:
+        return self._w.confirm_times
 
     @property
     def seconds(self) -> float:
-        return self.end - self.start
+        return self._w.seconds
 
     @property
     def rate_achieved(self) -> float:

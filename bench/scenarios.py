@@ -17,6 +17,8 @@ import pika
 from topology import ChainSettings, build, units_for
 from topology.broker.declare import declare, delete
 
+from gateway.settings import default
+
 from .broker import Broker, cpu_seconds, delta
 from .clients import Publisher, Receiver, blocking, body, declare_receiver_queue, now_ms
 from .launcher import GatewayProcess
@@ -24,7 +26,7 @@ from .sampler import Sampler
 from .stats import lateness_stats, per_message, per_second, thin
 from .systems import DELAY, DELIVER_AT, Gateway, Plugin, Target, headers_for, unique_prefix
 
-GATEWAY_DEFAULT_LEAD_MS = 50  # the gateway's documented default (docs/operating.md, settings table)
+GATEWAY_DEFAULT_LEAD_MS = default("lead_ms")  # the gateway's own default
 
 
 @dataclass
@@ -194,6 +196,27 @@ class _Costs:
 
 
 # -- one delayed run ---------------------------------------------------------------------
+def _maker(ctx: Context, load: Load, target: Target, exchange: str, delays: List[int]):
+    """make(i) for the publisher: the load's next message, its delay noted in `delays`."""
+    lo, hi = load.delay_ms
+    rnd = random.Random(load.seed)
+    instant: List[float] = []  # the at-once due time, fixed by the first publish
+
+    def make(i: int):
+        published = now_ms()
+        if load.at_once_ms is not None:
+            if not instant:
+                instant.append(published + load.at_once_ms)
+            delay = max(0, int(instant[0] - published))
+        else:
+            delay = rnd.randint(lo, hi)
+        delays.append(delay)
+        headers, due = headers_for(target.header, published, delay)
+        props = pika.BasicProperties(delivery_mode=2, headers=headers)
+        return exchange, "bench", props, body(i, due, ctx.size), due
+    return make
+
+
 def delayed_run(ctx: Context, load: Load, target: Target, round_: int = 1) -> dict:
     """Open the target, publish the load to it, collect every message in a separate
     receiver process, and measure what it cost."""
@@ -212,23 +235,8 @@ def delayed_run(ctx: Context, load: Load, target: Target, round_: int = 1) -> di
         costs.start()
         load_start = os.getloadavg()[0]
         sampler.start()
-        rnd = random.Random(load.seed)
         delays: List[int] = []
-        instant: List[float] = []  # the at-once due time, fixed by the first publish
-
-        def make(i: int):
-            published = now_ms()
-            if load.at_once_ms is not None:
-                if not instant:
-                    instant.append(published + load.at_once_ms)
-                delay = max(0, int(instant[0] - published))
-            else:
-                delay = rnd.randint(lo, hi)
-            delays.append(delay)
-            headers, due = headers_for(target.header, published, delay)
-            props = pika.BasicProperties(delivery_mode=2, headers=headers)
-            return system.publish_exchange, "bench", props, body(i, due, ctx.size), due
-
+        make = _maker(ctx, load, target, system.publish_exchange, delays)
         t_pub = time.monotonic() - sampler.t0
         wall0 = now_ms()
         pub = Publisher(ctx.url, n, make, rate=load.rate).run()
@@ -272,7 +280,8 @@ def delayed_run(ctx: Context, load: Load, target: Target, round_: int = 1) -> di
         result["writes_model_per_message"] = round(
             sum(writes_model(d, chain, ctx.lead_ms) for d in delays) / max(1, len(delays)), 2)
     ctx.log(f"    p50 {result.get('p50_ms')} ms, p99 {result.get('p99_ms')} ms, max {result.get('max_ms')} ms, "
-            f"early {result['early']}, lost {result['lost']}, queue writes/msg {result.get('queue_writes_per_message')}, "
+            f"early {result['early']}, lost {result['lost']}, "
+            f"queue writes/msg {result.get('queue_writes_per_message')}, "
             f"broker CPU {result.get('broker_cpu_us_per_message')} us/msg")
     return result
 
@@ -385,7 +394,8 @@ def _pending_run(ctx: Context, target: Target, n: int, lo: int, hi: int) -> dict
     for k in ("broker", "gateway0", "gateway1"):
         if f"{k}_rss_mb" in before and f"{k}_rss_mb" in after:
             r[f"{k}_rss_mb_delta"] = round(after[f"{k}_rss_mb"] - before[f"{k}_rss_mb"], 1)
-    ctx.log(f"    broker RSS {before.get('broker_rss_mb')} -> peak {r['resources'].get('broker', {}).get('rss_mb_max')} "
+    peak = r['resources'].get('broker', {}).get('rss_mb_max')
+    ctx.log(f"    broker RSS {before.get('broker_rss_mb')} -> peak {peak} "
             f"-> {after.get('broker_rss_mb')} MB")
     return r
 
@@ -403,7 +413,7 @@ def roles(ctx: Context) -> List[dict]:
     n = ctx.n(50_000)
     out = []
     for qt, zb in ctx.topologies():
-        for role, alone in (("check-in", _check_in_alone), ("distributor", _distributor_alone)):
+        for _role, alone in (("check-in", _check_in_alone), ("distributor", _distributor_alone)):
             chain = ctx.chain("roles", qt, zb)
             sink = f"{chain.prefix}.receiver"
             topology = build(chain)
@@ -528,7 +538,8 @@ def ceiling(ctx: Context, hops: int = 8) -> List[dict]:
             payload = body(0, 0, ctx.size)
             props = pika.BasicProperties(delivery_mode=2)
             t0 = time.monotonic()
-            Publisher(ctx.url, n, lambda i: ("", names[0], props, payload, 0.0)).run()
+            message = ("", names[0], props, payload, 0.0)
+            Publisher(ctx.url, n, lambda i, m=message: m).run()
             deadline = time.monotonic() + 600
             while _depth(ctx, names[-1]) < n and time.monotonic() < deadline:
                 time.sleep(0.05)

@@ -17,7 +17,7 @@ from topology.registry import ChainKey, fold
 from topology.render import DESCRIPTIONS, FORMATS, render
 from topology.retirement import DeleteExchange, DeleteQueue, MarkRetired, SealQueues, Unused
 
-from gateway.broker import codec, upkeep
+from gateway.broker import upkeep
 from gateway import logs
 from gateway.commands import explain, parked, selftest, status
 from gateway.broker.amqp import EXIT_NO_BROKER, EXIT_REFUSED, BrokerError, Trouble, blocking_channel
@@ -71,7 +71,6 @@ def main(argv: Optional[Sequence[str]] = None, environ=None) -> int:
         return 2
     except SystemExit as exc:  # --help (0), or a bad flag or value, already said in one line (2)
         return int(exc.code or 0)
-    codec.install()
     logs.configure(getattr(args, "log_level", "info"), getattr(args, "log_format", "auto"))
     try:
         return COMMANDS[args.command].run(args)

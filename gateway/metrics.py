@@ -1,12 +1,14 @@
 """Prometheus metrics of one gateway process."""
 
+from typing import Optional
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENESS_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class Metrics:
-    def __init__(self, registry: CollectorRegistry = None) -> None:
+    def __init__(self, registry: Optional[CollectorRegistry] = None) -> None:
         self.registry = registry or CollectorRegistry()
         self.forwarded = Counter(
             "delay_gateway_messages", "Messages forwarded, by consumer and outcome",

@@ -97,6 +97,8 @@ class Option:
         return ENV + self.name.upper()
 
 
+_CHAIN = ChainSettings()  # the chain's defaults are topology's
+
 OPTIONS: Tuple[Option, ...] = (
     # broker: every command that talks to RabbitMQ
     Option("url", DEFAULT_URL, text, "AMQP URL; several, comma-separated, for a cluster", "broker", metavar="URL"),
@@ -111,14 +113,16 @@ OPTIONS: Tuple[Option, ...] = (
     Option("tls_key_file", None, optional_path, "client key (PEM), if not in the certificate file", "broker",
            metavar="PATH"),
     # chain: the topology, the same for every gateway and for declare
-    Option("prefix", "delay", text, "first part of every exchange and queue name", "chain", "prefix"),
-    Option("max_level", 20, integer(1, 40), "binary delay levels; level k waits 2^k x resolution", "chain",
-           "maxLevel", metavar="N"),
-    Option("resolution_ms", 1000, integer(1), "the chain's unit, in ms", "chain", "resolutionMs", metavar="MS"),
-    Option("queue_type", "quorum", one_of(QUEUE_TYPES),
+    Option("prefix", _CHAIN.prefix, text, "first part of every exchange and queue name", "chain",
+           "prefix"),
+    Option("max_level", _CHAIN.max_level, integer(1, 40), "binary delay levels; level k waits 2^k x resolution",
+           "chain", "maxLevel", metavar="N"),
+    Option("resolution_ms", _CHAIN.resolution_ms, integer(1), "the chain's unit, in ms", "chain", "resolutionMs",
+           metavar="MS"),
+    Option("queue_type", _CHAIN.queue_type, one_of(QUEUE_TYPES),
            "the chain's queues: quorum (replicated, at-least-once dead-lettering) or classic", "chain",
            "queueType", choices=QUEUE_TYPES),
-    Option("zero_bits", "queue", one_of(ZERO_BITS),
+    Option("zero_bits", _CHAIN.zero_bits, one_of(ZERO_BITS),
            "a 0 bit passes a 1 ms queue (queue), or an exchange-to-exchange binding (exchange: fewer hops)",
            "chain", "zeroBits", choices=ZERO_BITS),
     # run: the consumers
@@ -242,27 +246,32 @@ class Tls:
             raise UsageError("--tls-key-file needs --tls-cert-file")
 
 
+def default(name: str) -> Any:
+    """An option's default: OPTIONS is the one place each is written."""
+    return next(o.default for o in OPTIONS if o.name == name)
+
+
 @dataclass(frozen=True)
 class Settings:
     chain: ChainSettings = field(default_factory=ChainSettings)
     urls: Tuple[str, ...] = (DEFAULT_URL,)
     tls: Tls = field(default_factory=Tls)
-    role: str = "all"
-    prefetch: int = 1000
-    distributor_prefetch: int = 10000
-    lead_ms: int = 50
-    carrier_messages: int = 1000
-    carrier_wait_ms: int = 20
-    carrier_bytes: int = 1_048_576
-    stamp_due_at: bool = False
-    declare: bool = True
-    metrics_port: int = 0
-    connect_timeout: float = 300.0
-    confirm_timeout: float = 15.0
-    retire: bool = True
-    retire_after: float = 600.0
-    log_level: str = "info"
-    log_format: str = "auto"
+    role: str = default("role")
+    prefetch: int = default("prefetch")
+    distributor_prefetch: int = default("distributor_prefetch")
+    lead_ms: int = default("lead_ms")
+    carrier_messages: int = default("carrier_messages")
+    carrier_wait_ms: int = default("carrier_wait_ms")
+    carrier_bytes: int = default("carrier_bytes")
+    stamp_due_at: bool = default("stamp_due_at")
+    declare: bool = default("declare")
+    metrics_port: int = default("metrics_port")
+    connect_timeout: float = default("connect_timeout")
+    confirm_timeout: float = default("confirm_timeout")
+    retire: bool = default("retire")
+    retire_after: float = default("retire_after")
+    log_level: str = default("log_level")
+    log_format: str = default("log_format")
 
     def __post_init__(self) -> None:
         if not self.urls:

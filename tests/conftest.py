@@ -274,13 +274,6 @@ def run_gateway():
             process.terminate()
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _pika_encodes_floats():
-    """Test publishers send double headers as other clients do (the gateway installs this in main)."""
-    from gateway.broker import codec
-    codec.install()
-
-
 @pytest.fixture(autouse=True)
 def _figures_to_report(record_property):
     """What the test passed to support.report_figures goes into its report (user properties),

@@ -11,6 +11,7 @@ import pika
 
 from bench import launcher
 from bench.launcher import ROOT, chain_args, free_port  # noqa: F401 (tests import them from here)
+from gateway.broker import codec
 from gateway.settings import DEFAULT_URL
 from topology import ChainSettings, build
 from topology.broker.declare import declare, delete
@@ -44,7 +45,7 @@ def unique_prefix() -> str:
 
 
 def connect(url: Optional[str] = None) -> pika.BlockingConnection:
-    return pika.BlockingConnection(pika.URLParameters(url or broker_url()))
+    return codec.blocking(pika.URLParameters(url or broker_url()))
 
 
 def sent_headers(properties) -> dict:

@@ -47,7 +47,8 @@ def test_loads_side_by_side_with_the_plugin_absent(broker, broker_ctl, tmp_path)
     assert len(said) == 1 and "gateway only" in said[0], proc.stderr
     data = json.loads((tmp_path / "out" / "results.json").read_text())
     assert data["meta"]["plugin"] == "absent"
-    assert {"date", "machine", "command", "rabbitmq", "load_average_start", "busiest_processes_start"} <= set(data["meta"])
+    assert {"date", "machine", "command", "rabbitmq", "load_average_start",
+            "busiest_processes_start"} <= set(data["meta"])
     for name in ("paced", "at-once"):
         runs = data["results"][name]
         assert [(r["system"], r["header"]) for r in runs] == [("gateway", DELAY), ("gateway", DELIVER_AT)]

@@ -55,3 +55,19 @@ def test_holds_release_in_due_order_and_first_come_first_for_the_same_time():
     assert h.next_due() == 10 and h.due(9) == []
     assert h.due(20) == [("a", "A"), ("a2", "A2"), ("b", "B")]
     assert len(h) == 1 and h.drain() == [("c", "C")] and h.next_due() is None
+
+
+def test_a_delivery_given_up_leaves_its_batches_and_holds():
+    from gateway.core.carrier import Holds
+    b = Batcher(max_messages=3, max_bytes=10_000, wait_ms=20)
+    b.add("a", 1, entry(), 0)
+    b.add("a", 2, entry(), 1)
+    b.add("b", 2, entry(), 2)
+    b.discard(2)
+    assert [(batch.key, [t for t, _ in batch.items]) for batch in b.drain()] == [("a", [1])]
+    h: Holds = Holds()
+    h.add(5, 1, "x")
+    h.add(3, 2, "y")
+    h.add(4, 1, "z")
+    h.discard(1)
+    assert len(h) == 1 and h.due(10) == [(2, "y")]

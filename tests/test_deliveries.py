@@ -1,15 +1,24 @@
 """The per-delivery state machine (pure): a table per transition, then a hypothesis state
-machine that drives it as pika would and checks the rules after every step."""
+machine that drives the real consumer (broker.consumer.Pipe, with its core) over a fake
+connection, as a broker would, and checks the rules after every step."""
 
-from collections import Counter
 from typing import Dict, List, Set
 
 import pytest
+import structlog.testing
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from .fake_broker import FakeConnection, Published
+from gateway.broker.consumer import Pipe
+from gateway.core import carrier
+from gateway.core.actions import Action, Delivery, Enqueue, Forward
+from gateway.core.carrier import Batcher, Entry
 from gateway.core.deliveries import Deliveries
+from gateway.core.wire import Properties
+from gateway.metrics import Metrics
+from topology.names import Names
 
 
 def opened() -> Deliveries:
@@ -91,6 +100,22 @@ def test_a_returned_publish_is_reported_with_its_confirm_and_not_acknowledged():
     assert d.acks()[2] == [1]
 
 
+def test_a_delivery_is_not_done_while_a_returned_publish_awaits_its_parked_copy():
+    # one confirm covers three publishes of one delivery, the first of them returned:
+    # the delivery waits for the parked copy the consumer makes next (found by the state machine)
+    d = opened()
+    d.received(5)
+    d.publish((5,), "now", finishing=())
+    d.publish((5,), "handed back 1", finishing=())
+    d.publish((5,), "handed back 2")
+    d.returned(1)
+    out = d.confirmed(3, multiple=True, ack=True)
+    assert [p.payload for p in out.returned] == ["now"] and d.acks()[2] == []
+    d.publish((5,), "parked copy", (), parking=True)
+    d.confirmed(4, multiple=False, ack=True)
+    assert d.acks()[2] == [5]
+
+
 def test_a_closed_publishing_channel_isolates_the_publishes_it_had_not_confirmed():
     d = opened()
     for tag in (1, 2, 3):
@@ -138,190 +163,201 @@ def test_a_tag_cannot_be_received_twice():
 
 
 # -- the rules, after every step of random runs -----------------------------------------------
+NAMES = Names("t")
+QUEUE = "t.under-test"
+
+
+class Plans:
+    """The handler under test: a delivery's body is b"<id>:<plan>", one letter per message it
+    becomes: n (publish now, mandatory, as to pick-up), 1-3 (the same, held that many tenths
+    of a second), e (on a route, batched into carriers); x: the handler fails on it."""
+
+    def __init__(self, clock) -> None:
+        self.clock = clock
+
+    def __call__(self, d: Delivery) -> List[Action]:
+        ident, plan = d.body.split(b":")
+        if b"x" in plan:
+            raise RuntimeError("a bug")
+        now = self.clock()
+        out: List[Action] = []
+        for i, letter in enumerate(plan.decode()):
+            due = now + (100 * int(letter) if letter.isdigit() else 0)
+            e = Entry(b"k", Properties.build(message_id=f"{i}"), ident + b"." + str(i).encode(), due)
+            if letter == "e":
+                out.append(Enqueue("t.chain", b"0.1", "chain", e))
+            else:
+                out.append(Forward(NAMES.pick_up, b"k", e.user, e.body, "delivered",
+                                   not_before_ms=due if letter.isdigit() else None, mandatory=True, entry=e))
+        return out
+
+
+def expected(body: bytes) -> Set[bytes]:
+    """The message bodies that must be safely published before the delivery is acknowledged."""
+    ident, plan = body.split(b":")
+    return {body} if b"x" in plan else {ident + b"." + str(i).encode() for i in range(len(plan))}
+
+
+def carried(pub: Published) -> List[bytes]:
+    if pub.body.startswith(carrier.MAGIC):
+        return [e.body for e in carrier.unpack(pub.body)]
+    return [pub.body]
+
+
 class Driver(RuleBasedStateMachine):
-    """Plays consumer (with the pipe's reactions) and broker; keeps its own account."""
+    """Plays the broker (and the worker around the consumer) with a fake connection; keeps
+    its own account of what is safe, and checks every ack the real consumer sends."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.d = Deliveries()
-        self.next_tag = 1
-        self.made: Dict[int, int] = {}  # tag -> publishes made for it
-        self.confirmed: Dict[int, int] = {}  # tag -> of those, confirmed (not returned)
-        self.finished: Set[int] = set()
-        self.held: Counter = Counter()  # tag -> messages of it held
-        self.ended: Dict[int, str] = {}  # tag -> acked / rejected
-        self.outstanding: List[int] = []  # in delivery order
-        self.inflight: Dict[int, object] = {}  # seq -> publication
-        self.refused: List[object] = []
-        self.open = False
+        self.next_id = 1
+        self.safe: Set[bytes] = set()  # message bodies confirmed, not returned
+        self.ended: Dict[str, str] = {}  # delivery body -> acked / rejected / lost
+        self.stopped = False
+        self.stopped_done = False
+        self.quiet = structlog.testing.capture_logs()  # (thousands of runs: their logs cost more than they)
+        self.quiet.__enter__()
+        self.connect()
+
+    def connect(self) -> None:
+        """A fresh connection and consumer, as the worker makes after losing one."""
+        self.conn = FakeConnection() if not hasattr(self, "conn") else FakeConnection(self.conn.clock)
+        self.metrics = Metrics()
+        self.pipe = Pipe(self.conn, QUEUE, Plans(self.conn.clock), 100, self.metrics, NAMES, clock=self.conn.clock,
+                         batcher=Batcher(3, 100_000, 20))
+        self.pipe.open()
+        self.conn.settle()
+        self.outstanding: Dict[int, bytes] = {}  # delivery tag -> body, in delivery order
+        self.unconfirmed: Dict[int, Published] = {}  # seq -> sent on the publishing channel
+        self.returned: Set[int] = set()
+        self.seen = 0  # publishes looked at
+        self.acks_seen = self.nacks_seen = 0
+        self.consuming = self.conn.consuming()
+
+    def step(self) -> None:
+        """Take in what the consumer sent, check its acks, and play the worker: a stopped
+        consumer's connection closes; a closed one is opened again."""
+        for pub in self.conn.published[self.seen:]:
+            assert pub.channel.is_open, "published on a closed channel"
+            self.unconfirmed[pub.seq] = pub
+        self.seen = len(self.conn.published)
+        for tag, multiple in self.consuming.acks[self.acks_seen:]:
+            covered = [t for t in self.outstanding if t <= tag] if multiple else [tag]
+            assert covered and all(t in self.outstanding for t in covered), f"ack of {tag}: not outstanding"
+            for t in covered:  # a multiple ack never covers one that is not done
+                body = self.outstanding[t]
+                missing = expected(body) - self.safe
+                assert not missing, f"{body!r} acknowledged with {sorted(missing)} not safely published"
+                self.end(t, "acked")
+        self.acks_seen = len(self.consuming.acks)
+        for tag, requeue in self.consuming.nacks[self.nacks_seen:]:
+            assert not requeue
+            self.end(tag, "rejected")
+        self.nacks_seen = len(self.consuming.nacks)
+        if self.stopped_done and self.conn.is_open:
+            # nothing done is left unacknowledged (what is left, its publishes refused and
+            # not yet retried, the broker redelivers), and nothing is held
+            assert not self.pipe.flow.held
+            assert all(expected(body) - self.safe for body in self.outstanding.values())
+            self.conn.close()
+        if not self.conn.is_open:
+            for tag in list(self.outstanding):
+                self.end(tag, "lost")  # back to the queue, by the broker
+            if not self.stopped:
+                self.connect()
+
+    def end(self, tag: int, how: str) -> None:
+        body = self.outstanding.pop(tag)
+        assert body not in self.ended, f"delivery {body!r} ended twice"
+        self.ended[body] = how
 
     @initialize()
     def start(self) -> None:
-        self.channel_opens()
         for _ in range(3):
-            self.deliver()
+            self.deliver("n")
 
-    def apply(self, out) -> None:
-        for pub in out.send:
-            assert self.open, "published on a closed channel"
-            assert pub.seq not in self.inflight
-            self.inflight[pub.seq] = pub
-        self.refused.extend(out.refused)
-        for pub in out.returned + out.guilty:
-            for tag in pub.tags:
-                if tag in self.outstanding:
-                    self.made[tag] += 1
-                    # as the consumer parks it: a copy that does not finish its delivery
-                    # (one not yet finished has more publishes to come)
-                    self.apply(self.d.publish((tag,), "parked", (), parking=True))
-        for tag in out.reject:
-            self.end(tag, "rejected")
+    @precondition(lambda self: not self.stopped)
+    @rule(plan=st.lists(st.sampled_from("nn12ee3x"), max_size=3).map("".join))
+    def deliver(self, plan: str) -> None:
+        if "x" in plan:
+            plan = "x"
+        body = f"{self.next_id}:{plan}".encode()
+        self.next_id += 1
+        tag = self.consuming.deliver(body)
+        self.outstanding[tag] = body
+        self.step()
 
-    def end(self, tag: int, how: str) -> None:
-        assert tag not in self.ended, f"delivery {tag} ended twice"
-        self.ended[tag] = how
-        self.outstanding.remove(tag)
-        self.held.pop(tag, None)
-
-    def startable(self) -> List[int]:
-        return [t for t in self.outstanding if t not in self.finished]
-
-    @rule()
-    def channel_opens(self) -> None:
-        if not self.open:
-            self.open = True
-            self.inflight.clear()
-            self.apply(self.d.channel_open())
-
-    @rule()
-    def broker_closes_publishing_channel(self) -> None:
-        if self.open:
-            self.open = False
-            self.inflight.clear()
-            self.apply(self.d.channel_closed())
-
-    @rule()
-    def deliver(self) -> None:
-        tag = self.next_tag
-        self.next_tag += 1
-        self.d.received(tag)
-        self.outstanding.append(tag)
-        self.made[tag] = self.confirmed[tag] = 0
-
-    @rule(data=st.data())
-    def hold(self, data) -> None:
-        tags = self.startable()
-        if tags:
-            tag = data.draw(st.sampled_from(tags))
-            self.d.hold(tag)
-            self.held[tag] += 1
-
-    @rule(data=st.data())
-    def release(self, data) -> None:
-        held = sorted(t for t, n in self.held.items() if n)
-        if held:
-            tag = data.draw(st.sampled_from(held))
-            assert self.d.release(tag)
-            self.held[tag] -= 1
-
-    @rule(data=st.data(), finishes=st.booleans(), many=st.booleans())
-    def publish(self, data, finishes, many) -> None:
-        tags = self.startable()
-        if not tags:
-            return
-        chosen = data.draw(st.lists(st.sampled_from(tags), min_size=1, max_size=3, unique=True)) if many \
-            else [data.draw(st.sampled_from(tags))]
-        for tag in chosen:
-            self.made[tag] += 1
-            if finishes:
-                self.finished.add(tag)
-        self.apply(self.d.publish(tuple(chosen), "m", finishing=None if finishes else ()))
-
-    @rule(data=st.data())
-    def publish_in_parts(self, data) -> None:
-        """A delivery that becomes two publishes (the distributor unpacking a carrier)."""
-        tags = self.startable()
-        if tags:
-            tag = data.draw(st.sampled_from(tags))
-            self.made[tag] += 2
-            self.finished.add(tag)
-            self.apply(self.d.publish((tag,), "part 1", finishing=()))
-            self.apply(self.d.publish((tag,), "part 2"))
+    @rule(ms=st.sampled_from([0, 1, 5, 20, 100, 350, 1000]))
+    def time_passes(self, ms: int) -> None:
+        self.conn.advance(ms)
+        self.step()
 
     @rule(data=st.data(), ack=st.booleans(), multiple=st.booleans())
-    def broker_confirms(self, data, ack, multiple) -> None:
-        if not self.inflight:
+    def broker_confirms(self, data, ack: bool, multiple: bool) -> None:
+        channel = self.conn.publishing()
+        if channel is None or not self.unconfirmed:
             return
-        seq = data.draw(st.sampled_from(sorted(self.inflight)))
-        done = [s for s in self.inflight if s <= seq] if multiple else [seq]
-        for s in done:
-            pub = self.inflight.pop(s)
-            if ack and not (pub.returned and not pub.parking):
-                for tag in pub.tags:
-                    self.confirmed[tag] += 1
-        self.apply(self.d.confirmed(seq, multiple, ack))
+        seq = data.draw(st.sampled_from(sorted(self.unconfirmed)))
+        for s in [s for s in self.unconfirmed if s <= seq] if multiple else [seq]:
+            pub = self.unconfirmed.pop(s)
+            if ack and s not in self.returned:
+                self.safe.update(carried(pub))
+            self.returned.discard(s)
+        channel.confirm(seq, ack=ack, multiple=multiple)
+        self.step()
 
     @rule(data=st.data())
     def broker_returns(self, data) -> None:
-        mandatory = [s for s, p in self.inflight.items() if not p.parking]
-        if mandatory:
-            self.d.returned(data.draw(st.sampled_from(mandatory)))
+        mandatory = [s for s, p in self.unconfirmed.items() if p.mandatory and s not in self.returned]
+        channel = self.conn.publishing()
+        if mandatory and channel is not None:
+            seq = data.draw(st.sampled_from(mandatory))
+            self.returned.add(seq)
+            channel.give_back(self.unconfirmed[seq])
+            self.step()
 
     @rule()
-    def retry_refused(self) -> None:
-        if self.refused:
-            self.apply(self.d.retry(self.refused.pop(0)))
+    def broker_closes_publishing_channel(self) -> None:
+        channel = self.conn.publishing()
+        if channel is not None:
+            self.unconfirmed.clear()
+            self.returned.clear()
+            channel.close_by_broker(406, "PRECONDITION_FAILED - refused")
+            self.conn.settle()  # the consumer opens a new one
+            self.step()
 
-    @rule()
-    def flush_acks(self) -> None:
-        before = list(self.outstanding)
-        last, singles, gone = self.d.acks()
-        if last is not None:
-            covered = [t for t in before if t <= last]
-            for tag in covered:  # a multiple ack never covers one that is not done
-                self.check_done(tag)
-                self.end(tag, "acked")
-        for tag in singles:
-            self.check_done(tag)
-            self.end(tag, "acked")
-        assert sorted(gone) == sorted(t for t in before if t not in self.outstanding)
-
-    def check_done(self, tag: int) -> None:
-        assert tag in self.finished, f"{tag} acknowledged before its last publish"
-        assert not self.held.get(tag), f"{tag} acknowledged while held"
-        assert self.made[tag] > 0 and self.confirmed[tag] >= 1, f"{tag} acknowledged unconfirmed"
-        pending = [p for p in self.inflight.values() if tag in p.tags]
-        assert not pending, f"{tag} acknowledged with publishes unconfirmed"
-        assert not [p for p in self.refused if tag in p.tags], f"{tag} acknowledged with a refused publish"
-
-    @rule(data=st.data())
-    def consumer_hands_back(self, data) -> None:
-        tags = [t for t in self.outstanding if self.held.get(t)]
-        if tags:
-            tag = data.draw(st.sampled_from(tags))
-            self.d.reject(tag)
-            self.end(tag, "rejected")
-
-    @precondition(lambda self: self.outstanding)
+    @precondition(lambda self: not self.stopped)
     @rule()
     def consuming_channel_lost(self) -> None:
-        held = self.d.lost()
-        assert held == {t for t, n in self.held.items() if n}
-        for tag in list(self.outstanding):
-            self.end(tag, "lost")
-        self.inflight.clear()
-        self.refused.clear()
-        self.open = False
+        self.consuming.close_by_broker(404, "NOT_FOUND - no queue")
+        assert not self.conn.is_open  # the consumer starts over on a new connection
+        self.step()
+
+    @precondition(lambda self: not self.stopped)
+    @rule()
+    def stop(self) -> None:
+        self.stopped = True
+        self.pipe.stop(self.on_stopped)
+        self.conn.settle()
+        self.step()
+
+    def on_stopped(self) -> None:
+        self.stopped_done = True
 
     @invariant()
     def held_gauge_equals_holds(self) -> None:
-        assert self.d.held == sum(self.held.values())
+        gauge = self.metrics.registry.get_sample_value("delay_gateway_held_messages", {"queue": QUEUE})
+        assert gauge == self.pipe.flow.held == self.pipe.flow.ledger.held
 
     @invariant()
     def outstanding_agree(self) -> None:
-        assert len(self.d) == len(self.outstanding)
-        assert self.d.unconfirmed == len(self.inflight)
+        assert len(self.pipe.flow.ledger) == len(self.outstanding)
+        if self.conn.publishing() is not None:
+            assert self.pipe.flow.ledger.unconfirmed == len(self.unconfirmed)
+
+    def teardown(self) -> None:
+        self.quiet.__exit__(None, None, None)
 
 
-Driver.TestCase.settings = settings(max_examples=500, stateful_step_count=30, deadline=None)
+Driver.TestCase.settings = settings(max_examples=1000, stateful_step_count=40, deadline=None)
 TestDeliveries = Driver.TestCase

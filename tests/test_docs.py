@@ -179,7 +179,7 @@ def argv_of(line: str) -> List[str]:
     return argv[1:]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def real_parser() -> argparse.ArgumentParser:
     """The CLI's own parser, built without the environment (its defaults come from it)."""
     build = cast(Callable[..., argparse.ArgumentParser], cli.parser)

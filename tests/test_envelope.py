@@ -18,8 +18,7 @@ NOW = 1_800_000_000_000
 
 def props(**kwargs) -> Properties:
     """Properties as pika would send them (doubles for floats, as other clients do)."""
-    codec.install()
-    return Properties.parse(b"".join(BasicProperties(**kwargs).encode()))
+    return codec.to_wire(BasicProperties(**kwargs))
 
 
 def headers(**values) -> Table:
@@ -96,7 +95,8 @@ def test_the_gateways_format_carries_key_properties_and_due_time_exactly(key, du
     user = props(**{**FULL, "expiration": expiration, "delivery_mode": mode})
     inside = envelope.inside(user, key, due)
     for _ in range(meditations):  # each lap adds the broker's history; the next hop drops it
-        dead = inside.replace(headers=inside.headers.with_entry(props(headers={"x-death": [{"q": 1}]}).headers.entries[0]))
+        death = props(headers={"x-death": [{"q": 1}]}).headers.entries[0]
+        dead = inside.replace(headers=inside.headers.with_entry(death))
         inside = Inside(dead).again()
     read = Inside(inside)
     assert read.complete and read.routing_key == key and read.due_ms == due and read.user.raw == user.raw

@@ -18,8 +18,7 @@ MEDITATION = "d.1000ms-quorum-queue.meditation.04"
 
 
 def props(**kwargs) -> Properties:
-    codec.install()
-    return Properties.parse(b"".join(BasicProperties(**kwargs).encode()))
+    return codec.to_wire(BasicProperties(**kwargs))
 
 
 def published(headers=None, key=b"user.key", **properties) -> Delivery:

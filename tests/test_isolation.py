@@ -71,7 +71,6 @@ def same_as_sent(got: Properties, sent: Properties) -> bool:
 
 
 def test_hostile_messages_beside_ordinary_traffic(make_chain, run_gateway):
-    codec.install()
     chain = make_chain(max_level=3, resolution_ms=100)
     gateway = run_gateway(chain)
     receiver = Receiver(chain, "#")

@@ -244,7 +244,8 @@ def test_changing_the_chain_live_loses_nothing_and_delivers_on_time(broker, run_
     p99 = lateness[min(len(lateness) - 1, int(len(lateness) * 0.99))]
     latest = sorted(((min(at) - publisher.sent[b].due_ms, b.decode()) for b, at in arrivals.items()), reverse=True)[:3]
     report_figures("live change figures",
-        f"{broker_label(request.node)} {change:<22} sent {len(publisher.sent):3d}  lost {len(lost)}  early {len(early)}  duplicates {duplicates}  "
+        f"{broker_label(request.node)} {change:<22} sent {len(publisher.sent):3d}  lost {len(lost)}  "
+        f"early {len(early)}  duplicates {duplicates}  "
         f"parked {parked}  lateness p50 {statistics.median(lateness):.0f} ms, p99 {p99} ms, max {lateness[-1]} ms  "
         f"{elapsed:.0f} s; the old chain's levels 0-{first.max_level - 1} and meditation all held messages: "
         f"{'yes' if all(sampler.seen.values()) else sampler.seen}; waiting there as its last gateway stopped: "

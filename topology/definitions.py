@@ -1,11 +1,14 @@
 """Render a topology as a RabbitMQ definitions document (`rabbitmqctl import_definitions`)."""
 
 import json
+from typing import Any, Dict
 
 from topology.model import Topology
 
+Json = Dict[str, Any]  # a JSON object
 
-def definitions(topology: Topology, vhost: str = "/") -> dict:
+
+def definitions(topology: Topology, vhost: str = "/") -> Json:
     return {
         "exchanges": [
             {"name": e.name, "vhost": vhost, "type": e.type, "durable": True,

@@ -2,10 +2,12 @@
 
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 from topology.encoding import level_pattern
 from topology.settings import ChainSettings
+
+Json = Dict[str, Any]  # a JSON object
 
 # Explicit on every consumed queue: RabbitMQ 4.0 defaults quorum queues to 20 and earlier
 # versions to unlimited; one value everywhere means the same behaviour on every broker. A
@@ -34,7 +36,7 @@ REGISTRY_ARGUMENTS = {"x-queue-type": "stream"}
 PRESENCE_ARGUMENTS = {"x-queue-type": "quorum"}
 
 
-def _frozen(mapping: Optional[Mapping]) -> Mapping:
+def _frozen(mapping: Optional[Mapping[str, Any]]) -> Mapping[str, Any]:
     return MappingProxyType(dict(mapping or {}))
 
 
@@ -42,7 +44,7 @@ def _frozen(mapping: Optional[Mapping]) -> Mapping:
 class Exchange:
     name: str
     type: str
-    arguments: Mapping = field(default_factory=dict)
+    arguments: Mapping[str, Any] = field(default_factory=dict)
     internal: bool = False
 
     def __post_init__(self) -> None:
@@ -54,7 +56,7 @@ class Exchange:
 @dataclass(frozen=True)
 class Queue:
     name: str
-    arguments: Mapping = field(default_factory=dict)
+    arguments: Mapping[str, Any] = field(default_factory=dict)
     role: str = "delay"
     level: Optional[int] = None  # delay and pass queues: their level; meditation, presence: the chain's max_level
 
@@ -141,7 +143,7 @@ def build(settings: ChainSettings) -> Topology:
                             "x-delivery-limit": DELIVERY_LIMIT}, role)
 
     def waiting(name: str, role: str, ttl: int, dlx: str, level: int) -> Queue:
-        args: dict = {"x-queue-type": settings.queue_type, "x-message-ttl": ttl, "x-dead-letter-exchange": dlx}
+        args: Json = {"x-queue-type": settings.queue_type, "x-message-ttl": ttl, "x-dead-letter-exchange": dlx}
         if settings.queue_type == "quorum":
             args.update(AT_LEAST_ONCE)
         return Queue(name, args, role, level)

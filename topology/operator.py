@@ -17,9 +17,11 @@ declares it at start; its binding is rendered and takes effect once the exchange
 import hashlib
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from topology.model import Binding, Exchange, Queue, Topology
+
+Json = Dict[str, Any]  # a JSON object
 
 API_VERSION = "rabbitmq.com/v1beta1"
 # Labels of the rendered objects. Chain objects carry their generation, so the objects of a
@@ -46,8 +48,8 @@ class ClusterReference:
             raise ValueError("the operator format needs a RabbitmqCluster: give either --cluster-name "
                              "or --connection-secret (not both)")
 
-    def spec(self) -> dict:
-        ref: dict = {}
+    def spec(self) -> Json:
+        ref: Json = {}
         if self.name:
             ref["name"] = self.name
         if self.namespace:
@@ -86,18 +88,18 @@ def _labels(topology: Topology, name: str) -> Dict[str, str]:
     return labels
 
 
-def _resource(kind: str, name: str, labels: Dict[str, str], spec: dict) -> dict:
+def _resource(kind: str, name: str, labels: Dict[str, str], spec: Json) -> Json:
     return {"apiVersion": API_VERSION, "kind": kind, "metadata": {"name": name, "labels": labels}, "spec": spec}
 
 
-def _exchange(t: Topology, e: Exchange, common: dict) -> dict:
+def _exchange(t: Topology, e: Exchange, common: Json) -> Json:
     spec = {"name": e.name, **common, "type": e.type, "durable": True, "autoDelete": False}
     if e.arguments:
         spec["arguments"] = dict(e.arguments)
     return _resource("Exchange", k8s_name(e.name), _labels(t, e.name), spec)
 
 
-def _queue(t: Topology, q: Queue, common: dict) -> dict:
+def _queue(t: Topology, q: Queue, common: Json) -> Json:
     arguments = dict(q.arguments)
     # spec.type is how the operator spells x-queue-type (its client adds the argument), and
     # its admission webhook checks that a quorum queue is durable only when it is set.
@@ -112,13 +114,13 @@ def _queue(t: Topology, q: Queue, common: dict) -> dict:
     return _resource("Queue", k8s_name(q.name), _labels(t, q.name), spec)
 
 
-def _binding(t: Topology, b: Binding, common: dict) -> dict:
+def _binding(t: Topology, b: Binding, common: Json) -> Json:
     spec = {"source": b.source, "destination": b.destination, "destinationType": b.destination_type,
             "routingKey": b.routing_key, **common}
     return _resource("Binding", binding_name(b), _labels(t, b.source), spec)
 
 
-def resources(topology: Topology, cluster: ClusterReference, vhost: str = "/") -> List[dict]:
+def resources(topology: Topology, cluster: ClusterReference, vhost: str = "/") -> List[Json]:
     """Every object of the topology the operator can declare, as resources (plain dicts)."""
     common = {"vhost": vhost, "rabbitmqClusterReference": cluster.spec()}
     skipped = {e.name for e in left_out(topology)}
@@ -129,7 +131,7 @@ def resources(topology: Topology, cluster: ClusterReference, vhost: str = "/") -
     return out
 
 
-def _check_unique(objects: Sequence[dict]) -> None:
+def _check_unique(objects: Sequence[Json]) -> None:
     seen = set()
     for o in objects:
         key = (o["kind"], o["metadata"]["name"])

@@ -20,10 +20,12 @@ skipped: the worst a missing record can do is keep an old chain a little longer.
 
 import json
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from topology.names import Names, generation
 from topology.settings import ChainSettings
+
+Json = Dict[str, Any]  # a JSON object
 
 SCHEMA = 1
 EVENTS = ("declared", "sealed", "retired")
@@ -73,7 +75,7 @@ class Record:
 
 
 def encode(record: Record) -> bytes:
-    body: dict = {"schema": SCHEMA, "event": record.event, "at_ms": record.at_ms}
+    body: Json = {"schema": SCHEMA, "event": record.event, "at_ms": record.at_ms}
     if record.chain is not None:
         c = record.chain
         body["chain"] = {"resolution_ms": c.resolution_ms, "queue_type": c.queue_type,
@@ -149,6 +151,8 @@ def fold(records: Iterable[Record]) -> Registry:
         if record.event == "sealed":
             for queue, empty_by in record.queues.items():
                 r.seals[queue] = Seal(empty_by, seq)
+            continue
+        if record.chain is None:  # (Record allows none only in a sealed record)
             continue
         r.state[record.chain] = record.event
         if record.event == "declared":

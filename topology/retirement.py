@@ -215,6 +215,13 @@ def _plan_generation(names: Names, registry: Registry, keys: List[ChainKey], ret
                                      key.settings(names.prefix).meditation_ms + margin_ms))
         sequences.append(steps)
 
+    return sequences + _mark_retired(names, registry, retiring, observed, kept_levels)
+
+
+def _mark_retired(names: Names, registry: Registry, retiring: List[ChainKey], observed: Observed,
+                  kept_levels: int) -> List[List[Step]]:
+    """A chain whose own queues and exchanges are all gone: its presence queue, then retired."""
+    sequences: List[List[Step]] = []
     for key in retiring:
         exclusive_levels = range(kept_levels, key.max_level)
         done = (observed.queue_gone(names.meditation(key.max_level))
@@ -222,7 +229,7 @@ def _plan_generation(names: Names, registry: Registry, keys: List[ChainKey], ret
                 and all(not observed.level_exists(names, key, k) for k in exclusive_levels))
         if not done:
             continue
-        steps = []
+        steps: List[Step] = []
         presence = names.gateways(key.max_level)
         if not observed.queue_gone(presence):
             steps.append(DeleteQueue(presence, (presence,), False, 0))

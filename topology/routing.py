@@ -12,7 +12,7 @@ def topic_matches(pattern: str, key: str) -> bool:
     """AMQP 0-9-1 topic semantics: '*' is exactly one word, '#' zero or more."""
     p, k = pattern.split("."), key.split(".")
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def match(i: int, j: int) -> bool:
         if i == len(p):
             return j == len(k)

@@ -21,9 +21,11 @@ What the provider cannot say, and how the module says it anyway:
 """
 
 import json
-from typing import Any, List
+from typing import Any, Dict, List
 
 from topology.model import Topology
+
+Json = Dict[str, Any]  # a JSON object
 
 PROVIDER_VERSION = ">= 1.8.0"
 
@@ -49,7 +51,7 @@ def hcl_value(value: Any, indent: int) -> str:
     raise TypeError(f"cannot write {value!r} as HCL")
 
 
-def _inline(value: dict) -> str:
+def _inline(value: Json) -> str:
     """A short object on one line: { type = "topic", arguments = {} }."""
     parts = []
     for k, v in value.items():
@@ -66,9 +68,13 @@ def binding_key(source: str, destination: str, routing_key: str) -> str:
 
 
 def render(topology: Topology, options: object = None) -> str:
-    s = topology.settings
     vhost = getattr(options, "vhost", "/") if options is not None else "/"
-    out: List[str] = [
+    return "\n".join(_preamble(topology, vhost) + _locals(topology) + RESOURCES) + "\n"
+
+
+def _preamble(topology: Topology, vhost: str) -> List[str]:
+    s = topology.settings
+    return [
         f"# The delay gateway's topology for prefix {s.prefix!r}: chain {s.generation}, {s.max_level} levels.",
         "# Rendered by `delay-gateway render --format terraform`: the objects `delay-gateway declare` creates,",
         "# for the cyrilgdn/rabbitmq provider. Everything has prevent_destroy (the queues hold delayed messages):",
@@ -104,13 +110,16 @@ def render(topology: Topology, options: object = None) -> str:
         "  sensitive = true",
         "}",
         "",
-        "locals {",
-        "  exchanges = {",
     ]
+
+
+def _locals(topology: Topology) -> List[str]:
+    out = ["locals {", "  exchanges = {"]
     for e in topology.exchanges:
         if not e.internal:
             out.append(f"    {hcl_string(e.name)} = {_inline({'type': e.type, 'arguments': dict(e.arguments)})}")
-    out += ["  }", "  # Created through the HTTP API: the provider has no `internal` setting.", "  internal_exchanges = {"]
+    out += ["  }", "  # Created through the HTTP API: the provider has no `internal` setting.",
+            "  internal_exchanges = {"]
     for e in topology.exchanges:
         if e.internal:
             out.append(f"    {hcl_string(e.name)} = {_inline({'type': e.type, 'arguments': dict(e.arguments)})}")
@@ -123,64 +132,67 @@ def render(topology: Topology, options: object = None) -> str:
                  "routing_key": b.routing_key}
         out.append(f"    {hcl_string(binding_key(b.source, b.destination, b.routing_key))} = {_inline(value)}")
     out += ["  }", "}", ""]
-    out += [
+    return out
+
+
+# The resources, the same for every topology (they iterate over the locals).
+RESOURCES = [
         'resource "rabbitmq_exchange" "exchange" {',
-        "  for_each = local.exchanges",
-        "  name     = each.key",
-        "  vhost    = var.vhost",
-        "  settings {",
-        "    type        = each.value.type",
-        "    durable     = true",
-        "    auto_delete = false",
-        "    arguments   = each.value.arguments",
-        "  }",
-        "  lifecycle {",
-        "    prevent_destroy = true",
-        "  }",
-        "}",
-        "",
-        'resource "terraform_data" "internal_exchange" {',
-        "  for_each = local.internal_exchanges",
-        "  input    = { vhost = var.vhost, name = each.key, settings = each.value }",
-        '  provisioner "local-exec" {',
-        '    command = "curl --fail --silent --show-error --user \\"$RABBITMQ_USER:$RABBITMQ_PASSWORD\\" '
-        '--request PUT --header content-type:application/json --data \\"$BODY\\" \\"$URL\\""',
-        "    environment = {",
-        '      URL               = "${trimsuffix(var.management_url, "/")}/api/exchanges/'
-        '${urlencode(var.vhost)}/${urlencode(each.key)}"',
-        "      BODY              = jsonencode({ type = each.value.type, durable = true, auto_delete = false, "
-        "internal = true, arguments = each.value.arguments })",
-        "      RABBITMQ_USER     = var.management_username",
-        "      RABBITMQ_PASSWORD = var.management_password",
-        "    }",
-        "  }",
-        "}",
-        "",
-        'resource "rabbitmq_queue" "queue" {',
-        "  for_each = local.queues",
-        "  name     = each.key",
-        "  vhost    = var.vhost",
-        "  settings {",
-        "    durable        = true",
-        "    auto_delete    = false",
-        "    arguments_json = jsonencode(each.value.arguments)",
-        "  }",
-        "  lifecycle {",
-        "    prevent_destroy = true",
-        "  }",
-        "}",
-        "",
-        'resource "rabbitmq_binding" "binding" {',
-        "  for_each         = local.bindings",
-        "  vhost            = var.vhost",
-        "  source           = each.value.source",
-        "  destination      = each.value.destination",
-        "  destination_type = each.value.destination_type",
-        "  routing_key      = each.value.routing_key",
-        "  depends_on       = [rabbitmq_exchange.exchange, terraform_data.internal_exchange, rabbitmq_queue.queue]",
-        "  lifecycle {",
-        "    prevent_destroy = true",
-        "  }",
-        "}",
-    ]
-    return "\n".join(out) + "\n"
+    "  for_each = local.exchanges",
+    "  name     = each.key",
+    "  vhost    = var.vhost",
+    "  settings {",
+    "    type        = each.value.type",
+    "    durable     = true",
+    "    auto_delete = false",
+    "    arguments   = each.value.arguments",
+    "  }",
+    "  lifecycle {",
+    "    prevent_destroy = true",
+    "  }",
+    "}",
+    "",
+    'resource "terraform_data" "internal_exchange" {',
+    "  for_each = local.internal_exchanges",
+    "  input    = { vhost = var.vhost, name = each.key, settings = each.value }",
+    '  provisioner "local-exec" {',
+    '    command = "curl --fail --silent --show-error --user \\"$RABBITMQ_USER:$RABBITMQ_PASSWORD\\" '
+    '--request PUT --header content-type:application/json --data \\"$BODY\\" \\"$URL\\""',
+    "    environment = {",
+    '      URL               = "${trimsuffix(var.management_url, "/")}/api/exchanges/'
+    '${urlencode(var.vhost)}/${urlencode(each.key)}"',
+    "      BODY              = jsonencode({ type = each.value.type, durable = true, auto_delete = false, "
+    "internal = true, arguments = each.value.arguments })",
+    "      RABBITMQ_USER     = var.management_username",
+    "      RABBITMQ_PASSWORD = var.management_password",
+    "    }",
+    "  }",
+    "}",
+    "",
+    'resource "rabbitmq_queue" "queue" {',
+    "  for_each = local.queues",
+    "  name     = each.key",
+    "  vhost    = var.vhost",
+    "  settings {",
+    "    durable        = true",
+    "    auto_delete    = false",
+    "    arguments_json = jsonencode(each.value.arguments)",
+    "  }",
+    "  lifecycle {",
+    "    prevent_destroy = true",
+    "  }",
+    "}",
+    "",
+    'resource "rabbitmq_binding" "binding" {',
+    "  for_each         = local.bindings",
+    "  vhost            = var.vhost",
+    "  source           = each.value.source",
+    "  destination      = each.value.destination",
+    "  destination_type = each.value.destination_type",
+    "  routing_key      = each.value.routing_key",
+    "  depends_on       = [rabbitmq_exchange.exchange, terraform_data.internal_exchange, rabbitmq_queue.queue]",
+    "  lifecycle {",
+    "    prevent_destroy = true",
+    "  }",
+    "}",
+]

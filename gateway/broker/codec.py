@@ -1,69 +1,166 @@
-"""pika, made to carry every message exactly and to survive any message.
+"""pika, made to carry every message exactly and to survive any message: on the gateway's
+own connections only.
 
 pika decodes content properties into Python values: it truncates floats and doubles to
 integers, forgets the wire type of every header (a short int comes back as a long one),
 and raises inside the connection on values it cannot represent (an AMQP timestamp past the
-year 9999), which closes the connection and redelivers everything the gateway holds. Here
-pika's decoder is replaced by one that keeps the exact bytes (`properties.wire`, a
-`wire.Properties`) and decodes the Python attributes only when something reads them, with
-values it cannot represent left as `wire.Opaque` instead of failing. `RawProperties` sends
-bytes exactly as given. On the way out, a Python float encodes as an AMQP double (pika
-cannot encode floats at all). Installed once by main() and by the tests; not at import.
+year 9999), which closes the connection and redelivers everything the gateway holds. A
+connection made here (`WireConnection`, or `blocking()` for a BlockingConnection) decodes
+content headers itself instead: its messages arrive with `WireProperties`, which keep the
+exact bytes (`properties.wire`, a `wire.Properties`) and decode the Python attributes only
+when something reads them, with values pika cannot represent left as `wire.Opaque` instead
+of failing. `RawProperties` sends bytes exactly as given; `encoded()` turns pika properties
+with Python values into them, a Python float as an AMQP double (pika cannot encode floats).
+Nothing in pika is changed: other connections in the same process keep pika's behaviour.
+
+This leans on three pika internals, pinned in pyproject.toml and checked by
+tests/test_codec.py: `Connection._read_frame` (where a connection decodes a frame),
+`frame.decode_frame` and `frame.Header` (the frame it builds), and BlockingConnection's
+`_impl_class` (the SelectConnection class it drives).
 """
 
 import struct
+from typing import Any, Dict, List, Optional, Tuple, Union
 
-from pika import data, spec
+import pika
+from pika import data, frame, spec
+from pika.exceptions import InvalidFrameError
 
 from gateway.core import wire
+from gateway.core.wire import Properties
 
-_encode_value = data.encode_value
+
+class WireProperties(spec.BasicProperties):
+    """Properties as exact bytes (`wire`); the pika attributes decode from them when read.
+    Sent as they are (`encode` returns the bytes)."""
+
+    wire: Properties
+
+    def __init__(self, props: Properties) -> None:  # pylint: disable=super-init-not-called
+        self.__dict__["wire"] = props
+
+    def __getattr__(self, name: str) -> Any:
+        """Only reached for attributes not decoded yet."""
+        props = self.__dict__.get("wire")
+        if props is None or name.startswith("__") or name not in wire.FIELDS:
+            raise AttributeError(name)
+        values = props.values
+        for field in wire.FIELDS:
+            value = values.get(field)
+            if field == "headers":
+                value = value.to_dict() if value is not None else None
+            elif isinstance(value, bytes):
+                try:
+                    value = value.decode("utf-8")
+                except UnicodeDecodeError:
+                    pass
+            self.__dict__.setdefault(field, value)
+        return self.__dict__[name]
+
+    def encode(self) -> List[bytes]:
+        return [self.wire.raw]
+
+    def decode(self, encoded: bytes, offset: int = 0) -> "WireProperties":
+        self.__dict__.clear()
+        self.__dict__["wire"] = wire.Properties.parse(bytes(encoded[offset:]))
+        return self
 
 
-def encode_value(pieces, value):
+RawProperties = WireProperties  # what the gateway sends: these bytes, exactly
+
+
+# -- receiving -------------------------------------------------------------------------------
+_FRAME_HEAD = struct.Struct(">BHL")  # frame type, channel, payload size
+_CONTENT_HEAD = struct.Struct(">HHQ")  # class id, weight, body size
+
+
+def decode_frame(buffer: bytes) -> Tuple[int, Any]:
+    """pika's frame.decode_frame, except that a content header keeps its bytes."""
+    if len(buffer) < _FRAME_HEAD.size or buffer[0] != spec.FRAME_HEADER:
+        return frame.decode_frame(buffer)
+    _, channel, size = _FRAME_HEAD.unpack_from(buffer)
+    end = _FRAME_HEAD.size + size + 1
+    if end > len(buffer):
+        return 0, None
+    if buffer[end - 1] != spec.FRAME_END:
+        raise InvalidFrameError("Invalid FRAME_END marker")
+    _, _, body_size = _CONTENT_HEAD.unpack_from(buffer, _FRAME_HEAD.size)
+    props = wire.Properties.parse(bytes(buffer[_FRAME_HEAD.size + _CONTENT_HEAD.size:end - 1]))
+    return end, frame.Header(channel, body_size, WireProperties(props))
+
+
+class WireConnection(pika.SelectConnection):
+    """A SelectConnection whose messages arrive with WireProperties."""
+
+    def _read_frame(self) -> Tuple[int, Any]:
+        return decode_frame(self._frame_buffer)
+
+
+def blocking(parameters: pika.ConnectionParameters) -> pika.BlockingConnection:
+    """A BlockingConnection whose messages arrive with WireProperties."""
+    return pika.BlockingConnection(parameters, _impl_class=WireConnection)
+
+
+# -- sending properties with Python values -----------------------------------------------------
+def encode_table(pieces: List[bytes], table: Optional[Dict[str, Any]]) -> int:
+    """pika's data.encode_table, with floats (at any depth) as doubles."""
+    at = len(pieces)
+    pieces.append(b"")
+    size = 0
+    for key, value in (table or {}).items():
+        size += data.encode_short_string(pieces, key)
+        size += _encode_value(pieces, value)
+    pieces[at] = struct.pack(">I", size)
+    return size + 4
+
+
+def _encode_value(pieces: List[bytes], value: Any) -> int:
     if isinstance(value, float):
         pieces.append(struct.pack(">cd", b"d", value))
         return 9
-    return _encode_value(pieces, value)
+    if isinstance(value, dict):
+        pieces.append(b"F")
+        return 1 + encode_table(pieces, value)
+    if isinstance(value, list):
+        items: List[bytes] = []
+        for item in value:
+            _encode_value(items, item)
+        piece = b"".join(items)
+        pieces.append(struct.pack(">cI", b"A", len(piece)))
+        pieces.append(piece)
+        return 5 + len(piece)
+    return int(data.encode_value(pieces, value))
 
 
-def _decode(self, encoded, offset=0):
-    """BasicProperties.decode: keep the bytes; decode the attributes later, on demand."""
-    self.__dict__.clear()
-    self.__dict__["wire"] = wire.Properties.parse(bytes(encoded[offset:]))
-    return self
+def _has_float(value: Any) -> bool:
+    if isinstance(value, float):
+        return True
+    if isinstance(value, dict):
+        return any(_has_float(v) for v in value.values())
+    return isinstance(value, list) and any(_has_float(v) for v in value)
 
 
-def _attributes(self, name):
-    """BasicProperties.__getattr__: only reached for attributes not decoded yet."""
-    props = self.__dict__.get("wire")
-    if props is None or name.startswith("__") or name not in wire.FIELDS:
-        raise AttributeError(name)
-    values = props.values
-    for field in wire.FIELDS:
-        value = values.get(field)
-        if field == "headers":
-            value = value.to_dict() if value is not None else None
-        elif isinstance(value, bytes):
-            try:
-                value = value.decode("utf-8")
-            except UnicodeDecodeError:
-                pass
-        self.__dict__.setdefault(field, value)
-    return self.__dict__[name]
+def encoded(props: Union[spec.BasicProperties, wire.Properties, None]) -> spec.BasicProperties:
+    """Properties to send: pika's with Python values (floats as doubles), or bytes as they are.
+    (pika's own when it can encode them: most publishes, at no extra cost.)"""
+    if isinstance(props, WireProperties):
+        return props
+    if isinstance(props, wire.Properties):
+        return WireProperties(props)
+    if props is None:
+        return WireProperties(wire.Properties.build())
+    if not _has_float(props.headers):
+        return props
+    plain = spec.BasicProperties(**{f: getattr(props, f) for f in wire.FIELDS if f != "headers"})
+    values = wire.Properties.parse(b"".join(plain.encode()))
+    if props.headers is None:
+        return WireProperties(values)
+    pieces: List[bytes] = []
+    encode_table(pieces, props.headers)
+    return WireProperties(values.replace(headers=wire.Table.parse(b"".join(pieces)[4:])))
 
 
-class RawProperties(spec.BasicProperties):
-    """Properties sent as exactly these bytes (a `wire.Properties`)."""
-
-    def __init__(self, props: wire.Properties) -> None:  # pylint: disable=super-init-not-called
-        self.__dict__["wire"] = props  # the attributes decode from it when read
-
-    def encode(self):
-        return [self.wire.raw]
-
-
-def install() -> None:
-    data.encode_value = encode_value
-    spec.BasicProperties.decode = _decode
-    spec.BasicProperties.__getattr__ = _attributes
+def to_wire(props: Union[spec.BasicProperties, wire.Properties, None]) -> Properties:
+    """The bytes `encoded(props)` sends, as a wire.Properties."""
+    out = encoded(props)
+    return out.wire if isinstance(out, WireProperties) else Properties.parse(b"".join(out.encode()))

@@ -68,7 +68,7 @@ def check(url: str, settings: Settings, log: structlog.stdlib.BoundLogger) -> No
         # pika keeps the server properties on the connection beneath the blocking one.
         version = version_of(getattr(channel.connection._impl, "server_properties", None))
         if version is None or version < FIRST_WITH_STAMP:
-            log.info("arrival_stamp", state="unavailable", broker_version=version and "%d.%d" % version,
+            log.info("arrival_stamp", state="unavailable", broker_version=version and "{}.{}".format(*version),
                      x_delay_counts_from="check-in")
             return
         try:
@@ -76,7 +76,7 @@ def check(url: str, settings: Settings, log: structlog.stdlib.BoundLogger) -> No
         except (AMQPError, TimeoutError) as exc:
             log.info("arrival_stamp", state="unknown", reason=str(exc) or type(exc).__name__)
             return
-    shown = "%d.%d" % version
+    shown = "{}.{}".format(*version)
     if stamped:
         log.info("arrival_stamp", state="on", broker_version=shown, x_delay_counts_from="arrival")
     else:

@@ -22,7 +22,6 @@ import threading
 import time
 from typing import Callable, List, Optional, Set
 
-import pika
 import structlog
 from pika.exceptions import AMQPError
 
@@ -31,6 +30,7 @@ from topology.model import PRESENCE_ARGUMENTS
 from topology.registry import ChainKey, Record, Registry, fold
 from topology.retirement import Step, Unused, plan
 
+from gateway.broker import codec
 from gateway.broker.amqp import parameters, unreachable
 from gateway.clock import wall_ms
 from gateway.settings import Settings, redact
@@ -117,7 +117,7 @@ class Upkeep:
         while not self.stop.is_set():
             url = next(urls)
             try:
-                connection = pika.BlockingConnection(parameters(url, "delay-gateway upkeep", self.settings.tls))
+                connection = codec.blocking(parameters(url, "delay-gateway upkeep", self.settings.tls))
             except Exception as exc:  # the worker reports bad settings itself
                 failures += 1
                 self.log.warning("upkeep_cannot_connect", broker=redact(url), error=unreachable(exc))

@@ -23,7 +23,7 @@ from topology.broker.declare import TopologyConflict, declare
 from topology.settings import QUEUE_TYPES
 
 from gateway import health as health_http
-from gateway.broker import stamp
+from gateway.broker import codec, stamp
 from gateway.broker.amqp import BrokerError, Trouble, blocking_channel, classify, parameters
 from gateway.clock import wall_ms
 from gateway.core.carrier import Batcher
@@ -73,7 +73,7 @@ class Session:
 
     def run(self) -> None:
         """Returns when the connection closes."""
-        self.connection = pika.SelectConnection(
+        self.connection = codec.WireConnection(
             parameters(self.url, f"delay-gateway {self.settings.role}", self.settings.tls),
             on_open_callback=self._on_open, on_open_error_callback=self._on_open_error,
             on_close_callback=self._on_close)
@@ -113,7 +113,7 @@ class Session:
         ready = bool(self.pipes) and all(p.consuming for p in self.pipes)
         if ready and self.ready_since is None:
             self.ready_since = time.monotonic()
-            self.log.info("ready", queues=[p._queue for p in self.pipes])
+            self.log.info("ready", queues=[p.queue for p in self.pipes])
         self.health.ready(ready, "" if ready else "connecting to the queues")
         self.metrics.ready.set(int(ready))
         self.connection.ioloop.call_later(STOP_POLL_S, self._watch)

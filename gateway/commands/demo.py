@@ -40,7 +40,7 @@ def demo(args) -> int:
                 publisher.send(f"message {i}".encode(), key, delay_ms=delay, message_id=key)
             print(f"{'routing key':<12} {'x-delay':>9} {'arrived after':>14} {'late by':>8}")
             late, order = [], []
-            for method, properties, body in channel.consume(queue, auto_ack=True, inactivity_timeout=1):
+            for method, _properties, _body in channel.consume(queue, auto_ack=True, inactivity_timeout=1):
                 if method is None:
                     if gateway.poll() is not None:
                         print("the gateway exited early", file=sys.stderr)

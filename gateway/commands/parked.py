@@ -48,13 +48,13 @@ class Parked:
     def user(self) -> Properties:
         """The publisher's properties."""
         inside = self.inside
-        return inside.user if inside.complete else envelope.publishers(self.props)
+        return inside.user if inside.complete and inside.user is not None else envelope.publishers(self.props)
 
     @property
     def routing_key(self) -> bytes:
         """The publisher's routing key."""
         inside = self.inside
-        return inside.routing_key if inside.complete else self.queue_key
+        return inside.routing_key if inside.complete and inside.routing_key is not None else self.queue_key
 
     @property
     def reason(self) -> str:
@@ -140,7 +140,8 @@ def replay(channel, names, reason: Optional[str] = None, routing_key: Optional[s
            limit: Optional[int] = None, dry_run: bool = False) -> Tuple[List[Parked], List[Parked]]:
     """Move selected parked messages on. Returns (replayed, left in parked)."""
     channel.confirm_delivery()
-    replayed, kept = [], []
+    replayed: List[Parked] = []
+    kept: List[Parked] = []
     for message in fetch(channel, names.parked):
         if (limit is not None and len(replayed) >= limit) or not selected(message, reason, routing_key):
             kept.append(message)

@@ -27,6 +27,8 @@ from topology.registry import ChainKey, Registry, chain_queues, fold, level_queu
 from topology.retirement import Observed
 from topology.settings import MAX_LEVELS, QUEUE_TYPES
 
+from gateway.settings import default
+
 HORIZONS: Tuple[Tuple[str, int], ...] = (
     ("1 second", 1000), ("1 minute", 60_000), ("1 hour", 3_600_000), ("1 day", 86_400_000))
 
@@ -216,12 +218,12 @@ def due_within(rows: Sequence[Row]) -> List[Window]:
     counted = [r for r in rows if r.scheduled and r.exists and r.messages]
     out = []
     for label, ms in HORIZONS:
-        at_least = sum(r.messages for r in counted if r.due_max_ms is not None and r.due_max_ms <= ms)
-        at_most = sum(r.messages for r in counted if r.due_min_ms < ms)
+        at_least = sum(r.messages or 0 for r in counted if r.due_max_ms is not None and r.due_max_ms <= ms)
+        at_most = sum(r.messages or 0 for r in counted if (r.due_min_ms or 0) < ms)
         out.append(Window(label, ms, at_least, at_most))
     last = HORIZONS[-1][1]
-    out.append(Window("later", None, sum(r.messages for r in counted if r.due_min_ms >= last),
-                      sum(r.messages for r in counted if r.due_max_ms is None or r.due_max_ms > last)))
+    out.append(Window("later", None, sum(r.messages or 0 for r in counted if (r.due_min_ms or 0) >= last),
+                      sum(r.messages or 0 for r in counted if r.due_max_ms is None or r.due_max_ms > last)))
     return out
 
 
@@ -241,7 +243,7 @@ def _window(r: Row) -> str:
     if r.note and not r.scheduled:
         return r.note
     if r.due_max_ms is None:
-        return r.note or f"in {human_ms(r.due_min_ms)} or later"
+        return r.note or f"in {human_ms(r.due_min_ms or 0)} or later"
     text = f"within {human_ms(r.due_max_ms)}"
     return f"{text} ({r.note})" if r.note else text
 
@@ -377,8 +379,8 @@ def one(connection, args, own: ChainKey, now_ms: int) -> Report:
             source = "metrics"
         except (OSError, ValueError) as exc:
             source = f"--metrics-url failed: {exc}"
-    return report(args.prefix, own, getattr(args, "lead_ms", 50), registry, chains, observed, held, source, now_ms,
-                  carried)
+    lead_ms = getattr(args, "lead_ms", default("lead_ms"))
+    return report(args.prefix, own, lead_ms, registry, chains, observed, held, source, now_ms, carried)
 
 
 def command(args, open_channel, own: ChainKey, clock) -> int:

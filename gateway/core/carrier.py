@@ -17,7 +17,7 @@ message too big for a carrier travels alone in the plain format.
 import heapq
 import struct
 from dataclasses import dataclass, field
-from typing import Dict, Hashable, List, Optional, Tuple
+from typing import Dict, Generic, List, Optional, Tuple, TypeVar
 
 from gateway.core import wire
 from gateway.core.envelope import DUE_AT, PERSISTENT
@@ -88,9 +88,12 @@ def properties(entries: List[Entry]) -> Properties:
 
 
 # -- collecting a batch ---------------------------------------------------------------------
+Route = Tuple[str, bytes, str]  # exchange, routing key, outcome (a metric label)
+
+
 @dataclass
 class Batch:
-    key: Hashable  # the route: (exchange, routing key)
+    key: Route
     opened_ms: int
     items: List[Tuple[int, Entry]] = field(default_factory=list)  # (delivery tag, entry)
     size: int = 0
@@ -101,12 +104,12 @@ class Batcher:
 
     def __init__(self, max_messages: int, max_bytes: int, wait_ms: int) -> None:
         self.max_messages, self.max_bytes, self.wait_ms = max_messages, max_bytes, wait_ms
-        self._open: Dict[Hashable, Batch] = {}
+        self._open: Dict[Route, Batch] = {}
 
     def __len__(self) -> int:
         return sum(len(b.items) for b in self._open.values())
 
-    def add(self, key: Hashable, tag: int, entry: Entry, now_ms: int) -> List[Batch]:
+    def add(self, key: Route, tag: int, entry: Entry, now_ms: int) -> List[Batch]:
         if entry.size >= self.max_bytes or self.max_messages <= 1 or self.wait_ms <= 0:
             return [Batch(key, now_ms, [(tag, entry)], entry.size)]  # alone
         closed = []
@@ -129,6 +132,17 @@ class Batcher:
     def next_deadline(self) -> Optional[int]:
         return min((b.opened_ms + self.wait_ms for b in self._open.values()), default=None)
 
+    def discard(self, tag: int) -> None:
+        """Forget the messages of this delivery (rare: a delivery given up)."""
+        for key, batch in list(self._open.items()):
+            kept = [(t, e) for t, e in batch.items if t != tag]
+            if len(kept) == len(batch.items):
+                continue
+            if kept:
+                batch.items, batch.size = kept, sum(e.size for _, e in kept)
+            else:
+                del self._open[key]
+
     def drain(self) -> List[Batch]:
         out = list(self._open.values())
         self._open.clear()
@@ -136,31 +150,43 @@ class Batcher:
 
 
 # -- holding messages until their time ------------------------------------------------------
-class Holds:
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class Holds(Generic[K, V]):
     """Messages waiting for their due time, earliest first (same time: first come, first)."""
 
     def __init__(self) -> None:
-        self._heap: List[Tuple[int, int, Hashable, object]] = []
+        self._heap: List[Tuple[int, int, K, V]] = []
         self._n = 0
 
     def __len__(self) -> int:
         return len(self._heap)
 
-    def add(self, due_ms: int, key: Hashable, item: object) -> None:
+    def add(self, due_ms: int, key: K, item: V) -> None:
         self._n += 1
         heapq.heappush(self._heap, (due_ms, self._n, key, item))
 
     def next_due(self) -> Optional[int]:
         return self._heap[0][0] if self._heap else None
 
-    def due(self, now_ms: int) -> List[Tuple[Hashable, object]]:
+    def due(self, now_ms: int) -> List[Tuple[K, V]]:
         out = []
         while self._heap and self._heap[0][0] <= now_ms:
             _, _, key, item = heapq.heappop(self._heap)
             out.append((key, item))
         return out
 
-    def drain(self) -> List[Tuple[Hashable, object]]:
-        out = [(key, item) for _, _, key, item in sorted(self._heap)]
+    def discard(self, key: K) -> None:
+        """Forget everything held under this key (rare: a delivery given up)."""
+        kept = [h for h in self._heap if h[2] != key]
+        if len(kept) != len(self._heap):
+            self._heap = kept
+            heapq.heapify(self._heap)
+
+    def drain(self) -> List[Tuple[K, V]]:
+        # (due, arrival) are unique: the sort never compares keys or items
+        out = [(key, item) for _, _, key, item in sorted(self._heap, key=lambda h: (h[0], h[1]))]
         self._heap.clear()
         return out

@@ -1,8 +1,8 @@
 """Per-consumer bookkeeping: which deliveries may be acknowledged, and what to publish when.
 
-Pure: no pika, no clock. The consumer (consumer.Pipe) reports what happened on its two
-channels, one that consumes and acknowledges and one that publishes with confirms, and
-does what the answers say. The rules:
+Pure: no pika, no clock. The consumer's core (flow.Flow) reports what happened on its two
+channels, one that consumes and acknowledges and one that publishes with confirms
+(confirms.Window), and does what the answers say. The rules:
 
 - A delivery is acknowledged only once it is *finished* (the consumer has made every
   publish it will become) and every one of those publishes is confirmed. So at every
@@ -23,32 +23,12 @@ does what the answers say. The rules:
   message is handed back to its queue.
 """
 
-from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, Iterable, List, Optional, Set, Tuple
+from dataclasses import dataclass
+from typing import Dict, Generic, Iterable, List, Optional, Set, Tuple
 
+from gateway.core.confirms import Outcome, P, Publication, Window
 
-@dataclass
-class Publication:
-    tags: Tuple[int, ...]  # the deliveries it stands for
-    payload: Any  # what to publish (opaque here)
-    seq: int = 0  # the channel's publish sequence number, once sent
-    refused: int = 0  # how often the broker refused it (basic.nack)
-    returned: bool = False  # came back unroutable
-    parking: bool = False  # it is already a parked copy
-    sent_ms: int = 0  # when it was sent (set by the consumer, which has the clock)
-
-
-@dataclass
-class Outcome:
-    """What the consumer must do after an event: publish these, in order (each with its
-    sequence number assigned), and handle these."""
-
-    send: List[Publication] = field(default_factory=list)
-    refused: List[Publication] = field(default_factory=list)  # retry later (`retry`)
-    returned: List[Publication] = field(default_factory=list)  # publish a parked copy instead
-    guilty: List[Publication] = field(default_factory=list)  # refused by the broker: park it
-    reject: List[int] = field(default_factory=list)  # nack without requeue: the broker dead-letters them
+__all__ = ["Deliveries", "Outcome", "Publication"]
 
 
 @dataclass
@@ -59,17 +39,13 @@ class _Delivery:
     done: bool = False
 
 
-class Deliveries:
+class Deliveries(Generic[P]):
+    """The outstanding deliveries of one consuming channel, and the publishes they became."""
+
     def __init__(self) -> None:
         self._deliveries: Dict[int, _Delivery] = {}  # outstanding, in delivery order
         self._done: Set[int] = set()  # outstanding and done: to acknowledge
-        self._inflight: Dict[int, Publication] = {}  # seq -> sent, not yet confirmed
-        self._waiting: Deque[Publication] = deque()  # to send when the channel allows
-        self._suspects: Deque[Publication] = deque()  # to send one at a time
-        self._isolated: Optional[Publication] = None  # the one suspect on the channel
-        self._seq = 0
-        self._open = False
-        self.held = 0  # messages held until their time (a gauge)
+        self._window: Window[P] = Window()
 
     # -- queries --------------------------------------------------------------------------
     def __contains__(self, tag: int) -> bool:
@@ -79,19 +55,24 @@ class Deliveries:
         return len(self._deliveries)
 
     @property
+    def held(self) -> int:
+        """Messages held until their time (counted from the deliveries, not kept apart)."""
+        return sum(d.holds for d in self._deliveries.values())
+
+    @property
     def unconfirmed(self) -> int:
-        return len(self._inflight)
+        return self._window.unconfirmed
 
     @property
     def unsent(self) -> int:
-        return len(self._waiting) + len(self._suspects)
+        return self._window.unsent
 
-    def inflight(self) -> List[Publication]:
+    def inflight(self) -> List[Publication[P]]:
         """Sent and not yet confirmed, in the order sent."""
-        return list(self._inflight.values())
+        return self._window.inflight()
 
-    def oldest_unconfirmed(self) -> Optional[Publication]:
-        return next(iter(self._inflight.values()), None)
+    def oldest_unconfirmed(self) -> Optional[Publication[P]]:
+        return self._window.oldest()
 
     def held_tags(self) -> List[int]:
         return [t for t, d in self._deliveries.items() if d.holds]
@@ -105,7 +86,6 @@ class Deliveries:
     def hold(self, tag: int) -> None:
         """One of its messages waits for its time."""
         self._deliveries[tag].holds += 1
-        self.held += 1
 
     def release(self, tag: int) -> bool:
         """A hold is over; False if the delivery is no longer outstanding (a stale timer)."""
@@ -113,7 +93,6 @@ class Deliveries:
         if d is None or not d.holds:
             return False
         d.holds -= 1
-        self.held -= 1
         return True
 
     def finish(self, tag: int) -> None:
@@ -124,9 +103,8 @@ class Deliveries:
 
     def reject(self, tag: int) -> None:
         """The consumer hands it back (requeue) or gives it up (dead-letter): it is gone."""
-        d = self._deliveries.pop(tag)
+        self._deliveries.pop(tag)
         self._done.discard(tag)
-        self.held -= d.holds
 
     def acks(self) -> Tuple[Optional[int], List[int], List[int]]:
         """(acknowledge every tag up to this one with `multiple`, these singly, and all the
@@ -157,74 +135,52 @@ class Deliveries:
             self._done.add(tag)
 
     # -- publishes ------------------------------------------------------------------------
-    def publish(self, tags: Tuple[int, ...], payload: Any, finishing: Optional[Iterable[int]] = None,
-                parking: bool = False) -> Outcome:
+    def publish(self, tags: Tuple[int, ...], payload: P, finishing: Optional[Iterable[int]] = None,
+                parking: bool = False) -> Outcome[P]:
         """Publish `payload` for these deliveries; for those in `finishing` (default: all) it
         is the last publish they will become."""
         for tag in tags:
             self._deliveries[tag].pending += 1
         for tag in (tags if finishing is None else finishing):
             self._deliveries[tag].finished = True
-        self._waiting.append(Publication(tuple(tags), payload, parking=parking))
-        return Outcome(send=self._pump())
+        return self._window.add(Publication(tuple(tags), payload, parking=parking))
 
-    def retry(self, pub: Publication) -> Outcome:
+    def retry(self, pub: Publication[P]) -> Outcome[P]:
         """Send a refused publication again (its deliveries still wait for it)."""
         if not all(t in self._deliveries for t in pub.tags):
             return Outcome()  # its deliveries were lost with the channel meanwhile
-        self._waiting.append(pub)
-        return Outcome(send=self._pump())
+        return self._window.add(pub)
 
     def returned(self, seq: int) -> None:
-        pub = self._inflight.get(seq)
-        if pub is not None:
-            pub.returned = True
+        self._window.returned(seq)
 
-    def confirmed(self, seq: int, multiple: bool, ack: bool) -> Outcome:
-        pubs = self._take(seq, multiple)
-        out = Outcome()
-        for pub in pubs:
-            if self._isolated is pub:
-                self._isolated = None
-            if not ack:
-                pub.refused += 1
-                out.refused.append(pub)
-                continue
-            returned = pub.returned and not pub.parking
-            if returned:
-                out.returned.append(pub)  # the consumer publishes a parked copy for its tags
+    def confirmed(self, seq: int, multiple: bool, ack: bool) -> Outcome[P]:
+        out = self._window.confirmed(seq, multiple, ack)
+        # A delivery with a publish returned here is not done, even if this confirm covers
+        # all its others: the parked copy the consumer makes next is still to come.
+        returned = {tag for pub in out.returned for tag in pub.tags}
+        for pub in out.confirmed:
             for tag in pub.tags:
                 d = self._deliveries.get(tag)
                 if d is None:
                     continue
                 d.pending -= 1
-                if not returned:
+                if tag not in returned:
                     self._settle(tag, d)
-        out.send = self._pump()
         return out
 
-    def _take(self, seq: int, multiple: bool) -> List[Publication]:
-        if not multiple:
-            pub = self._inflight.pop(seq, None)
-            return [pub] if pub else []
-        taken = [s for s in self._inflight if s <= seq]
-        return [self._inflight.pop(s) for s in taken]
-
     # -- the publishing channel -----------------------------------------------------------
-    def channel_open(self) -> Outcome:
-        self._open = True
-        self._seq = 0  # a new channel numbers its publishes from 1
-        return Outcome(send=self._pump())
+    def channel_open(self) -> Outcome[P]:
+        return self._window.open()
 
-    def channel_closed(self) -> Outcome:
+    def channel_gone(self) -> None:
+        """The publishing channel closed for good (the connection or the consumer is ending)."""
+        self._window.shut()
+
+    def channel_closed(self) -> Outcome[P]:
         """The broker closed the publishing channel (the connection is still open)."""
-        self._open = False
-        out = Outcome()
-        inflight = sorted(self._inflight.values(), key=lambda p: p.seq)
-        self._inflight.clear()
-        self._isolated = None
-        if len(inflight) == 1:
-            pub = inflight[0]
+        out = self._window.closed()
+        for pub in out.guilty:
             if pub.parking:  # even its parked copy is refused: let the broker dead-letter it
                 out.reject.extend(t for t in pub.tags if t in self._deliveries)
                 for tag in out.reject:
@@ -233,28 +189,8 @@ class Deliveries:
                 for tag in pub.tags:
                     if tag in self._deliveries:
                         self._deliveries[tag].pending -= 1
-                out.guilty.append(pub)
-        else:
-            self._suspects.extendleft(reversed(inflight))
+        out.guilty = [p for p in out.guilty if not p.parking]
         return out
-
-    def _pump(self) -> List[Publication]:
-        if not self._open or self._isolated is not None:
-            return []
-        if self._suspects:
-            pub = self._suspects.popleft()
-            self._isolated = pub
-            return [self._send(pub)]
-        sent = [self._send(p) for p in self._waiting]
-        self._waiting.clear()
-        return sent
-
-    def _send(self, pub: Publication) -> Publication:
-        self._seq += 1
-        pub.seq = self._seq
-        pub.returned = False
-        self._inflight[pub.seq] = pub
-        return pub
 
     # -- the consuming channel ------------------------------------------------------------
     def lost(self) -> Set[int]:
@@ -263,10 +199,5 @@ class Deliveries:
         held = set(self.held_tags())
         self._deliveries.clear()
         self._done.clear()
-        self._inflight.clear()
-        self._waiting.clear()
-        self._suspects.clear()
-        self._isolated = None
-        self.held = 0
-        self._open = False
+        self._window.forget()
         return held

@@ -22,10 +22,12 @@ Pure: no I/O, the clock passed in.
 
 import math
 from decimal import Decimal, InvalidOperation
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 from gateway.core import wire
 from gateway.core.wire import Opaque, Properties, Table
+
+Json = Dict[str, Any]  # a JSON object
 
 DELAY = "x-delay"
 DELIVER_AT = "x-deliver-at"
@@ -77,7 +79,7 @@ def _as_ms(name: str, value: Any) -> int:
     if isinstance(value, (float, Decimal)):
         if not math.isfinite(value):
             raise Unreadable(f"{name} is {value}, not a finite number")
-        if abs(value) > 10**18:
+        if not -10**18 <= value <= 10**18:
             raise Unreadable(f"{name} {value} is out of range")
         return math.ceil(value)
     if isinstance(value, Opaque):
@@ -180,6 +182,8 @@ class Inside:
         """Its properties for the next hop: only the gateway's own headers (the broker's
         dead-letter history would make RabbitMQ up to 3.12 and from 3.13.3 drop the message
         when it re-enters a queue named in it, on its second meditation lap)."""
+        if self.user is None or self.routing_key is None:
+            raise ValueError("not in the gateway's format")
         return inside(self.user, self.routing_key, self.due_ms if due_ms is None else due_ms, error)
 
 
@@ -199,7 +203,7 @@ def shown(key: Optional[bytes]) -> str:
     return "" if key is None else key.decode("utf-8", "backslashreplace")
 
 
-def death(headers: Table) -> Optional[dict]:
+def death(headers: Table) -> Optional[Json]:
     """The broker's most recent dead-lettering of this message (x-death's first entry)."""
     deaths = headers.get("x-death")
     if isinstance(deaths, list) and deaths and isinstance(deaths[0], dict):

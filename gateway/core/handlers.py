@@ -16,7 +16,7 @@ publisher's data; the other queues can only be reached through the gateway's own
 and the broker's dead-lettering (with the least-privilege permissions of docs/security.md).
 """
 
-from typing import Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from topology import ChainSettings, Enter, Meditate, plan
 from topology.names import Names
@@ -26,6 +26,8 @@ from gateway.core.actions import Action, Delivery, Enqueue, Forward
 from gateway.core.carrier import Damaged, Entry
 from gateway.core.envelope import Inside, Unreadable
 from gateway.core.wire import Properties
+
+Json = Dict[str, Any]  # a JSON object
 
 Clock = Callable[[], int]
 
@@ -47,7 +49,7 @@ def entries(d: Delivery) -> List[Entry]:
     if d.props.headers.get(carrier.COUNT) is not None:
         return carrier.unpack(d.body)
     inside = Inside(d.props)
-    if not inside.complete or inside.due_ms is None:
+    if inside.routing_key is None or inside.user is None or inside.due_ms is None:
         raise Damaged("not in the gateway's format (no due time)")
     return [Entry(inside.routing_key, inside.user, d.body, inside.due_ms)]
 
@@ -59,9 +61,30 @@ def park_delivery(names: Names, d: Delivery, reason: str) -> List[Forward]:
         return [park_entry(names, e, reason) for e in entries(d)]
     except Damaged as exc:
         inside = Inside(d.props)
-        if inside.complete:  # a parked message's own format (no due time): keep what it has
+        if inside.user is not None and inside.routing_key is not None:
+            # a parked message's own format (no due time): keep what it has
             return [park(names, inside.user, inside.routing_key, d.body, reason)]
         return [park(names, d.props, d.routing_key, d.body, f"{reason} ({exc})")]
+
+
+def parker(names: Names, queue: str) -> Callable[[Delivery, str], List[Forward]]:
+    """How a consumer of this queue parks a whole delivery it cannot handle: as the
+    publisher sent it at check-in; each of its messages (in the gateway's format) elsewhere."""
+    if queue == names.check_in:
+        return lambda d, reason: [park(names, d.props, d.routing_key, d.body, reason)]
+    return lambda d, reason: park_delivery(names, d, reason)
+
+
+def unroutable(names: Names, e: Entry) -> Forward:
+    """It came back from pick-up: no queue is bound for its routing key."""
+    return park_entry(names, e, f"unroutable: no queue bound to exchange {names.pick_up!r} matches routing key "
+                                f"{envelope.shown(e.routing_key)!r}")
+
+
+def hand_back(names: Names, e: Entry) -> Forward:
+    """A held message back into the distributor queue, for another gateway to hold."""
+    return Forward(names.distributor, b"", envelope.inside(e.user, e.routing_key, e.due_ms), e.body, "handed back",
+                   entry=e)
 
 
 def route(chain: ChainSettings, remaining_ms: int, lead_ms: int) -> Tuple[str, bytes, str]:
@@ -122,7 +145,7 @@ class Distributor:
         try:
             arrived = entries(d)
         except Damaged as exc:
-            return park_delivery(self.chain.names, d, f"reached the distributor {exc}")
+            return list(park_delivery(self.chain.names, d, f"reached the distributor {exc}"))
         now = self.clock()
         return [self.release(e, now) for e in arrived]
 
@@ -136,10 +159,7 @@ class Distributor:
                        not_before_ms=e.due_ms, mandatory=True, entry=e)
 
     def unroutable(self, e: Entry) -> Forward:
-        """It came back from pick-up: no queue is bound for its routing key."""
-        return park_entry(self.chain.names, e, f"unroutable: no queue bound to exchange "
-                                               f"{self.chain.names.pick_up!r} matches routing key "
-                                               f"{envelope.shown(e.routing_key)!r}")
+        return unroutable(self.chain.names, e)
 
 
 DEATH_REASONS = {
@@ -167,10 +187,10 @@ class Parking:
             reason = f"dead-lettered from queue {death.get('queue', '?')}: {DEATH_REASONS.get(why, why)}"
         if d.routing_key == b"check-in":  # as its publisher sent it
             return [park(self.names, envelope.publishers(d.props), _first_key(death, d), d.body, reason)]
-        return park_delivery(self.names, d, reason)
+        return list(park_delivery(self.names, d, reason))
 
 
-def _first_key(death: Optional[dict], d: Delivery) -> bytes:
+def _first_key(death: Optional[Json], d: Delivery) -> bytes:
     """The routing key a message had before the broker dead-lettered it with ours."""
     keys = (death or {}).get("routing-keys")
     if isinstance(keys, list) and keys and isinstance(keys[0], (str, bytes)):

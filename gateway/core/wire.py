@@ -17,7 +17,7 @@ import datetime
 import decimal
 import struct
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 Name = Union[str, bytes]
 
@@ -187,7 +187,7 @@ class Table:
     def names(self) -> List[Name]:
         return [_name(e.name) for e in self.entries]
 
-    def without(self, drop) -> "Table":
+    def without(self, drop: Callable[[Name], bool]) -> "Table":
         """The table without the entries whose (decoded) name `drop(name)` is true."""
         kept = [e for e in self.entries if not drop(_name(e.name))]
         return self if len(kept) == len(self.entries) else Table(kept, self.tail)

@@ -59,7 +59,7 @@ def line(method, properties, arrived_ms: int) -> Dict[str, Any]:
         due, source = _ms(deliver_at), DELIVER_AT
     published = properties.timestamp * 1000 if isinstance(properties.timestamp, int) else None
     if _ms(delay) is not None:
-        delay_ms = max(_ms(delay), 0)
+        delay_ms = max(_ms(delay) or 0, 0)
     elif due is not None and published is not None:
         delay_ms = due - published  # AMQP timestamps are whole seconds: within a second
     else:

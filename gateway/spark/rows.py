@@ -190,7 +190,7 @@ def due_at(checked: Union[Checked, Any], published_ms: int) -> int:
     from the publish (so a check-in backlog does not add to it)."""
     if checked.deliver_at_ms is not None:
         return checked.deliver_at_ms
-    return published_ms + max(checked.delay_ms, 0)
+    return published_ms + max(checked.delay_ms or 0, 0)
 
 
 def _short(text: str, limit: int = 60) -> str:

@@ -177,7 +177,7 @@ def input_format(args) -> str:
     if os.path.isdir(path):
         found = {FORMATS.get(os.path.splitext(n.lower())[1]) for n in os.listdir(path)} - {None}
         if len(found) == 1:
-            return found.pop()
+            return str(found.pop())
     raise UsageError(f"cannot tell the format of {args.input} from its name: give --format csv, json or parquet")
 
 
@@ -213,7 +213,7 @@ class Job:
             raise UsageError(f"--state {self.state_dir} holds the progress of another run (the input or the "
                              "options differ): pass --restart to publish everything again, or another --state")
         resuming = previous is not None
-        now_ms = previous["started_at_ms"] if resuming else wall_ms()
+        now_ms = previous["started_at_ms"] if previous is not None else wall_ms()
         if not resuming:
             state.begin({"fingerprint": fp, "started_at_ms": now_ms, "run": description})
         limits = rows.Limits(now_ms, self.args.max_overdue_ms, self.args.max_payload_bytes)

@@ -55,7 +55,7 @@ def publish(urls: Sequence[str], chain: ChainSettings, delays: Sequence[int], ro
     channel.confirm_delivery()
     for delay in delays:
         message_id = uuid.uuid4().hex
-        for attempt in range(50):
+        for _attempt in range(50):
             before = now_ms()
             when = {"x-deliver-at": before + delay} if absolute else {"x-delay": delay}
             try:

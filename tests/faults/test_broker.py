@@ -92,7 +92,7 @@ def test_broker_down_at_start_and_connections_closed(own_node, node_chain, fault
         for _ in range(3):
             time.sleep(0.7)
             # Close only once the gateway is back, so each close hits a live connection.
-            wait_until(lambda: int(gateway.metric("delay_gateway_connections_total")) >= 1 + closes, 20)
+            wait_until(lambda n=closes: int(gateway.metric("delay_gateway_connections_total")) >= 1 + n, 20)
             own_node.ctl("close_all_connections", "fault test")
             closes += 1
         delivered = sink.wait_for([s.message_id for s in sent], timeout=60)

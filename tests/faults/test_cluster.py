@@ -279,7 +279,8 @@ def test_cluster_survives_losing_the_leader(cluster, fault, fault_report):
         sink.close()
         sink.delete()
     figures = count(f"cluster-{label}-{cluster.store}-{fault}", sent, sink, 1, nodes=3,
-                    version=version, away_s=away_s, **({"noticed_s": action.noticed_s, "gateway_moved_s": action.moved_s} if action.noticed_s else {}),
+                    version=version, away_s=away_s,
+                    **({"noticed_s": action.noticed_s, "gateway_moved_s": action.moved_s} if action.noticed_s else {}),
                     reconnects=reconnected - 1,
                     **stall_figures(sent, sink, fault_ms, whole_at), overdue_before_heal=overdue_at_end)
     # Report lost as destroyed (neither delivered nor held by the chain's queues), and the

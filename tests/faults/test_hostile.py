@@ -173,7 +173,6 @@ async def _publish_pamqp(url, exchange, batch) -> set:
 
 
 def test_hostile_publishers_beside_ordinary_traffic(make_chain, fault_report):
-    codec.install()
     chain = make_chain(max_level=3, resolution_ms=100)
     gateway = GatewayProcess(chain).wait_ready()
     connection = connect()
@@ -240,7 +239,7 @@ def test_hostile_publishers_beside_ordinary_traffic(make_chain, fault_report):
     connection.close()
 
     exact, early, problems = 0, [], []
-    for mid, (props, key, body, sent_at, outcome) in expected.items():
+    for mid, (props, key, body, _sent_at, outcome) in expected.items():
         if mid in arrived:
             got_key, got, got_body, at = arrived[mid]
             got_key = got_key if isinstance(got_key, bytes) else got_key.encode()

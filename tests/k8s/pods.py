@@ -25,7 +25,7 @@ DELAY_GATEWAY = str(Path(sys.executable).parent / "delay-gateway")
 class Kubelet:
     def __init__(self, root: Path, secrets: Dict[str, Dict[str, str]]) -> None:
         self.root, self.secrets = root, secrets
-        self.pods: List["Pod"] = []
+        self.pods: List[Pod] = []
         self._numbers = itertools.count()
 
     def start(self, doc: dict, docs: List[dict], name: Optional[str] = None) -> "Pod":

@@ -68,7 +68,7 @@ def test_every_rendered_object_is_valid(values):
         chain = ChainSettings(**{k: v for k, v in (("max_level", values.get("maxLevel")),
                                                    ("zero_bits", values.get("zeroBits"))) if v})
         assert_same_as_the_renderer(crs, chain, ClusterReference("rabbitmq", "messaging"), "/")
-    for name, deployment in by_kind(docs, "Deployment").items():
+    for _name, deployment in by_kind(docs, "Deployment").items():
         env = effective_env(pod_spec(deployment)["containers"][0], by_kind(docs, "ConfigMap"))
         assert env["DELAY_GATEWAY_MAX_LEVEL"] == str(values.get("maxLevel", 20))
 
@@ -243,7 +243,8 @@ def test_pods_are_locked_down_and_probed():
         pod_labels = d["spec"]["template"]["metadata"]["labels"]
         assert selects(pdbs[name]["spec"]["selector"]["matchLabels"], pod_labels)
         assert not selects(pdbs[name]["spec"]["selector"]["matchLabels"],
-                           next(o for n, o in deployments.items() if n != name)["spec"]["template"]["metadata"]["labels"])
+                           next(o for n, o in deployments.items()
+                                if n != name)["spec"]["template"]["metadata"]["labels"])
         [service] = by_kind(docs, "Service").values()
         assert selects(service["spec"]["selector"], pod_labels)
         [policy] = by_kind(docs, "NetworkPolicy").values()

@@ -135,14 +135,16 @@ def test_the_wheel_builds_from_the_copied_files_and_runs(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(target)}
     script = target / "bin" / "delay-gateway"
     assert script.is_file()
-    where = subprocess.run([sys.executable, "-c", "import gateway, topology; print(gateway.__file__, topology.__file__)"],
+    where = subprocess.run([sys.executable, "-c",
+                            "import gateway, topology; print(gateway.__file__, topology.__file__)"],
                            capture_output=True, text=True, env=env, cwd=tmp_path, check=True).stdout
     assert where.count(str(target)) == 2, where  # the wheel's code, not the source tree's
     r = subprocess.run([str(script), "--help"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
     assert r.returncode == 0, r.stderr
     for name in ("run", "declare", "render", "selftest"):
         assert name in r.stdout
-    r = subprocess.run([str(script), "render", "--format", "operator", "--cluster-name", "rabbitmq", "--max-level", "2"],
+    r = subprocess.run([str(script), "render", "--format", "operator", "--cluster-name", "rabbitmq",
+                        "--max-level", "2"],
                        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
     assert r.returncode == 0 and "kind: Queue" in r.stdout, r.stderr
 

@@ -41,7 +41,8 @@ def as_definitions(docs, vhost_default: str = "/") -> dict:
         vhost = spec.get("vhost", vhost_default)
         if kind == "Exchange":  # rabbit-hole's ExchangeSettings has no `internal`
             out["exchanges"].append({"name": spec["name"], "vhost": vhost, "type": spec.get("type", "direct"),
-                                     "durable": spec.get("durable", False), "auto_delete": spec.get("autoDelete", False),
+                                     "durable": spec.get("durable", False),
+                                     "auto_delete": spec.get("autoDelete", False),
                                      "internal": False, "arguments": spec.get("arguments", {})})
         elif kind == "Queue":  # DeclareQueue adds x-queue-type from spec.type
             arguments = dict(spec.get("arguments", {}))
@@ -110,7 +111,7 @@ def on_broker(*prefixes: str) -> dict:
                        "arguments")
     out = {}
     for prefix in prefixes:
-        mine = lambda name: name.startswith(prefix + ".")  # noqa: E731
+        mine = lambda name, prefix=prefix: name.startswith(prefix + ".")  # noqa: E731
         out[prefix] = {
             "exchanges": [{**e, "vhost": "/"} for e in exchanges if mine(e["name"])],
             "queues": [{**q, "vhost": "/"} for q in queues if mine(q["name"])],

@@ -1,0 +1,237 @@
+"""One publisher with confirms and a window: the Spark job's partitions and the benchmark.
+
+pika's BlockingConnection waits for each confirm before the next publish (a few hundred
+messages a second); this SelectConnection keeps up to `window` publishes unconfirmed and
+moves on as confirms arrive, so a message counts as published only once the broker
+confirmed it and a bulk load is still fast. Optionally paced (`max_rate` a second).
+
+A negative confirm (a quorum queue between leaders, a full queue) is retried after
+`retry_s`, up to `nack_attempts` publishes in all, then the run fails; with
+`nack_attempts=0` a negative confirm is final and only counted (the benchmark's loss
+figure). A mandatory publish returned as unroutable fails the run at once, as does a lost
+connection or channel. With `confirm_timeout_s`, confirms that stop coming end the run once
+everything is sent, counted as unconfirmed.
+"""
+
+import time
+from collections import deque
+from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import pika
+from pika import spec
+
+from gateway.broker import codec
+from gateway.broker.amqp import parameters
+from gateway.settings import Tls, redact
+
+# exchange, routing key, properties (pika's, with Python values; or bytes as they are), body
+Outgoing = Tuple[str, str, Any, bytes]
+
+
+class PublishError(RuntimeError):
+    """One line: why the messages could not all be published."""
+
+
+class WindowPublisher:
+    """Publishes every message of `items` (read just before each is sent); `run` returns
+    once each is confirmed (or, without retries, refused), or raises PublishError."""
+
+    def __init__(self, urls: Sequence[str], items: Iterator[Outgoing], name: str, tls: Optional[Tls] = None,
+                 window: int = 1000, max_rate: float = 0.0, mandatory: bool = True, nack_attempts: int = 3,
+                 retry_s: float = 1.0, connect_timeout: float = 30.0, confirm_timeout_s: float = 0.0,
+                 tick_s: float = 0.01, unroutable: str = "the exchange routed a message to no queue",
+                 unroutable_hint: str = "", queue: str = "the queue") -> None:
+        self.urls, self.items, self.name, self.tls = tuple(urls), items, name, tls
+        self.window, self.max_rate, self.mandatory = window, max_rate, mandatory
+        self.nack_attempts, self.retry_s, self.connect_timeout = nack_attempts, retry_s, connect_timeout
+        self.confirm_timeout_s, self.tick_s, self.queue = confirm_timeout_s, tick_s, queue
+        self.unroutable, self.unroutable_hint = unroutable, unroutable_hint
+        self.pending: Dict[int, Tuple[Outgoing, int]] = {}  # sequence number -> (message, attempt), in order
+        self.retry: Deque[Tuple[float, Outgoing, int]] = deque()  # (not before, message, attempt)
+        self.seq = self.sent = self.acked = self.nacked = 0  # sent: first publishes, not retries
+        self.confirm_times: List[float] = []  # one per confirmed message: s since start
+        self.exhausted = False
+        self.error: Optional[str] = None
+        self.start = self.end = self._last_confirm = 0.0
+        self._connection: Any = None
+        self._channel: Any = None
+        self._closing = False
+        self._ticking = self._watching = False  # timers scheduled (one each: every confirm calls fill)
+
+    @property
+    def unconfirmed(self) -> int:
+        return len(self.pending) + len(self.retry)
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+    # -- running ---------------------------------------------------------------------------
+    def run(self) -> "WindowPublisher":
+        self.start = time.monotonic()
+        self._connection = self._connect()
+        try:
+            self._connection.ioloop.start()
+        finally:
+            if self._connection.is_open:
+                self._connection.close()
+                self._connection.ioloop.start()  # until closed
+        self.end = self.end or time.monotonic()
+        if self.error:
+            raise PublishError(self.error)
+        return self
+
+    def _connect(self) -> Any:
+        errors = []
+        deadline = time.monotonic() + self.connect_timeout
+        delay = 0.2
+        while True:
+            for url in self.urls:
+                try:  # returns once connected, or raises: then the next URL
+                    return _opened(self, parameters(url, self.name, self.tls))
+                except Exception as exc:  # noqa: BLE001 (reported below, in one line)
+                    errors.append(f"{redact(url)}: {exc!r}")
+            if time.monotonic() + delay > deadline:
+                raise PublishError("cannot connect: " + "; ".join(errors[-len(self.urls):]))
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+    def fail(self, message: str) -> None:
+        if self.error is None:
+            self.error = message
+        self._close()
+
+    def _close(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        self.end = time.monotonic()
+        if self._connection.is_open:
+            self._connection.close()
+        else:
+            self._connection.ioloop.stop()
+
+    # -- callbacks -------------------------------------------------------------------------
+    def on_channel(self, channel: Any) -> None:
+        self._channel = channel
+        channel.add_on_close_callback(self.on_channel_closed)
+        channel.add_on_return_callback(self.on_return)
+        channel.confirm_delivery(self.on_confirm, callback=lambda _frame: self._begin())
+
+    def _begin(self) -> None:
+        self.start = time.monotonic()  # the rate counts from here
+        self.fill()
+
+    def on_channel_closed(self, _channel: Any, reason: Exception) -> None:
+        if not self._closing:
+            self.fail(f"the broker closed the channel: {reason}")
+
+    def on_connection_closed(self, _connection: Any, reason: Exception) -> None:
+        if not self._closing:
+            self.error = self.error or f"lost the connection: {reason}"
+        self._connection.ioloop.stop()
+
+    def on_return(self, _channel: Any, method: Any, _properties: Any, _body: bytes) -> None:
+        hint = f": {self.unroutable_hint}" if self.unroutable_hint else ""
+        self.fail(f"{self.unroutable} ({method.reply_text}){hint}")
+
+    def on_confirm(self, frame: Any) -> None:
+        m = frame.method
+        self._last_confirm = time.monotonic()
+        # Confirms may come out of order (a single ack for a later message before a
+        # multiple ack that covers earlier ones): track each publish, never count by tag.
+        if m.multiple:
+            tags = []
+            for tag in self.pending:
+                if tag > m.delivery_tag:
+                    break
+                tags.append(tag)
+        else:
+            tags = [m.delivery_tag] if m.delivery_tag in self.pending else []
+        nack = isinstance(m, spec.Basic.Nack)
+        for tag in tags:
+            message, attempt = self.pending.pop(tag)
+            if not nack:
+                self.acked += 1
+                self.confirm_times.append(self._last_confirm - self.start)
+            elif self.nack_attempts <= 0:
+                self.nacked += 1
+            elif attempt + 1 >= self.nack_attempts:
+                self.fail(f"the broker refused a message {self.nack_attempts} times (negative confirms): "
+                          f"is {self.queue} full or without a leader?")
+                return
+            else:
+                self.retry.append((self._last_confirm + self.retry_s, message, attempt + 1))
+        self.fill()
+
+    # -- publishing ------------------------------------------------------------------------
+    def fill(self) -> None:
+        if self._closing:
+            return
+        now = time.monotonic()
+        while self.retry and len(self.pending) < self.window and self.retry[0][0] <= now:
+            _, message, attempt = self.retry.popleft()
+            self._send(message, attempt)
+        allowed = self._allowed(now)
+        while not self.exhausted and len(self.pending) < self.window and self.sent < allowed:
+            try:
+                message = next(self.items)
+            except StopIteration:
+                self.exhausted = True
+                break
+            self._send(message, 0)
+            self.sent += 1
+        if self.exhausted and not self.pending and not self.retry:
+            self._close()
+        elif (self.retry or (not self.exhausted and self.sent >= allowed)) and not self._ticking:
+            self._ticking = True
+            self._connection.ioloop.call_later(self.tick_s, self._tick)
+        elif self.exhausted and self.confirm_timeout_s and self.pending and not self._watching:
+            self._watching = True
+            self._connection.ioloop.call_later(0.5, self._watch)
+
+    def _tick(self) -> None:
+        self._ticking = False
+        self.fill()
+
+    def _watch(self) -> None:
+        """All sent: give up on confirms that do not come (they count as unconfirmed)."""
+        if self._closing or not self.pending:
+            return
+        if time.monotonic() - max(self._last_confirm, self.start) > self.confirm_timeout_s:
+            self._close()
+        else:
+            self._connection.ioloop.call_later(0.5, self._watch)
+
+    def _allowed(self, now: float) -> float:
+        if self.max_rate <= 0:
+            return float("inf")
+        return int((now - self.start) * self.max_rate) + 1
+
+    def _send(self, message: Outgoing, attempt: int) -> None:
+        exchange, routing_key, properties, body = message
+        # pika cannot encode floats (JSON headers have them): sent as AMQP doubles, as the gateway does
+        self._channel.basic_publish(exchange, routing_key, body, codec.encoded(properties), mandatory=self.mandatory)
+        self.seq += 1  # delivery tags of a confirming channel count publishes from 1
+        self.pending[self.seq] = (message, attempt)
+
+
+def _opened(publisher: WindowPublisher, params: pika.ConnectionParameters) -> Any:
+    """A connection wired to `publisher`; raises if the broker cannot be reached."""
+    failure: List[BaseException] = []
+
+    def opened(connection: Any) -> None:
+        connection.ioloop.stop()
+
+    def open_failed(connection: Any, error: Any) -> None:
+        failure.append(error if isinstance(error, BaseException) else RuntimeError(str(error)))
+        connection.ioloop.stop()
+
+    connection = pika.SelectConnection(params, on_open_callback=opened, on_open_error_callback=open_failed)
+    connection.ioloop.start()
+    if failure:
+        raise failure[0]
+    connection.add_on_close_callback(publisher.on_connection_closed)
+    connection.channel(on_open_callback=publisher.on_channel)
+    return connection
+

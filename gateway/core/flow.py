@@ -1,0 +1,215 @@
+"""One consumer's core (pure): every decision about its deliveries, and all their state.
+
+The pika adapter (broker.consumer.Pipe) turns frames into the events below and does what
+the returned `Actions` say, nothing more. The core keeps:
+
+- the outstanding deliveries and the publishes they became (`Deliveries`, with the
+  publishing channel's confirm window inside it): what may be acknowledged when;
+- each outstanding delivery as it arrived, to park it whole if what it became cannot go on;
+- per delivery, how many of its messages are not yet in a sent publish;
+- the held messages (`Holds`), released at their due time: `held` is their count, the one
+  the held-messages gauge reads;
+- the open batches (`Batcher`), closed by count, bytes or age;
+- when acknowledgements are due; and (answers.Answers) the refused publishes waiting to be
+  retried.
+
+Time comes in with each event (epoch ms); `next_wake()` says when the core wants a `tick`.
+"""
+
+from collections import Counter
+from typing import Dict, List, Optional, Sequence
+
+from topology.names import Names
+
+from gateway.core import envelope, handlers
+from gateway.core.actions import Delivery, Enqueue, Forward
+from gateway.core.answers import ACK_BATCH, ACK_FLUSH_MS, Actions, Answers, Handler, Member, Observer, Out
+from gateway.core.carrier import Batch, Batcher, Holds
+from gateway.core.deliveries import Deliveries
+
+
+class Flow:
+    """The core of one consumer (see the module doc): events in, `Actions` out."""
+
+    def __init__(self, queue: str, names: Names, handler: Handler, observer: Observer,
+                 batcher: Optional[Batcher] = None) -> None:
+        self._names, self._handler, self._observer = names, handler, observer
+        self._park = handlers.parker(names, queue)
+        self._batcher = batcher if batcher is not None else Batcher(1, 1, 0)  # (an empty one is falsy)
+        self.ledger: Deliveries[Out] = Deliveries()
+        self._delivered: Dict[int, Delivery] = {}  # outstanding deliveries (to park them whole)
+        self._left: Dict[int, int] = {}  # tag -> its messages not yet in a sent publication
+        self._holds: Holds[int, Forward] = Holds()  # a delivery tag's message, due at its time
+        self._flush_at: Optional[int] = None
+        self._draining = False
+        self._answers = Answers(self.ledger, names, self._park, self._delivered, observer, self._give_up)
+
+    # -- queries --------------------------------------------------------------------------
+    @property
+    def held(self) -> int:
+        """Messages held until their time (the held-messages gauge)."""
+        return len(self._holds)
+
+    def next_wake(self) -> Optional[int]:
+        """When the next `tick` is due (epoch ms), if any."""
+        times = (self._holds.next_due(), self._batcher.next_deadline(), self._flush_at, self._answers.next_retry())
+        return min((t for t in times if t is not None), default=None)
+
+    def waiting_for_confirm_ms(self, now_ms: int) -> int:
+        """How long the oldest publish not yet confirmed has been waiting (0: none)."""
+        pub = self.ledger.oldest_unconfirmed()
+        return now_ms - pub.sent_ms if pub is not None else 0
+
+    # -- events ---------------------------------------------------------------------------
+    def delivered(self, tag: int, d: Delivery, now: int) -> Actions:
+        out = Actions()
+        self._release_due(now, out)  # a stream of deliveries must not keep due messages waiting
+        self.ledger.received(tag)
+        self._delivered[tag] = d
+        try:
+            actions = self._handler(d)
+        except Exception as exc:  # a bug must not stop the gateway, nor lose the message
+            self._observer.note("exception", "handler_failed", routing_key=envelope.shown(d.routing_key))
+            actions = list(self._park(d, f"the gateway failed on it: {exc!r}"))
+        if not actions:
+            self.ledger.finish(tag)
+        else:
+            self._left[tag] = len(actions)
+        for action in actions:
+            self._observer.forwarded(action)
+            if isinstance(action, Enqueue):
+                route = (action.exchange, action.routing_key, action.outcome)
+                for batch in self._batcher.add(route, tag, action.entry, now):
+                    self._flush_batch(batch, now, out)
+            elif action.not_before_ms is not None and action.not_before_ms > now:
+                self.ledger.hold(tag)
+                self._holds.add(action.not_before_ms, tag, action)
+            else:
+                self._send([tag], action, [(tag, action.entry)], now, out)
+        return out
+
+    def publishing_opened(self, now: int) -> Actions:
+        out = Actions()
+        self._answers.apply(self.ledger.channel_open(), now, out)
+        return out
+
+    def publishing_closed(self, refusal: str, now: int) -> Actions:
+        """The broker closed the publishing channel over a message (a new one is opening)."""
+        self._answers.refusal = refusal
+        out = Actions()
+        self._answers.apply(self.ledger.channel_closed(), now, out)
+        return out
+
+    def publishing_gone(self) -> None:
+        """The publishing channel closed and will not be opened again."""
+        self.ledger.channel_gone()
+
+    def returned(self, routing_key: bytes, props: bytes, body: bytes) -> None:
+        """basic.return: the confirm that follows reports it (then it is parked)."""
+        for pub in self.ledger.inflight():
+            f = pub.payload.forward
+            if f.mandatory and f.routing_key == routing_key and f.body == body and f.props.raw == props:
+                self.ledger.returned(pub.seq)
+                return
+        self._observer.note("error", "unmatched_return", routing_key=envelope.shown(routing_key))
+
+    def confirmed(self, seq: int, multiple: bool, ack: bool, now: int) -> Actions:
+        out = Actions()
+        self._answers.apply(self.ledger.confirmed(seq, multiple, ack), now, out)
+        if self.ledger.done_count >= ACK_BATCH:
+            self._flush(out)
+        elif self._flush_at is None and self.ledger.done_count:
+            self._flush_at = now + ACK_FLUSH_MS
+        self._maybe_finished(out)
+        return out
+
+    def tick(self, now: int) -> Actions:
+        out = Actions()
+        self._release_due(now, out)
+        for batch in self._batcher.expired(now):
+            self._flush_batch(batch, now, out)
+        if self._flush_at is not None and now >= self._flush_at:
+            self._flush(out)
+        self._answers.retry_due(now, out)
+        return out
+
+    def drain(self, now: int) -> Actions:
+        """Stopping, and no more deliveries come: send on what waits in batches, hand held
+        messages back to the distributor queue (for another gateway), wait for confirms."""
+        out = Actions()
+        self._draining = True
+        for batch in self._batcher.drain():
+            self._flush_batch(batch, now, out)
+        # A held message is due within a unit or so: it goes back into the distributor
+        # queue, where another gateway (or this one, restarted) holds it until due. Handing
+        # back the delivery instead would repeat those of a carrier already published.
+        held = self._holds.drain()
+        for tag, release in held:
+            self.ledger.release(tag)
+            assert release.entry is not None  # (only the distributor holds, one entry each)
+            self._send([tag], handlers.hand_back(self._names, release.entry), [(tag, release.entry)], now, out)
+        self._observer.note("info", "stopping", returned=len(held), unconfirmed=self.ledger.unconfirmed)
+        self._maybe_finished(out)
+        return out
+
+    def consuming_lost(self) -> None:
+        """The consuming channel is gone: its deliveries return to their queue by themselves."""
+        self.ledger.lost()
+        self._holds.drain()
+        self._batcher.drain()
+        self._delivered.clear()
+        self._left.clear()
+        self._answers.clear()
+        self._flush_at = None
+
+    # -- decisions ------------------------------------------------------------------------
+    def _release_due(self, now: int, out: Actions) -> None:
+        """Publish every held message whose time has come, in due order."""
+        if self._holds.next_due() is None:
+            return
+        for tag, action in self._holds.due(now):
+            if self.ledger.release(tag):
+                self._send([tag], action, [(tag, action.entry)], now, out)
+
+    def _flush_batch(self, batch: Batch, now: int, out: Actions) -> None:
+        exchange, key, outcome = batch.key
+        self._observer.batched(outcome, len(batch.items))
+        self._send([tag for tag, _ in batch.items],
+                   handlers.carry(exchange, key, outcome, [e for _, e in batch.items]), batch.items, now, out)
+
+    def _send(self, tags: List[int], forward: Forward, members: Sequence[Member], now: int, out: Actions) -> None:
+        """Publish `forward` for the messages of these deliveries (one tag per message)."""
+        if forward.not_before_ms is not None:
+            self._observer.late(max(0, now - forward.not_before_ms))
+        finishing = []
+        for tag, n in Counter(tags).items():
+            left = self._left.get(tag, 0) - n
+            if left <= 0:
+                self._left.pop(tag, None)
+                finishing.append(tag)
+            else:
+                self._left[tag] = left
+        outcome = self.ledger.publish(tuple(dict.fromkeys(tags)), Out(forward, members), finishing,
+                                      parking=forward.outcome == "parked")
+        self._answers.apply(outcome, now, out)
+
+    def _give_up(self, tag: int) -> None:
+        """The delivery is gone (the broker dead-letters it): none of its messages may be sent."""
+        self._delivered.pop(tag, None)
+        self._left.pop(tag, None)
+        self._holds.discard(tag)
+        self._batcher.discard(tag)
+
+    def _flush(self, out: Actions) -> None:
+        self._flush_at = None
+        last, singles, gone = self.ledger.acks()
+        if last is not None:
+            out.ack.append((last, True))
+        out.ack.extend((tag, False) for tag in singles)
+        for tag in gone:
+            self._delivered.pop(tag, None)
+
+    def _maybe_finished(self, out: Actions) -> None:
+        if self._draining and not self.ledger.unconfirmed:
+            self._flush(out)
+            out.finished = True

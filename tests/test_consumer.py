@@ -1,0 +1,145 @@
+"""The real consumer (broker.consumer.Pipe and its core) against the fake connection of
+tests/fake_broker.py: what each broker event turns into, frame by frame, with the real
+handlers and a clock the test moves."""
+
+import structlog.testing
+
+from gateway.broker.consumer import Pipe
+from gateway.core import carrier, envelope, wire
+from gateway.core.carrier import Batcher
+from gateway.core.envelope import Inside
+from gateway.core.handlers import CheckIn, Distributor
+from gateway.core.wire import Properties, Table
+from gateway.metrics import Metrics
+from topology import ChainSettings
+
+from .fake_broker import FakeConnection
+
+CHAIN = ChainSettings(prefix="fk", max_level=4, resolution_ms=1000)
+NAMES = CHAIN.names
+
+
+def started(queue: str, handler, batcher=None):
+    conn, metrics = FakeConnection(), Metrics()
+    pipe = Pipe(conn, queue, handler, 10, metrics, NAMES, clock=conn.clock, batcher=batcher)
+    pipe.open()
+    conn.settle()
+    assert pipe.consuming
+    return conn, pipe, metrics
+
+
+def held_gauge(metrics: Metrics, queue: str) -> float:
+    return metrics.registry.get_sample_value("delay_gateway_held_messages", {"queue": queue})
+
+
+def in_gateway_format(conn: FakeConnection, due_in_ms: int, key: bytes = b"orders.eu") -> Properties:
+    return envelope.inside(Properties.build(message_id="m"), key, conn.clock() + due_in_ms)
+
+
+def test_a_held_message_goes_to_pick_up_at_its_time_and_is_acknowledged_after_its_confirm():
+    conn, pipe, metrics = started(NAMES.distributor, Distributor(CHAIN, 50, lambda: conn.clock()))
+    conn.consuming().deliver(b"hello", in_gateway_format(conn, 300))
+    assert conn.published == [] and held_gauge(metrics, NAMES.distributor) == 1
+    conn.advance(299)
+    assert conn.published == []
+    conn.advance(1)
+    [pub] = conn.published
+    assert (pub.exchange, pub.routing_key, pub.body, pub.mandatory) == (NAMES.pick_up, b"orders.eu", b"hello", True)
+    assert held_gauge(metrics, NAMES.distributor) == 0 and conn.consuming().acks == []
+    conn.publishing().confirm(pub.seq)
+    conn.advance(5)  # acknowledgements wait a little for company
+    assert conn.consuming().acks == [(1, True)]
+
+
+def test_a_message_nobody_is_bound_for_comes_back_and_is_parked_instead():
+    conn, pipe, _ = started(NAMES.distributor, Distributor(CHAIN, 50, lambda: conn.clock()))
+    conn.consuming().deliver(b"lost?", in_gateway_format(conn, 0))
+    [pub] = conn.published
+    conn.publishing().give_back(pub)
+    conn.publishing().confirm(pub.seq)
+    [_, parked] = conn.published
+    assert parked.exchange == NAMES.parked and parked.body == b"lost?"
+    assert "unroutable" in Inside(parked.props).error and conn.consuming().acks == []
+    conn.publishing().confirm(parked.seq)
+    conn.advance(5)
+    assert conn.consuming().acks == [(1, True)]
+
+
+def test_check_in_sends_a_carrier_when_the_batch_is_full_or_old_enough():
+    handler = CheckIn(CHAIN, 50, lambda: conn.clock(), wait_ms=20)
+    conn, pipe, _ = started(NAMES.check_in, handler, Batcher(3, 100_000, 20))
+    in_five_s = Properties.build(headers=Table([wire.long("x-delay", 5000)]))
+    for i in range(4):
+        conn.consuming().deliver(f"m{i}".encode(), in_five_s)
+    [full] = conn.published  # three went together at once
+    assert [e.body for e in carrier.unpack(full.body)] == [b"m0", b"m1", b"m2"]
+    conn.advance(20)  # the fourth, alone, once its batch is old enough
+    [_, alone] = conn.published
+    assert alone.body == b"m3"
+    conn.publishing().confirm(alone.seq, multiple=True)
+    conn.advance(5)
+    assert conn.consuming().acks == [(4, True)]
+
+
+def test_a_message_the_broker_refuses_is_found_and_parked_without_touching_the_others():
+    conn, pipe, _ = started(NAMES.distributor, Distributor(CHAIN, 50, lambda: conn.clock()))
+    for body in (b"a", b"poison", b"c"):
+        conn.consuming().deliver(body, in_gateway_format(conn, 0))
+    first = conn.publishing()
+    with structlog.testing.capture_logs() as logs:
+        first.close_by_broker(406, "PRECONDITION_FAILED - message too large")
+        conn.settle()  # a new publishing channel: the three again, one at a time
+    assert any(e["event"] == "publish_refused_by_broker" for e in logs)
+    second = conn.publishing()
+    assert second is not first
+    [a] = [p for p in conn.published if p.channel is second]
+    second.confirm(a.seq)
+    poison = conn.published[-1]
+    assert poison.body == b"poison"
+    second.close_by_broker(406, "PRECONDITION_FAILED - message too large")  # alone on it: that one
+    conn.settle()
+    third = conn.publishing()
+    [c] = [p for p in conn.published if p.channel is third]  # the last suspect, alone
+    assert c.body == b"c"
+    third.confirm(c.seq)
+    parked = conn.published[-1]  # then what waited: the refused one's parked copy
+    assert parked.exchange == NAMES.parked and "message too large" in Inside(parked.props).error
+    third.confirm(parked.seq)
+    conn.advance(5)
+    assert conn.consuming().acks == [(3, True)] and conn.consuming().nacks == []
+
+
+def test_stopping_hands_held_messages_back_to_the_distributor_queue():
+    conn, pipe, metrics = started(NAMES.distributor, Distributor(CHAIN, 50, lambda: conn.clock()))
+    conn.consuming().deliver(b"later", in_gateway_format(conn, 10_000))
+    stopped = []
+    pipe.stop(lambda: stopped.append(True))
+    conn.settle()
+    [back] = conn.published
+    assert back.exchange == NAMES.distributor and Inside(back.props).due_ms == conn.clock() + 10_000
+    assert held_gauge(metrics, NAMES.distributor) == 0 and not stopped
+    conn.publishing().confirm(back.seq)
+    assert stopped == [True] and conn.consuming().acks == [(1, True)]
+
+
+def test_a_refused_publish_is_retried_a_second_later_and_then_the_connection_starts_over():
+    conn, pipe, _ = started(NAMES.distributor, Distributor(CHAIN, 50, lambda: conn.clock()))
+    conn.consuming().deliver(b"x", in_gateway_format(conn, 0))
+    for attempt in range(3):
+        conn.publishing().confirm(conn.published[-1].seq, ack=False)
+        conn.advance(999)
+        assert len(conn.published) == attempt + 1
+        conn.advance(1)
+        assert len(conn.published) == attempt + 2
+    assert conn.is_open
+    conn.publishing().confirm(conn.published[-1].seq, ack=False)  # the fourth refusal
+    assert not conn.is_open  # (and the broker hands the delivery to the next connection)
+
+
+def test_handler_failures_park_the_delivery_whole():
+    def broken(_d):
+        raise RuntimeError("a bug")
+    conn, pipe, _ = started(NAMES.check_in, broken)
+    conn.consuming().deliver(b"body", Properties.build(message_id="m"), routing_key="k.1")
+    [parked] = conn.published
+    assert parked.exchange == NAMES.parked and parked.routing_key == b"k.1" and "a bug" in Inside(parked.props).error
