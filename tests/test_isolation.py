@@ -138,3 +138,18 @@ def test_a_missing_topology_is_one_line_and_an_exit_not_a_loop(broker):
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("delay-gateway run: ") and "nosuchprefix" in last and "delay-gateway declare" in last
     assert len(r.stderr.splitlines()) < 30 and took < 20, (took, r.stderr)
+
+
+def test_run_without_declaring_names_a_missing_internal_exchange(make_chain):
+    """A 3.10 definitions export leaves out internal exchanges: imported alone, the chain lacks
+    its `returning` entrance, and messages longer than the chain would be dropped there."""
+    chain = make_chain(max_level=2)
+    with connect() as c:
+        c.channel().exchange_delete(chain.names.returning)
+    r = subprocess.run([sys.executable, "-m", "gateway", "run", "--no-declare", *chain_args(chain),
+                        "--url", broker_url(), "--log-format", "json"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 3, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("delay-gateway run: ") and repr(chain.names.returning) in last, last
+    assert "delay-gateway declare" in last

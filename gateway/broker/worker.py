@@ -19,7 +19,7 @@ import pika
 import structlog
 
 from topology import build
-from topology.broker.declare import TopologyConflict, declare
+from topology.broker.declare import TopologyConflict, declare, verify
 from topology.settings import QUEUE_TYPES
 
 from gateway import health as health_http
@@ -236,7 +236,7 @@ def run(settings: Settings, stop: threading.Event, metrics: Metrics, health: Hea
     after FATAL_ATTEMPTS errors that cannot heal."""
     log = structlog.get_logger("gateway")
     urls = itertools.cycle(settings.urls)
-    declared = not settings.declare
+    checked = False  # the topology: declared, or (--no-declare) its exchanges found
     stamp_checked = False  # said once per process, on the first broker that answers
     backoff = Backoff()
     refused = 0
@@ -245,12 +245,12 @@ def run(settings: Settings, stop: threading.Event, metrics: Metrics, health: Hea
         url = next(urls)
         session = None
         try:
-            if not declared:
+            if not checked:
                 with blocking_channel(url, "delay-gateway declare", settings.tls) as channel:
-                    declare(channel, build(settings.chain))
-                log.info("topology_declared", prefix=settings.chain.prefix, generation=settings.chain.generation,
-                         max_level=settings.chain.max_level)
-                declared = True
+                    (declare if settings.declare else verify)(channel, build(settings.chain))
+                log.info("topology_declared" if settings.declare else "topology_found", prefix=settings.chain.prefix,
+                         generation=settings.chain.generation, max_level=settings.chain.max_level)
+                checked = True
             if not stamp_checked:
                 stamp.check(url, settings, log)
                 stamp_checked = True

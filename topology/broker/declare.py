@@ -9,6 +9,10 @@ class TopologyConflict(RuntimeError):
     """The broker holds an object of the same name declared with other arguments."""
 
 
+class TopologyMissing(TopologyConflict):
+    """An object of the topology is not on the broker."""
+
+
 def declare(channel, topology: Topology) -> None:
     """Idempotent: declaring the same topology again changes nothing."""
     for what, name, call in _steps(channel, topology):
@@ -21,6 +25,23 @@ def declare(channel, topology: Topology) -> None:
                     "something else declared it, or an older version of the gateway did. Queue and "
                     "exchange arguments cannot change once declared: delete it once it is empty, or "
                     "use another --prefix"
+                ) from exc
+            raise
+
+
+def verify(channel, topology: Topology) -> None:
+    """For `run --no-declare`: every exchange of the topology exists. Queues need no check
+    (consuming a missing one fails at once), but a missing exchange shows only when a message
+    is dead-lettered to it; a definitions export of RabbitMQ 3.10 leaves out internal
+    exchanges, so an import alone can lack the chain's `returning` entrance."""
+    for e in topology.exchanges:
+        try:
+            channel.exchange_declare(e.name, passive=True)
+        except ChannelClosedByBroker as exc:
+            if exc.reply_code == 404:
+                raise TopologyMissing(
+                    f"exchange {e.name!r} does not exist on this broker: run `delay-gateway declare` with the same "
+                    "settings (a definitions export can leave out internal exchanges), or run without --no-declare"
                 ) from exc
             raise
 
