@@ -77,17 +77,25 @@ def stamp_us(headers: Table, now_ms: int, sequence: Sequencer) -> int:
 
 def record(message_id: bytes, at_us: int) -> Properties:
     """The properties of a record (its body is empty)."""
-    return Properties.build(delivery_mode=2, headers=Table([wire.binary(RECORD_ID, message_id),
+    return Properties.build(delivery_mode=2, headers=Table([wire.longstr(RECORD_ID, message_id),
                                                             wire.long(RECORD_AT, at_us)]))
 
 
 def mark(token: bytes) -> Properties:
-    return Properties.build(delivery_mode=2, headers=Table([wire.binary(RECORD_MARK, token)]))
+    return Properties.build(delivery_mode=2, headers=Table([wire.longstr(RECORD_MARK, token)]))
+
+
+def read_mark(headers: Table) -> Optional[bytes]:
+    token = headers.get(RECORD_MARK)
+    return token.encode("utf-8") if isinstance(token, str) else token if isinstance(token, bytes) else None
 
 
 def read_record(headers: Table) -> Optional[Tuple[bytes, int]]:
-    """(id, time) of a record; None if it is not one (a mark, or not ours)."""
+    """(id, time) of a record; None if it is not one (a mark, or not ours). The id is read
+    as text or bytes: RabbitMQ 4 with the arrival stamp re-encodes a binary header as text."""
     mid, at = headers.get(RECORD_ID), headers.get(RECORD_AT)
+    if isinstance(mid, str):
+        mid = mid.encode("utf-8")
     if isinstance(mid, bytes) and mid and isinstance(at, int) and not isinstance(at, bool):
         return mid, at
     return None
