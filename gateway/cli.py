@@ -421,7 +421,7 @@ COMMANDS = {
     "render": Command("print the topology as code (a definitions document, a Terraform module) for your "
                       "infrastructure's own tools", ("chain", "log"), cmd_render, render_arguments),
     "status": Command("show how many messages wait where, and when they fall due (plain AMQP, any number "
-                      "of messages)", BROKER + ("chain", "lead"), cmd_status, status_arguments),
+                      "of messages)", BROKER + ("chain", "lead", "cancel"), cmd_status, status_arguments),
     "migrate": Command("retire chains of other settings that no gateway uses, once they are empty "
                        "(`run` does this by itself unless --no-retire)", BROKER + ("chain", "retire"),
                        cmd_migrate, migrate_arguments),

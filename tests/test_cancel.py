@@ -20,7 +20,7 @@ import pytest
 from gateway.broker import cancelling
 from topology import ChainSettings
 
-from .support import ROOT, GatewayProcess, Receiver, connect, drain, now_ms
+from .support import ROOT, GatewayProcess, Receiver, broker_url, connect, drain, now_ms
 
 SMALL = dict(max_level=3, resolution_ms=100)
 
@@ -92,7 +92,6 @@ def dropped(gateway: GatewayProcess) -> Dict[str, float]:
 
 
 def cli(chain: ChainSettings, *args: str, stdin: Optional[str] = None) -> subprocess.CompletedProcess:
-    from .support import broker_url
     return subprocess.run([sys.executable, "-m", "gateway", "cancel", "--prefix", chain.prefix,
                            "--max-level", str(chain.max_level), "--resolution-ms", str(chain.resolution_ms),
                            "--url", broker_url(), *args], cwd=ROOT, capture_output=True, text=True, input=stdin,
@@ -153,20 +152,26 @@ def test_a_backlog_in_check_in_a_bad_cancel_and_a_cancel_too_late(chain, run_gat
     assert bad.stdout.startswith("ok-id: cancelled at "), bad.stdout
 
 
-def test_a_restart_and_a_replica_started_after_the_cancels_know_them(chain, run_gateway):
+def test_two_replicas_a_restart_and_a_replica_started_after_the_cancels_agree(chain, run_gateway):
     c = chain()
-    first = run_gateway(c, "--lead-ms", "300")
+    replicas = [run_gateway(c, "--lead-ms", "300") for _ in range(2)]
     receiver = Receiver(c)
     publish(c, [(f"r{n}", 3000, b"x") for n in range(20)])
     with open_ids_file([f"r{n}" for n in range(0, 20, 2)]) as path:
         out = cli(c, "--from-file", path)
     assert out.returncode == 0 and out.stdout.count(": cancelled at ") == 10, out
-    second = run_gateway(c, "--lead-ms", "300")  # started after the cancels
-    assert second.events("cancellations_read")[0]["held"] >= 10
-    first.terminate()  # what it held goes back to the distributor queue, for the second
+    later = run_gateway(c, "--lead-ms", "300")  # started after the cancels
+    assert later.events("cancellations_read")[0]["held"] >= 10
+    for replica in replicas:
+        replica.terminate()  # what they held goes back to the distributor queue, for the later one
+    replicas[0] = run_gateway(c, "--lead-ms", "300")  # and one restarted
     got = collect_until(receiver, 8, expect=10)
     assert sorted(got) == sorted(f"r{n}" for n in range(1, 20, 2)), got
     assert all(len(v) == 1 for v in got.values())
+    status = subprocess.run([sys.executable, "-m", "gateway", "status", "--prefix", c.prefix, "--max-level",
+                             str(c.max_level), "--resolution-ms", str(c.resolution_ms), "--url", broker_url()],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert "cancellations: 10 message id(s) cancelled within the retention window of " in status.stdout, status
 
 
 def test_reschedule_cancel_then_publish_the_same_id_arrives_once_at_the_new_time(chain, run_gateway):
