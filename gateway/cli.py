@@ -379,6 +379,16 @@ def schedule_arguments(p: argparse.ArgumentParser) -> None:
     add_arguments(p)
 
 
+def cmd_cancel_table(args) -> int:
+    from gateway.spark.cancel import run
+    return run(args)
+
+
+def cancel_table_arguments(p: argparse.ArgumentParser) -> None:
+    from gateway.spark.cancel import add_arguments
+    add_arguments(p)
+
+
 def cmd_record(args) -> int:
     from gateway.spark.record import run
     return run(args)
@@ -439,6 +449,9 @@ COMMANDS = {
                     BROKER + ("chain",), cmd_demo, demo_arguments),
     "schedule": Command("publish every row of a table (CSV, JSON lines, Parquet) as a delayed message, on Spark",
                         BROKER + ("chain",), cmd_schedule, schedule_arguments, BROKER_AND_PREFIX),
+    "cancel-table": Command("cancel the message of every id in a table (CSV, JSON lines, Parquet), on Spark: "
+                            "the counterpart of schedule", BROKER + ("chain",), cmd_cancel_table,
+                            cancel_table_arguments),
     "record": Command("record deliveries at pick-up as JSON lines (for `report`)", BROKER + ("chain",),
                       cmd_record, record_arguments, BROKER_AND_PREFIX),
     "report": Command("delivery analytics from `record`'s output, on Spark: lateness, duplicates, throughput",
