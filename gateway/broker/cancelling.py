@@ -34,7 +34,7 @@ from topology.names import Names
 from topology.settings import ChainSettings
 
 from gateway.broker import codec
-from gateway.broker.amqp import parameters
+from gateway.broker.amqp import Trouble, classify, parameters
 from gateway.clock import wall_ms
 from gateway.core import cancels
 from gateway.core.actions import Action, Delivery, Forward
@@ -52,6 +52,8 @@ MARGIN_MS = DAY_MS
 SEGMENT_BYTES = 8_000_000
 PREFETCH = 2000
 PRUNE_EVERY_S = 1.0
+MISSING_RETRY_S = 0.3
+MISSING_S = 3.0
 
 
 def retention_ms(chain: ChainSettings, setting_s: float = 0.0) -> int:
@@ -132,16 +134,22 @@ class Follower:
         self.names = settings.chain.names
         self.ready = threading.Event()  # read up to the stream's end at least once
         self.log = structlog.get_logger("gateway").bind(part="cancellations")
+        self.problem: Optional[Trouble] = None  # why the last attempt to read the stream failed
         self._next: Optional[int] = None  # the stream offset to resume from
         self._mark: Optional[bytes] = None
         self._pruned = 0.0
 
-    def wait_ready(self) -> bool:
-        """Block until the stream was read to its end (or stop); True if ready."""
+    def wait_ready(self) -> Optional[Trouble]:
+        """Block until the stream was read to its end, or stop: None. Or why it cannot be, once
+        that lasted MISSING_S (the stream is missing: the worker reports it like any other
+        missing object, and gives up after a few attempts)."""
+        since = time.monotonic()
         while not self.stop.is_set():
             if self.ready.wait(0.2):
-                return True
-        return False
+                return None
+            if self.problem is not None and time.monotonic() - since > MISSING_S:
+                return self.problem
+        return None
 
     def run(self) -> None:
         urls = itertools.cycle(self.settings.urls)
@@ -153,9 +161,27 @@ class Follower:
                 connection = codec.blocking(parameters(url, "delay-gateway cancellations", self.settings.tls))
                 failures = 0
                 self._session(connection)
+            except ChannelClosedByBroker as exc:
+                if exc.reply_code != 404:
+                    failures += 1
+                    self.problem = classify(exc, url)
+                    self.log.warning("cancellations_channel_closed", broker=redact(url), error=repr(exc))
+                    self.stop.wait(min(10.0, 0.2 * 2 ** min(failures, 6)))
+                    continue
+                # At start the worker may not have declared it yet: look again soon, quietly.
+                if self.problem is None:
+                    self.log.info("cancellations_missing", queue=self.names.cancellations)
+                self.problem = Trouble(False, f"queue {self.names.cancellations!r} (the cancellations stream) not "
+                                              "found: run `delay-gateway declare` with this version, or start "
+                                              "without --no-declare")
+                failures = 0
+                self.stop.wait(MISSING_RETRY_S)
+                continue
             except AMQPError as exc:
                 failures += 1
-                self.log.warning("cancellations_connection_lost", broker=redact(url), error=repr(exc))
+                self.problem = classify(exc, url)
+                if self.ready.is_set():  # (before, the worker reports it)
+                    self.log.warning("cancellations_connection_lost", broker=redact(url), error=repr(exc))
             except Exception:  # following must never take the consumers down with it
                 failures += 1
                 self.log.exception("cancellations_failed")
@@ -173,6 +199,7 @@ class Follower:
     def _session(self, connection) -> None:
         channel = connection.channel()
         channel.queue_declare(self.names.cancellations, passive=True)
+        self.problem = None
         channel.basic_qos(prefetch_count=PREFETCH)
         channel.basic_consume(self.names.cancellations, self._on_record,
                               arguments={"x-stream-offset": self._start()})

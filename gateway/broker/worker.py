@@ -268,8 +268,11 @@ def run(settings: Settings, stop: threading.Event, metrics: Metrics, health: Hea
             # Every cancel of the window is known before the first message is read.
             if cancels is not None and not cancels.ready.is_set():
                 health.ready(False, "reading the cancellations")
-                if not cancels.wait_ready():
+                missing = cancels.wait_ready()
+                if stop.is_set():
                     break
+                if missing is not None:
+                    raise BrokerError(missing)
             session = Session(url, settings, metrics, health, stop, other_exits(url, settings),
                               Judge(cancels.store, metrics) if cancels is not None else None)
             session.run()
