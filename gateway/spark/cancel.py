@@ -133,7 +133,7 @@ def cancel_table(spark, args: argparse.Namespace, fmt: str, target: Target) -> D
         by_reason = {r: int(got[r] or 0) for r in REASONS}
         good = read_n - rejected
         partitions = max(1, -(-good // args.rows_per_partition))
-        published, failures = 0, []
+        published, failures = 0, []  # type: Tuple[int, List[Tuple[int, str]]]
         if good:
             ids = checked.filter(F.col("__reason").isNull()).select("__id").repartition(partitions, "__id").rdd
             published, failures = publish(spark, ids, partitions, target)
