@@ -176,8 +176,6 @@ BY_NAME: Dict[str, Option] = {o.name: o for o in OPTIONS}
 GROUP_TITLES = {"broker": "broker", "chain": "topology (the same for every gateway and for declare)",
                 "run": "consumers", "lead": "timing", "retire": "retiring old chains", "log": "logging",
                 "cancel": "cancelling"}
-# Options documented in a document of their own rather than the README's table.
-ELSEWHERE = {"cancel": "docs/cancelling.md"}
 
 
 class UsageError(ValueError):
@@ -230,13 +228,10 @@ def _shown(value: Any) -> str:
     return "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def settings_table(groups: Optional[Iterable[str]] = None) -> str:
-    """The settings table of docs/operating.md, or these groups' (a test keeps the guides equal to it)."""
+def settings_table() -> str:
+    """The settings table of docs/operating.md (a test keeps the guide equal to it)."""
     rows = ["| flag | environment | default | meaning |", "| --- | --- | --- | --- |"]
-    wanted = set(groups) if groups is not None else {o.group for o in OPTIONS} - set(ELSEWHERE)
     for o in OPTIONS:
-        if o.group not in wanted:
-            continue
         meaning = o.help or "debug, info, warning or error"
         rows.append(f"| `{o.flag}` | `{o.env}` | `{_shown(o.default)}` | {meaning} |")
     return "\n".join(rows) + "\n"

@@ -95,9 +95,3 @@ def test_explain_reads_the_lead_from_the_environment(capsys):
     assert main(["explain", "1000"], environ={"DELAY_GATEWAY_LEAD_MS": "200"}) == 0
     assert "lead 200 ms" in capsys.readouterr().out
 
-
-def test_the_settings_documented_elsewhere_are_in_their_documents():
-    from gateway.settings import ELSEWHERE
-    for group, path in ELSEWHERE.items():
-        with open(os.path.join(ROOT, path), encoding="utf-8") as f:
-            assert settings_table([group]) in f.read(), f"{path}: paste settings_table([{group!r}])"
