@@ -26,7 +26,6 @@ import time
 import uuid
 from typing import Callable, List, Optional, Tuple
 
-import pika
 import structlog
 from pika.exceptions import AMQPError, ChannelClosedByBroker
 

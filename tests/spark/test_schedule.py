@@ -16,7 +16,7 @@ import pytest
 from gateway.cli import main
 from gateway.spark import rows as R
 
-from ..support import ROOT, Receiver, connect, drain, now_ms, unique_prefix
+from ..support import ROOT, Receiver, chain_args, connect, drain, now_ms, unique_prefix
 from . import data
 
 pytestmark = pytest.mark.spark
