@@ -17,9 +17,9 @@ from topology.registry import ChainKey, fold
 from topology.render import DESCRIPTIONS, FORMATS, render
 from topology.retirement import DeleteExchange, DeleteQueue, MarkRetired, SealQueues, Unused
 
-from gateway.broker import upkeep
+from gateway.broker import cancelling, upkeep
 from gateway import logs
-from gateway.commands import explain, parked, selftest, status
+from gateway.commands import cancel, explain, parked, selftest, status
 from gateway.broker.amqp import EXIT_NO_BROKER, EXIT_REFUSED, BrokerError, Trouble, blocking_channel
 from gateway.clock import wall_ms
 from gateway.core import limits
@@ -97,6 +97,7 @@ def cmd_declare(args) -> int:
     topology = build(chain)
     with blocking_channel(urls_from(args), tls=tls_from(args)) as channel:
         declare(channel, topology)
+        cancelling.declare(channel, chain.names, cancelling.retention_ms(chain, args.cancel_retention))
         records = read_registry(channel.connection, chain.names)
         upkeep.record_chain(channel.connection, chain.prefix, ChainKey.of(chain),
                             None if records is None else fold(records))
@@ -122,6 +123,7 @@ def cmd_delete(args) -> int:
         for key in sorted(others):
             delete(channel, build(key.settings(chain.prefix)))
         delete(channel, build(chain))
+        cancelling.delete(channel, chain.names)
     print(f"deleted the topology with prefix {args.prefix!r} ({len(others) + 1} chain(s))")
     return 0
 
@@ -333,6 +335,11 @@ def _step_fields(step) -> dict:
     return {"name": step.name}
 
 
+def cmd_cancel(args) -> int:
+    return cancel.command(args, lambda: blocking_channel(urls_from(args), "delay-gateway cancel",
+                                                         tls_from(args)))
+
+
 def cmd_parked(args) -> int:
     return parked.command(args, lambda: blocking_channel(urls_from(args), "delay-gateway parked",
                                                          tls_from(args)), chain_from(args))
@@ -372,6 +379,16 @@ def schedule_arguments(p: argparse.ArgumentParser) -> None:
     add_arguments(p)
 
 
+def cmd_cancel_table(args) -> int:
+    from gateway.spark.cancel import run
+    return run(args)
+
+
+def cancel_table_arguments(p: argparse.ArgumentParser) -> None:
+    from gateway.spark.cancel import add_arguments
+    add_arguments(p)
+
+
 def cmd_record(args) -> int:
     from gateway.spark.record import run
     return run(args)
@@ -407,14 +424,14 @@ BROKER = ("broker", "log")
 BROKER_AND_PREFIX = tuple(o.name for o in OPTIONS if o.group in BROKER) + ("prefix",)
 COMMANDS = {
     "run": Command("run the consumers (check-in, distributor, or both) until SIGTERM",
-                   BROKER + ("chain", "run", "lead", "retire"), cmd_run),
-    "declare": Command("declare the topology (idempotent)", BROKER + ("chain",), cmd_declare),
+                   BROKER + ("chain", "run", "lead", "retire", "cancel"), cmd_run),
+    "declare": Command("declare the topology (idempotent)", BROKER + ("chain", "cancel"), cmd_declare),
     "delete": Command("delete the topology and every message it holds", BROKER + ("chain",), cmd_delete,
                       delete_arguments),
     "render": Command("print the topology as code (a definitions document, a Terraform module) for your "
                       "infrastructure's own tools", ("chain", "log"), cmd_render, render_arguments),
     "status": Command("show how many messages wait where, and when they fall due (plain AMQP, any number "
-                      "of messages)", BROKER + ("chain", "lead"), cmd_status, status_arguments),
+                      "of messages)", BROKER + ("chain", "lead", "cancel"), cmd_status, status_arguments),
     "migrate": Command("retire chains of other settings that no gateway uses, once they are empty "
                        "(`run` does this by itself unless --no-retire)", BROKER + ("chain", "retire"),
                        cmd_migrate, migrate_arguments),
@@ -422,6 +439,8 @@ COMMANDS = {
                        publish_arguments),
     "explain": Command("show the route a delay takes through the chain", ("chain", "lead", "log"), cmd_explain,
                        explain_arguments),
+    "cancel": Command("cancel scheduled messages by message id (docs/cancelling.md)", BROKER + ("chain", "cancel"),
+                      cmd_cancel, cancel.add_arguments),
     "parked": Command("list parked messages, or replay them once their cause is fixed", BROKER + ("chain",),
                       cmd_parked, parked.add_options),
     "selftest": Command("publish one delayed message through the running gateway and wait for it at pick-up",
@@ -430,6 +449,9 @@ COMMANDS = {
                     BROKER + ("chain",), cmd_demo, demo_arguments),
     "schedule": Command("publish every row of a table (CSV, JSON lines, Parquet) as a delayed message, on Spark",
                         BROKER + ("chain",), cmd_schedule, schedule_arguments, BROKER_AND_PREFIX),
+    "cancel-table": Command("cancel the message of every id in a table (CSV, JSON lines, Parquet), on Spark: "
+                            "the counterpart of schedule", BROKER + ("chain",), cmd_cancel_table,
+                            cancel_table_arguments),
     "record": Command("record deliveries at pick-up as JSON lines (for `report`)", BROKER + ("chain",),
                       cmd_record, record_arguments, BROKER_AND_PREFIX),
     "report": Command("delivery analytics from `record`'s output, on Spark: lateness, duplicates, throughput",

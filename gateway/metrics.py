@@ -31,6 +31,16 @@ class Metrics:
             registry=self.registry)
         self.connections = Counter(
             "delay_gateway_connections", "Connections opened to the broker", registry=self.registry)
+        self.cancels = Counter(
+            "delay_gateway_cancels", "Cancels the check-in consumer recorded in the cancellations stream",
+            registry=self.registry)
+        self.cancelled = Counter(
+            "delay_gateway_cancelled", "Cancelled messages dropped (acknowledged, not delivered), by where: "
+            "check-in, returning (from meditation), distributor, release (held by the distributor)",
+            ["where"], registry=self.registry)
+        self.cancellations_held = Gauge(
+            "delay_gateway_cancellations_held", "Cancels inside the retention window this process holds",
+            registry=self.registry)
         self.ready = Gauge(
             "delay_gateway_ready", "1 while connected and consuming every queue of the role",
             registry=self.registry)

@@ -162,6 +162,11 @@ OPTIONS: Tuple[Option, ...] = (
     Option("retire_after", 600.0, number(0),
            "safety margin: a chain is retired after no gateway has used it for this long, and each of its "
            "queues this long after it must be empty", "retire", "retireAfterSeconds", metavar="SECONDS"),
+    # cancel: cancelling scheduled messages (docs/cancelling.md)
+    Option("cancel_retention", 0.0, number(0),
+           "how long cancels are kept (the stream's x-max-age when it is first declared, and each gateway's "
+           "memory); 0: 2^max_level x resolution (the longest a message goes without passing a gateway) "
+           "plus one day", "cancel", metavar="SECONDS"),
     # log: every command
     Option("log_level", "info", one_of(LOG_LEVELS), "how much to log", "log", "logLevel", choices=LOG_LEVELS),
     Option("log_format", "auto", one_of(LOG_FORMATS), "auto: JSON unless stderr is a terminal", "log",
@@ -169,7 +174,8 @@ OPTIONS: Tuple[Option, ...] = (
 )
 BY_NAME: Dict[str, Option] = {o.name: o for o in OPTIONS}
 GROUP_TITLES = {"broker": "broker", "chain": "topology (the same for every gateway and for declare)",
-                "run": "consumers", "lead": "timing", "retire": "retiring old chains", "log": "logging"}
+                "run": "consumers", "lead": "timing", "retire": "retiring old chains", "log": "logging",
+                "cancel": "cancelling"}
 
 
 class UsageError(ValueError):
@@ -270,6 +276,7 @@ class Settings:
     confirm_timeout: float = default("confirm_timeout")
     retire: bool = default("retire")
     retire_after: float = default("retire_after")
+    cancel_retention: float = default("cancel_retention")
     log_level: str = default("log_level")
     log_format: str = default("log_format")
 

@@ -19,7 +19,8 @@ ENV = {"DELAY_GATEWAY_URL": "amqp://a/,amqp://b/", "DELAY_GATEWAY_PREFIX": "px",
        "DELAY_GATEWAY_LOG_LEVEL": "warning", "DELAY_GATEWAY_LOG_FORMAT": "json",
        "DELAY_GATEWAY_RETIRE": "false", "DELAY_GATEWAY_RETIRE_AFTER": "30",
        "DELAY_GATEWAY_CARRIER_MESSAGES": "50", "DELAY_GATEWAY_CARRIER_WAIT_MS": "7",
-       "DELAY_GATEWAY_CARRIER_BYTES": "65536", "DELAY_GATEWAY_CONFIRM_TIMEOUT": "9"}
+       "DELAY_GATEWAY_CARRIER_BYTES": "65536", "DELAY_GATEWAY_CONFIRM_TIMEOUT": "9",
+       "DELAY_GATEWAY_CANCEL_RETENTION": "3600"}
 
 
 def test_every_setting_reads_its_environment_variable_and_a_flag_beats_it():
@@ -34,6 +35,7 @@ def test_every_setting_reads_its_environment_variable_and_a_flag_beats_it():
     assert (s.stamp_due_at, s.declare, s.metrics_port, s.connect_timeout) == (True, False, 9999, 12.5)
     assert (s.log_level, s.log_format, s.retire, s.retire_after) == ("warning", "json", False, 30.0)
     assert (s.carrier_messages, s.carrier_wait_ms, s.carrier_bytes, s.confirm_timeout) == (50, 7, 65536, 9.0)
+    assert s.cancel_retention == 3600.0
     flags = settings_from(parser(ENV).parse_args(["run", "--max-level", "9", "--declare", "--lead-ms", "1"]))
     assert (flags.chain.max_level, flags.declare, flags.lead_ms) == (9, True, 1)
 
@@ -92,3 +94,4 @@ def test_the_operating_guide_settings_table_is_the_settings_table():
 def test_explain_reads_the_lead_from_the_environment(capsys):
     assert main(["explain", "1000"], environ={"DELAY_GATEWAY_LEAD_MS": "200"}) == 0
     assert "lead 200 ms" in capsys.readouterr().out
+

@@ -85,6 +85,17 @@ class Names:
         return self.returning if queue_type == "quorum" else f"{self.returning}.{queue_type}"
 
     @property
+    def cancel(self) -> str:
+        """Exchange (fanout, no arguments: the contract) where publishers send cancels; bound
+        to the check-in queue, so a cancel queues behind the messages published before it."""
+        return self._("cancel")
+
+    @property
+    def cancellations(self) -> str:
+        """Exchange and stream of recorded cancels, which every gateway follows."""
+        return self._("cancellations")
+
+    @property
     def registry(self) -> str:
         """The stream that records each chain declared under this prefix."""
         return self._("chains")

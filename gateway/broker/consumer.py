@@ -23,7 +23,7 @@ from topology.names import Names
 from gateway.broker import codec
 from gateway.clock import wall_ms
 from gateway.core import envelope
-from gateway.core.actions import Action, Delivery
+from gateway.core.actions import Action, Delivery, Forward
 from gateway.core.carrier import Batcher
 from gateway.core.answers import Actions, Handler
 from gateway.core.flow import Flow
@@ -67,13 +67,13 @@ class Pipe:
     def __init__(self, connection: Connection, queue: str, handler: Handler, prefetch: int, metrics: Metrics,
                  names: Names, clock: Callable[[], int] = wall_ms,
                  on_fatal: Optional[Callable[[Exception], None]] = None,
-                 batcher: Optional[Batcher] = None) -> None:
+                 batcher: Optional[Batcher] = None, keep: Optional[Callable[[Forward], bool]] = None) -> None:
         self._connection, self.queue, self._prefetch, self._clock = connection, queue, prefetch, clock
         self._on_fatal = on_fatal or (lambda exc: None)
         self._log = structlog.get_logger("gateway").bind(queue=queue)
         # A debug event costs structlog's processors even when the level filters it out later.
         self._debug = logging.getLogger("gateway").isEnabledFor(logging.DEBUG)
-        self.flow = Flow(queue, names, handler, Telemetry(queue, metrics, self._log), batcher)
+        self.flow = Flow(queue, names, handler, Telemetry(queue, metrics, self._log), batcher, keep)
         metrics.held.labels(queue).set_function(lambda: self.flow.held)
         self._consume: Optional[Channel] = None
         self._publish: Optional[Channel] = None

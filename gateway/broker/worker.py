@@ -27,6 +27,8 @@ from gateway.broker import codec, stamp
 from gateway.broker.amqp import BrokerError, Trouble, blocking_channel, classify, parameters
 from gateway.clock import wall_ms
 from gateway.core.carrier import Batcher
+from gateway.broker import cancelling
+from gateway.broker.cancelling import Judge
 from gateway.broker.consumer import Pipe
 from gateway.core.handlers import CheckIn, Distributor, Parking, Returning
 from gateway.health import Health
@@ -61,7 +63,8 @@ class Session:
     """One connection, from open to close, with the consumers of the chosen role."""
 
     def __init__(self, url: str, settings: Settings, metrics: Metrics, health: Health,
-                 stop: threading.Event, exits: Sequence[str] = ()) -> None:
+                 stop: threading.Event, exits: Sequence[str] = (), judge: Optional[Judge] = None) -> None:
+        self.judge = judge  # whether a message was cancelled (cancelling.py); None: not asked
         self.url, self.settings, self.metrics, self.health, self.stop_event = url, settings, metrics, health, stop
         self.exits = exits  # chain exits in other queue types, to consume as well
         self.log = structlog.get_logger("gateway").bind(broker=redact(url))
@@ -88,18 +91,22 @@ class Session:
 
         def pipe(queue: str, handler, prefetch: int, batched: bool = False) -> None:
             batcher = Batcher(s.carrier_messages, s.carrier_bytes, s.carrier_wait_ms) if batched else None
+            keep = handler.keep if isinstance(handler, Distributor) and self.judge is not None else None
             self.pipes.append(Pipe(connection, queue, handler, prefetch, self.metrics, names,
-                                   on_fatal=self._on_fatal, batcher=batcher))
+                                   on_fatal=self._on_fatal, batcher=batcher, keep=keep))
 
         returning = [names.returning] + [q for q in self.exits if q.startswith(names.returning + ".")]
         distributors = [names.distributor] + [q for q in self.exits if q.startswith(names.distributor + ".")]
         if s.role in ("all", "check-in"):
-            pipe(names.check_in, CheckIn(chain, s.lead_ms, wall_ms, s.carrier_wait_ms), s.prefetch, batched=True)
+            check_in = CheckIn(chain, s.lead_ms, wall_ms, s.carrier_wait_ms, self.judge)
+            pipe(names.check_in, cancelling.recording(check_in, self.metrics), s.prefetch, batched=True)
             for queue in returning:
-                pipe(queue, Returning(chain, s.lead_ms, wall_ms, s.carrier_wait_ms), s.prefetch, batched=True)
+                pipe(queue, Returning(chain, s.lead_ms, wall_ms, s.carrier_wait_ms, self.judge), s.prefetch,
+                     batched=True)
         if s.role in ("all", "distributor"):
             for queue in distributors:
-                pipe(queue, Distributor(chain, s.lead_ms, wall_ms, s.stamp_due_at), s.distributor_prefetch)
+                pipe(queue, Distributor(chain, s.lead_ms, wall_ms, s.stamp_due_at, self.judge),
+                     s.distributor_prefetch)
             pipe(names.parking, Parking(names), s.prefetch)
         for p in self.pipes:
             p.open()
@@ -228,10 +235,11 @@ def main(settings: Settings) -> int:
         max_level=c.max_level, resolution_ms=c.resolution_ms, queue_type=c.queue_type, zero_bits=c.zero_bits)
     from gateway.broker import upkeep
     upkeep.start(settings, stop)  # counted as a user of the chain; retires unused chains
-    return run(settings, stop, metrics, health)
+    return run(settings, stop, metrics, health, cancelling.start(settings, metrics, stop))
 
 
-def run(settings: Settings, stop: threading.Event, metrics: Metrics, health: Health) -> int:
+def run(settings: Settings, stop: threading.Event, metrics: Metrics, health: Health,
+        cancels: Optional[cancelling.Follower] = None) -> int:
     """0 once stopped; EXIT_NO_BROKER after connect_timeout without a broker; EXIT_REFUSED
     after FATAL_ATTEMPTS errors that cannot heal."""
     log = structlog.get_logger("gateway")
@@ -248,13 +256,25 @@ def run(settings: Settings, stop: threading.Event, metrics: Metrics, health: Hea
             if not checked:
                 with blocking_channel(url, "delay-gateway declare", settings.tls) as channel:
                     (declare if settings.declare else verify)(channel, build(settings.chain))
+                    if settings.declare:
+                        cancelling.declare(channel, settings.chain.names,
+                                           cancelling.retention_ms(settings.chain, settings.cancel_retention))
                 log.info("topology_declared" if settings.declare else "topology_found", prefix=settings.chain.prefix,
                          generation=settings.chain.generation, max_level=settings.chain.max_level)
                 checked = True
             if not stamp_checked:
                 stamp.check(url, settings, log)
                 stamp_checked = True
-            session = Session(url, settings, metrics, health, stop, other_exits(url, settings))
+            # Every cancel of the window is known before the first message is read.
+            if cancels is not None and not cancels.ready.is_set():
+                health.ready(False, "reading the cancellations")
+                missing = cancels.wait_ready()
+                if stop.is_set():
+                    break
+                if missing is not None:
+                    raise BrokerError(missing)
+            session = Session(url, settings, metrics, health, stop, other_exits(url, settings),
+                              Judge(cancels.store, metrics) if cancels is not None else None)
             session.run()
             trouble = classify(session.error, url) if session.error is not None else None
         except TopologyConflict as exc:

@@ -27,6 +27,7 @@ from topology.registry import ChainKey, Registry, chain_queues, fold, level_queu
 from topology.retirement import Observed
 from topology.settings import MAX_LEVELS, QUEUE_TYPES
 
+from gateway.broker import cancelling
 from gateway.settings import default
 
 HORIZONS: Tuple[Tuple[str, int], ...] = (
@@ -81,6 +82,7 @@ class Report:
     distributor_consumers: Optional[int]
     problems: List[str] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
+    cancellations: Optional[Dict[str, int]] = None  # held (ids), window_ms (docs/cancelling.md)
 
     @property
     def missing(self) -> bool:
@@ -284,6 +286,9 @@ def text(r: Report) -> str:
     lines += ["", f"{'due within':<12} {'at least':>9} {'at most':>9}"]
     for w in r.due_within:
         lines.append(f"{w.within:<12} {w.at_least:>9} {w.at_most:>9}")
+    if r.cancellations is not None:
+        lines += ["", f"cancellations: {r.cancellations['held']} message id(s) cancelled within the retention "
+                      f"window of {human_ms(r.cancellations['window_ms'])}"]
     for note in r.notes:
         lines.append(f"note: {note}")
     for problem in r.problems:
@@ -302,7 +307,8 @@ def as_json(r: Report, indent: Optional[int] = 2) -> str:
     doc = {"prefix": r.prefix, "at_ms": r.at_ms, "lead_ms": r.lead_ms, "total": r.total,
            "chains": [chain(c) for c in r.chains], "queues": [asdict(row) for row in r.rows],
            "due_within": [asdict(w) for w in r.due_within], "held_source": r.held_source,
-           "distributor_consumers": r.distributor_consumers, "problems": r.problems, "notes": r.notes}
+           "distributor_consumers": r.distributor_consumers, "problems": r.problems, "notes": r.notes,
+           "cancellations": r.cancellations}
     return json.dumps(doc, indent=indent) + "\n"
 
 
@@ -380,7 +386,11 @@ def one(connection, args, own: ChainKey, now_ms: int) -> Report:
         except (OSError, ValueError) as exc:
             source = f"--metrics-url failed: {exc}"
     lead_ms = getattr(args, "lead_ms", default("lead_ms"))
-    return report(args.prefix, own, lead_ms, registry, chains, observed, held, source, now_ms, carried)
+    r = report(args.prefix, own, lead_ms, registry, chains, observed, held, source, now_ms, carried)
+    window_ms = cancelling.retention_ms(own.settings(args.prefix), getattr(args, "cancel_retention", 0.0))
+    held_ids = {mid for mid, _ in cancelling.read(connection, Names(args.prefix), window_ms)}
+    r.cancellations = {"held": len(held_ids), "window_ms": window_ms}
+    return r
 
 
 def command(args, open_channel, own: ChainKey, clock) -> int:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Generic, List, Optional, Tuple, TypeVar
 
 from gateway.core import wire
-from gateway.core.envelope import DUE_AT, PERSISTENT
+from gateway.core.envelope import ACCEPTED, DUE_AT, PERSISTENT
 from gateway.core.wire import Properties, Table
 
 MAGIC = b"DGC1"
@@ -35,6 +35,7 @@ class Entry:
     user: Properties  # the publisher's properties, as they will arrive at pick-up
     body: bytes
     due_ms: int
+    accepted_us: Optional[int] = None  # when the gateway took it in (cancels.py); None: before that was kept
 
     @property
     def size(self) -> int:
@@ -53,8 +54,9 @@ class Damaged(ValueError):
     pass
 
 
-def unpack(body: bytes) -> List[Entry]:
-    """Raises Damaged if `body` is not a carrier's."""
+def unpack(body: bytes, accepted: Optional[List[Optional[int]]] = None) -> List[Entry]:
+    """Raises Damaged if `body` is not a carrier's. `accepted`: each entry's time, from the
+    carrier's properties (`accepted_times`)."""
     if not body.startswith(MAGIC):
         raise Damaged("not a carrier")
     out, offset = [], len(MAGIC)
@@ -75,16 +77,35 @@ def unpack(body: bytes) -> List[Entry]:
             out.append(Entry(key, Properties.parse(props), payload, due))
     except struct.error:
         raise Damaged("truncated carrier") from None
+    if accepted is not None and len(accepted) == len(out):
+        out = [Entry(e.routing_key, e.user, e.body, e.due_ms, t) for e, t in zip(out, accepted)]
     return out
 
 
 COUNT = "x-gateway-carrier"
+# Each entry's time (envelope.ACCEPTED), in entry order, as an array of longs (0: unknown).
+# In the properties rather than the body, so that the body's format is the one every
+# version reads, and a version that does not know the header carries the entries all the same.
+_NO_TIME = 0
 
 
 def properties(entries: List[Entry]) -> Properties:
-    """A carrier's own properties: persistent, its earliest due time, how many it carries."""
-    return Properties.build(delivery_mode=PERSISTENT, headers=Table([
-        wire.long(DUE_AT, min(e.due_ms for e in entries)), wire.long(COUNT, len(entries))]))
+    """A carrier's own properties: persistent, its earliest due time, how many it carries,
+    and when each was accepted."""
+    fields = [wire.long(DUE_AT, min(e.due_ms for e in entries)), wire.long(COUNT, len(entries))]
+    if any(e.accepted_us is not None for e in entries):
+        times = b"".join(b"l" + struct.pack(">q", _NO_TIME if e.accepted_us is None else e.accepted_us)
+                         for e in entries)
+        fields.append(wire.Entry(ACCEPTED.encode(), b"A", struct.pack(">I", len(times)) + times))
+    return Properties.build(delivery_mode=PERSISTENT, headers=Table(fields))
+
+
+def accepted_times(props: Properties) -> Optional[List[Optional[int]]]:
+    """Each entry's time from a carrier's properties; None if it has none (older carriers)."""
+    times = props.headers.get(ACCEPTED)
+    if not isinstance(times, list):
+        return None
+    return [t if isinstance(t, int) and not isinstance(t, bool) and t != _NO_TIME else None for t in times]
 
 
 # -- collecting a batch ---------------------------------------------------------------------

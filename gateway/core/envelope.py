@@ -11,6 +11,9 @@ pick-up. In between it travels in the gateway's format:
   (headers with their wire types, expiration, delivery mode, everything but `user_id`,
   which the broker checks against the publishing connection);
 - `x-gateway-error`: on parked messages only, why they were parked;
+- `x-gateway-accepted-us`: when the gateway took the message in (microseconds; see
+  cancels.py), to tell whether a cancel came after it; absent on messages that entered
+  before this header existed;
 - the body, unchanged.
 
 Nothing a publisher sends is ever read as one of these: its own headers are inside
@@ -40,6 +43,7 @@ DUE_AT = "x-gateway-due-at"
 ROUTING_KEY = "x-gateway-routing-key"
 PROPERTIES = "x-gateway-properties"
 ERROR = "x-gateway-error"
+ACCEPTED = "x-gateway-accepted-us"
 
 PERSISTENT = 2
 MS_PER_YEAR = 31_557_600_000
@@ -148,13 +152,16 @@ def publishers(props: Properties) -> Properties:
 
 
 # -- the gateway's format ---------------------------------------------------------------------
-def inside(user: Properties, routing_key: bytes, due_ms: Optional[int], error: Optional[str] = None) -> Properties:
+def inside(user: Properties, routing_key: bytes, due_ms: Optional[int], error: Optional[str] = None,
+           accepted_us: Optional[int] = None) -> Properties:
     """The gateway's properties for a publisher's message (see the module doc)."""
     entries = [wire.binary(ROUTING_KEY, routing_key), wire.binary(PROPERTIES, user.raw)]
     if due_ms is not None:
         entries.insert(0, wire.long(DUE_AT, due_ms))
     if error is not None:
         entries.append(wire.longstr(ERROR, error))
+    if accepted_us is not None:
+        entries.append(wire.long(ACCEPTED, accepted_us))
     return Properties.build(delivery_mode=PERSISTENT, headers=Table(entries))
 
 
@@ -173,6 +180,9 @@ class Inside:
             and user.kind == b"x" else None
         error = headers.get(ERROR)
         self.error: Optional[str] = error if isinstance(error, str) else None
+        accepted = headers.get(ACCEPTED)
+        self.accepted_us: Optional[int] = accepted if isinstance(accepted, int) \
+            and not isinstance(accepted, bool) else None
 
     @property
     def complete(self) -> bool:
@@ -184,7 +194,8 @@ class Inside:
         when it re-enters a queue named in it, on its second meditation lap)."""
         if self.user is None or self.routing_key is None:
             raise ValueError("not in the gateway's format")
-        return inside(self.user, self.routing_key, self.due_ms if due_ms is None else due_ms, error)
+        return inside(self.user, self.routing_key, self.due_ms if due_ms is None else due_ms, error,
+                      self.accepted_us)
 
 
 def stamped(user: Properties, due_ms: int) -> Properties:

@@ -17,7 +17,7 @@ Time comes in with each event (epoch ms); `next_wake()` says when the core wants
 """
 
 from collections import Counter
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from topology.names import Names
 
@@ -32,8 +32,9 @@ class Flow:
     """The core of one consumer (see the module doc): events in, `Actions` out."""
 
     def __init__(self, queue: str, names: Names, handler: Handler, observer: Observer,
-                 batcher: Optional[Batcher] = None) -> None:
+                 batcher: Optional[Batcher] = None, keep: Optional[Callable[[Forward], bool]] = None) -> None:
         self._names, self._handler, self._observer = names, handler, observer
+        self._keep = keep  # asked again as a held message is released: False drops it (it was cancelled)
         self._park = handlers.parker(names, queue)
         self._batcher = batcher if batcher is not None else Batcher(1, 1, 0)  # (an empty one is falsy)
         self.ledger: Deliveries[Out] = Deliveries()
@@ -73,6 +74,7 @@ class Flow:
             actions = list(self._park(d, f"the gateway failed on it: {exc!r}"))
         if not actions:
             self.ledger.finish(tag)
+            self._ack_soon(now, out)
         else:
             self._left[tag] = len(actions)
         for action in actions:
@@ -116,10 +118,7 @@ class Flow:
     def confirmed(self, seq: int, multiple: bool, ack: bool, now: int) -> Actions:
         out = Actions()
         self._answers.apply(self.ledger.confirmed(seq, multiple, ack), now, out)
-        if self.ledger.done_count >= ACK_BATCH:
-            self._flush(out)
-        elif self._flush_at is None and self.ledger.done_count:
-            self._flush_at = now + ACK_FLUSH_MS
+        self._ack_soon(now, out)
         self._maybe_finished(out)
         return out
 
@@ -168,8 +167,29 @@ class Flow:
         if self._holds.next_due() is None:
             return
         for tag, action in self._holds.due(now):
-            if self.ledger.release(tag):
+            if not self.ledger.release(tag):
+                continue
+            if self._keep is None or self._keep(action):
                 self._send([tag], action, [(tag, action.entry)], now, out)
+            else:
+                self._drop(tag, now, out)
+
+    def _drop(self, tag: int, now: int, out: Actions) -> None:
+        """One of the delivery's messages will not be published (it was cancelled)."""
+        left = self._left.get(tag, 0) - 1
+        if left > 0:
+            self._left[tag] = left
+            return
+        self._left.pop(tag, None)
+        self.ledger.finish(tag)
+        self._ack_soon(now, out)
+
+    def _ack_soon(self, now: int, out: Actions) -> None:
+        """Deliveries are done: acknowledge them now (a full batch) or within ACK_FLUSH_MS."""
+        if self.ledger.done_count >= ACK_BATCH:
+            self._flush(out)
+        elif self._flush_at is None and self.ledger.done_count:
+            self._flush_at = now + ACK_FLUSH_MS
 
     def _flush_batch(self, batch: Batch, now: int, out: Actions) -> None:
         exchange, key, outcome = batch.key

@@ -16,12 +16,12 @@ publisher's data; the other queues can only be reached through the gateway's own
 and the broker's dead-lettering (with the least-privilege permissions of docs/security.md).
 """
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 
 from topology import ChainSettings, Enter, Meditate, plan
 from topology.names import Names
 
-from gateway.core import carrier, envelope
+from gateway.core import cancels, carrier, envelope
 from gateway.core.actions import Action, Delivery, Enqueue, Forward
 from gateway.core.carrier import Damaged, Entry
 from gateway.core.envelope import Inside, Unreadable
@@ -32,6 +32,13 @@ Json = Dict[str, Any]  # a JSON object
 Clock = Callable[[], int]
 
 
+class Cancelled(Protocol):
+    """Whether a publisher's message was cancelled (and, if so, counts and logs its drop):
+    broker/cancelling.py's Judge, over the cancels this gateway follows."""
+
+    def __call__(self, entry: Entry, where: str) -> bool: ...
+
+
 def park(names: Names, user: Properties, routing_key: bytes, body: bytes, reason: str,
          due_ms: Optional[int] = None) -> Forward:
     """Park a message: to the parked queue, keyed by the publisher's routing key."""
@@ -40,18 +47,20 @@ def park(names: Names, user: Properties, routing_key: bytes, body: bytes, reason
 
 
 def park_entry(names: Names, entry: Entry, reason: str) -> Forward:
-    return park(names, entry.user, entry.routing_key, entry.body, reason, entry.due_ms)
+    return Forward(names.parked, entry.routing_key,
+                   envelope.inside(entry.user, entry.routing_key, entry.due_ms, reason, entry.accepted_us), entry.body,
+                   "parked", reason=reason)
 
 
 def entries(d: Delivery) -> List[Entry]:
     """The publishers' messages in a delivery in the gateway's format: a carrier's, or the
     one. Raises Damaged for anything else."""
     if d.props.headers.get(carrier.COUNT) is not None:
-        return carrier.unpack(d.body)
+        return carrier.unpack(d.body, carrier.accepted_times(d.props))
     inside = Inside(d.props)
     if inside.routing_key is None or inside.user is None or inside.due_ms is None:
         raise Damaged("not in the gateway's format (no due time)")
-    return [Entry(inside.routing_key, inside.user, d.body, inside.due_ms)]
+    return [Entry(inside.routing_key, inside.user, d.body, inside.due_ms, inside.accepted_us)]
 
 
 def park_delivery(names: Names, d: Delivery, reason: str) -> List[Forward]:
@@ -83,8 +92,8 @@ def unroutable(names: Names, e: Entry) -> Forward:
 
 def hand_back(names: Names, e: Entry) -> Forward:
     """A held message back into the distributor queue, for another gateway to hold."""
-    return Forward(names.distributor, b"", envelope.inside(e.user, e.routing_key, e.due_ms), e.body, "handed back",
-                   entry=e)
+    return Forward(names.distributor, b"", envelope.inside(e.user, e.routing_key, e.due_ms, None, e.accepted_us),
+                   e.body, "handed back", entry=e)
 
 
 def route(chain: ChainSettings, remaining_ms: int, lead_ms: int) -> Tuple[str, bytes, str]:
@@ -101,25 +110,44 @@ def carry(exchange: str, routing_key: bytes, outcome: str, batch: List[Entry]) -
     """One publish for the messages of a batch: alone in the plain format, or a carrier."""
     if len(batch) == 1:
         e = batch[0]
-        return Forward(exchange, routing_key, envelope.inside(e.user, e.routing_key, e.due_ms), e.body,
-                       outcome, entry=e)
+        return Forward(exchange, routing_key, envelope.inside(e.user, e.routing_key, e.due_ms, None, e.accepted_us),
+                       e.body, outcome, entry=e)
     return Forward(exchange, routing_key, carrier.properties(batch), carrier.pack(batch), outcome)
 
 
 class CheckIn:
-    def __init__(self, chain: ChainSettings, lead_ms: int, clock: Clock, wait_ms: int = 0) -> None:
+    def __init__(self, chain: ChainSettings, lead_ms: int, clock: Clock, wait_ms: int = 0,
+                 cancelled: Optional[Cancelled] = None) -> None:
         # A message may wait up to wait_ms for others going the same way: the chain leaves
         # that much more to the distributor, so waiting never makes it late.
         self.chain, self.lead_ms, self.clock = chain, lead_ms + wait_ms, clock
+        self.cancelled = cancelled
+        self.sequence = cancels.Sequencer()
 
     def __call__(self, d: Delivery) -> List[Action]:
         now = self.clock()
         user = envelope.publishers(d.props)
+        if d.exchange == self.chain.names.cancel:
+            return self.record(d, user, now)
         try:
             due = envelope.due_at(user.headers, now)
         except Unreadable as exc:
             return [park(self.chain.names, user, d.routing_key, d.body, str(exc))]
-        return [Enqueue(*route(self.chain, due - now, self.lead_ms), Entry(d.routing_key, user, d.body, due))]
+        entry = Entry(d.routing_key, user, d.body, due, cancels.stamp_us(user.headers, now, self.sequence))
+        if self.cancelled is not None and self.cancelled(entry, "check-in"):
+            return []
+        return [Enqueue(*route(self.chain, due - now, self.lead_ms), entry)]
+
+    def record(self, d: Delivery, user: Properties, now: int) -> List[Action]:
+        """A cancel (it came through `<prefix>.cancel`): append it to the cancellations
+        stream; it is acknowledged once the broker confirmed the record."""
+        try:
+            message_id = cancels.checked_id(user.get("message_id"))
+        except cancels.BadCancel as exc:
+            return [park(self.chain.names, user, d.routing_key, d.body, str(exc))]
+        at = cancels.stamp_us(user.headers, now, self.sequence)
+        return [Forward(self.chain.names.cancellations, b"", cancels.record(message_id, at), b"", cancels.RECORDED,
+                        mandatory=True)]
 
 
 class Returning(CheckIn):
@@ -130,12 +158,15 @@ class Returning(CheckIn):
             return [park(self.chain.names, d.props, d.routing_key, d.body,
                          f"came back from meditation not in the gateway's format ({exc})")]
         now = self.clock()
-        return [Enqueue(*route(self.chain, e.due_ms - now, self.lead_ms), e) for e in back]
+        return [Enqueue(*route(self.chain, e.due_ms - now, self.lead_ms), e) for e in back
+                if self.cancelled is None or not self.cancelled(e, "returning")]
 
 
 class Distributor:
-    def __init__(self, chain: ChainSettings, lead_ms: int, clock: Clock, stamp_due_at: bool = False) -> None:
+    def __init__(self, chain: ChainSettings, lead_ms: int, clock: Clock, stamp_due_at: bool = False,
+                 cancelled: Optional[Cancelled] = None) -> None:
         self.chain, self.lead_ms, self.clock, self.stamp = chain, lead_ms, clock, stamp_due_at
+        self.cancelled = cancelled
         # A message should reach us at most one unit (plus the lead) before it is due. One
         # much earlier (clocks far apart, or published here by hand) goes back into the
         # chain instead of sitting in our memory.
@@ -147,13 +178,19 @@ class Distributor:
         except Damaged as exc:
             return list(park_delivery(self.chain.names, d, f"reached the distributor {exc}"))
         now = self.clock()
-        return [self.release(e, now) for e in arrived]
+        return [self.release(e, now) for e in arrived
+                if self.cancelled is None or not self.cancelled(e, "distributor")]
+
+    def keep(self, forward: Forward) -> bool:
+        """Checked again as a held message is released (consumer.Pipe): a cancel may have
+        come while the distributor held it."""
+        return forward.entry is None or self.cancelled is None or not self.cancelled(forward.entry, "release")
 
     def release(self, e: Entry, now: int) -> Forward:
         if e.due_ms - now > self.max_hold_ms:
             exchange, key, _ = route(self.chain, e.due_ms - now, self.lead_ms)
-            return Forward(exchange, key, envelope.inside(e.user, e.routing_key, e.due_ms), e.body, "recheck",
-                           entry=e)
+            return Forward(exchange, key, envelope.inside(e.user, e.routing_key, e.due_ms, None, e.accepted_us),
+                           e.body, "recheck", entry=e)
         user = envelope.stamped(e.user, e.due_ms) if self.stamp else e.user
         return Forward(self.chain.names.pick_up, e.routing_key, user, e.body, "delivered",
                        not_before_ms=e.due_ms, mandatory=True, entry=e)

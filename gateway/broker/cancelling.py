@@ -1,0 +1,288 @@
+"""Cancels on the broker: their objects, following the cancellations stream, and the judge
+the consumers ask (the decision itself is gateway/core/cancels.py).
+
+Objects (declared with the topology; none depends on the chain's settings):
+- `<prefix>.cancel`: a durable fanout exchange without arguments, so any client's plain
+  declare of it succeeds. Publishers send a cancel there: the id to cancel as the
+  message's `message_id`, nothing else needed. It is bound to the check-in *queue*, so a
+  cancel queues behind every message published before it.
+- `<prefix>.cancellations`: a fanout exchange and the stream behind it. The check-in
+  consumer appends one record per cancel (with publisher confirms; the cancel is
+  acknowledged only then). The stream's `x-max-age` is the retention window the first
+  gateway declared it with; RabbitMQ removes whole segments older than that.
+
+Every gateway process follows the stream in a thread of its own with its own connection
+(like upkeep.py), from the start of the window, into a `Store`; it starts consuming its
+queues only once it has read up to the stream's end (a mark it appends itself), so a
+restarted gateway, or a replica started after a cancel, knows every cancel of the window
+before it reads a single message.
+"""
+
+import datetime
+import itertools
+import math
+import threading
+import time
+import uuid
+from typing import Callable, List, Optional, Tuple
+
+import structlog
+from pika.exceptions import AMQPError, ChannelClosedByBroker
+
+from topology.names import Names
+from topology.settings import ChainSettings
+
+from gateway.broker import codec
+from gateway.broker.amqp import Trouble, classify, parameters
+from gateway.clock import wall_ms
+from gateway.core import cancels
+from gateway.core.actions import Action, Delivery, Forward
+from gateway.core.carrier import Entry
+from gateway.core.cancels import Store
+from gateway.metrics import Metrics
+from gateway.settings import Settings, redact
+
+DAY_MS = 86_400_000
+# Added to the longest a message can go without passing a gateway consumer: a broker or
+# gateway outage, a backlog in the distributor queue, a clock a little off.
+MARGIN_MS = DAY_MS
+# Segments are the unit RabbitMQ's retention removes: small enough that little is kept
+# past the window (the default is 500 MB), large enough to be few.
+SEGMENT_BYTES = 8_000_000
+PREFETCH = 2000
+PRUNE_EVERY_S = 1.0
+MISSING_RETRY_S = 0.3
+MISSING_S = 3.0
+
+
+def retention_ms(chain: ChainSettings, setting_s: float = 0.0) -> int:
+    """The retention window: the setting, or by default the longest a message can go without
+    passing a gateway consumer, plus a margin. That is a lap of meditation, or one pass of
+    the chain, whichever is longer: both are at most 2^max_level units."""
+    if setting_s > 0:
+        return int(setting_s * 1000)
+    return 2 ** chain.max_level * chain.resolution_ms + MARGIN_MS
+
+
+def declare(channel, names: Names, window_ms: int) -> None:
+    """Declare the cancel objects (idempotent). The stream is declared with the window only
+    when it does not exist: its arguments cannot change, and the window may."""
+    channel.exchange_declare(names.cancel, "fanout", durable=True)
+    channel.queue_bind(names.check_in, names.cancel)
+    channel.exchange_declare(names.cancellations, "fanout", durable=True)
+    connection = channel.connection
+    probe = connection.channel()
+    try:
+        probe.queue_declare(names.cancellations, passive=True)
+        probe.close()
+    except ChannelClosedByBroker as exc:
+        if exc.reply_code != 404:
+            raise
+        channel.queue_declare(names.cancellations, durable=True, arguments={
+            "x-queue-type": "stream", "x-max-age": f"{math.ceil(window_ms / 1000)}s",
+            "x-stream-max-segment-size-bytes": SEGMENT_BYTES})
+    channel.queue_bind(names.cancellations, names.cancellations)
+
+
+def delete(channel, names: Names) -> None:
+    channel.exchange_delete(names.cancel)
+    channel.exchange_delete(names.cancellations)
+    channel.queue_delete(names.cancellations)
+
+
+class Judge:
+    """handlers.Cancelled over a Store: decides, and counts and logs each drop."""
+
+    def __init__(self, store: Store, metrics: Metrics) -> None:
+        self.store, self.metrics = store, metrics
+        self.log = structlog.get_logger("gateway")
+
+    def __call__(self, entry: Entry, where: str) -> bool:
+        if not len(self.store):  # the usual case: no cancel in the window, nothing to read
+            return False
+        message_id = entry.user.get("message_id")
+        at = self.store.get(message_id) if message_id else None
+        if not cancels.cancelled(at, entry.accepted_us):
+            return False
+        self.metrics.cancelled.labels(where).inc()
+        self.log.info("cancelled_message_dropped", message_id=entry.user.text("message_id"), where=where,
+                      due_ms=entry.due_ms, cancelled_us=at, accepted_us=entry.accepted_us)
+        return True
+
+
+def recording(check_in: Callable[[Delivery], List[Action]], metrics: Metrics) -> Callable[[Delivery], List[Action]]:
+    """The check-in handler, counting and logging each cancel it records."""
+    log = structlog.get_logger("gateway")
+
+    def handle(d: Delivery) -> List[Action]:
+        actions = check_in(d)
+        for action in actions:
+            if isinstance(action, Forward) and action.outcome == cancels.RECORDED:
+                metrics.cancels.inc()
+                found = cancels.read_record(action.props.headers)
+                if found is not None:
+                    log.info("cancel_recorded", message_id=found[0].decode("utf-8", "backslashreplace"),
+                             cancelled_us=found[1])
+        return actions
+    return handle
+
+
+class Follower:
+    """Reads the cancellations stream into the store, from the window's start, for ever."""
+
+    def __init__(self, settings: Settings, store: Store, metrics: Metrics, stop: threading.Event) -> None:
+        self.settings, self.store, self.metrics, self.stop = settings, store, metrics, stop
+        self.names = settings.chain.names
+        self.ready = threading.Event()  # read up to the stream's end at least once
+        self.log = structlog.get_logger("gateway").bind(part="cancellations")
+        self.problem: Optional[Trouble] = None  # why the last attempt to read the stream failed
+        self._next: Optional[int] = None  # the stream offset to resume from
+        self._mark: Optional[bytes] = None
+        self._pruned = 0.0
+
+    def wait_ready(self) -> Optional[Trouble]:
+        """Block until the stream was read to its end, or stop: None. Or why it cannot be, once
+        that lasted MISSING_S (the stream is missing: the worker reports it like any other
+        missing object, and gives up after a few attempts)."""
+        since = time.monotonic()
+        while not self.stop.is_set():
+            if self.ready.wait(0.2):
+                return None
+            if self.problem is not None and time.monotonic() - since > MISSING_S:
+                return self.problem
+        return None
+
+    def run(self) -> None:
+        urls = itertools.cycle(self.settings.urls)
+        failures = 0
+        while not self.stop.is_set():
+            url = next(urls)
+            connection = None
+            try:
+                connection = codec.blocking(parameters(url, "delay-gateway cancellations", self.settings.tls))
+                failures = 0
+                self._session(connection)
+            except ChannelClosedByBroker as exc:
+                if exc.reply_code != 404:
+                    failures += 1
+                    self.problem = classify(exc, url)
+                    self.log.warning("cancellations_channel_closed", broker=redact(url), error=repr(exc))
+                    self.stop.wait(min(10.0, 0.2 * 2 ** min(failures, 6)))
+                    continue
+                # At start the worker may not have declared it yet: look again soon, quietly.
+                if self.problem is None:
+                    self.log.info("cancellations_missing", queue=self.names.cancellations)
+                self.problem = Trouble(False, f"queue {self.names.cancellations!r} (the cancellations stream) not "
+                                              "found: run `delay-gateway declare` with this version, or start "
+                                              "without --no-declare")
+                failures = 0
+                self.stop.wait(MISSING_RETRY_S)
+                continue
+            except AMQPError as exc:
+                failures += 1
+                self.problem = classify(exc, url)
+                if self.ready.is_set():  # (before, the worker reports it)
+                    self.log.warning("cancellations_connection_lost", broker=redact(url), error=repr(exc))
+            except Exception:  # following must never take the consumers down with it
+                failures += 1
+                self.log.exception("cancellations_failed")
+            finally:
+                if connection is not None and connection.is_open:
+                    try:
+                        connection.close()
+                    except AMQPError:
+                        pass
+            self.stop.wait(min(10.0, 0.2 * 2 ** min(failures, 6)))
+
+    def _start(self) -> object:
+        return self._next if self._next is not None else window_start(self.store.window_us // 1000)
+
+    def _session(self, connection) -> None:
+        channel = connection.channel()
+        channel.queue_declare(self.names.cancellations, passive=True)
+        self.problem = None
+        channel.basic_qos(prefetch_count=PREFETCH)
+        channel.basic_consume(self.names.cancellations, self._on_record,
+                              arguments={"x-stream-offset": self._start()})
+        if not self.ready.is_set():
+            # The stream's end, as of now: a record of our own. Read back, everything before
+            # it has been read.
+            self._mark = uuid.uuid4().hex.encode()
+            publisher = connection.channel()
+            publisher.confirm_delivery()
+            publisher.basic_publish(self.names.cancellations, "", b"", codec.RawProperties(cancels.mark(self._mark)),
+                                    mandatory=True)
+            publisher.close()
+        while not self.stop.is_set():
+            connection.process_data_events(time_limit=0.2)
+            if time.monotonic() - self._pruned > PRUNE_EVERY_S:
+                self._pruned = time.monotonic()
+                self.store.prune(wall_ms())
+                self.metrics.cancellations_held.set(len(self.store))
+
+    def _on_record(self, channel, method, properties, body) -> None:
+        wire_props = getattr(properties, "wire", None)
+        headers = wire_props.headers if wire_props is not None else None
+        offset = (properties.headers or {}).get("x-stream-offset") if headers is None else headers.get(
+            "x-stream-offset")
+        if isinstance(offset, int):
+            self._next = offset + 1
+        if headers is not None:
+            found = cancels.read_record(headers)
+            if found is not None:
+                self.store.add(found[0], found[1], wall_ms())
+            elif self._mark is not None and cancels.read_mark(headers) == self._mark:
+                self._mark = None
+                self.ready.set()
+                self.metrics.cancellations_held.set(len(self.store))
+                self.log.info("cancellations_read", held=len(self.store), window_s=self.store.window_us // 1_000_000)
+        channel.basic_ack(method.delivery_tag)
+
+
+def window_start(window_ms: int) -> datetime.datetime:
+    """Where reading the stream starts: the window's start, by the broker's chunk times, with
+    a minute to spare for clocks (older records are pruned as they are read)."""
+    start_s = (wall_ms() - window_ms) / 1000 - 60
+    return datetime.datetime.fromtimestamp(max(0.0, start_s), datetime.timezone.utc)
+
+
+def read(connection, names: Names, window_ms: int, idle_s: float = 0.3) -> List[Tuple[bytes, int]]:
+    """The records of the window, oldest first, read until the stream is quiet for idle_s
+    (for commands; a gateway follows the stream with `Follower`). Missing stream: []."""
+    channel = connection.channel()
+    try:
+        channel.queue_declare(names.cancellations, passive=True)
+    except ChannelClosedByBroker as exc:
+        if exc.reply_code == 404:
+            return []
+        raise
+    found: List[Tuple[bytes, int]] = []
+    cutoff_us = (wall_ms() - window_ms) * 1000
+    seen = 0
+
+    def on_record(ch, method, properties, body) -> None:
+        nonlocal seen
+        seen += 1
+        record = cancels.read_record(properties.wire.headers)
+        if record is not None and record[1] >= cutoff_us:
+            found.append(record)
+        ch.basic_ack(method.delivery_tag)
+
+    channel.basic_qos(prefetch_count=PREFETCH)
+    tag = channel.basic_consume(names.cancellations, on_record, arguments={"x-stream-offset": window_start(window_ms)})
+    counted, quiet_since = 0, time.monotonic()
+    while time.monotonic() - quiet_since < idle_s:
+        connection.process_data_events(time_limit=0.02)
+        if seen != counted:
+            counted, quiet_since = seen, time.monotonic()
+    channel.basic_cancel(tag)
+    channel.close()
+    return found
+
+
+def start(settings: Settings, metrics: Metrics, stop: threading.Event) -> Follower:
+    """Follow the cancellations in a daemon thread until `stop` is set."""
+    store = Store(retention_ms(settings.chain, settings.cancel_retention))
+    follower = Follower(settings, store, metrics, stop)
+    threading.Thread(target=follower.run, name="cancellations", daemon=True).start()
+    return follower

@@ -1,0 +1,210 @@
+"""Cancelling and rescheduling by message id, end to end through the real gateway and broker
+(every broker version the suite runs): a cancel wins wherever the message is when it comes,
+and nothing else is touched.
+
+A small chain (3 levels x 100 ms: 700 ms at most; longer delays lap meditation) makes every
+place a message can be reachable within a few seconds.
+"""
+
+import contextlib
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, Iterable, Iterator, List, Optional
+
+import pika
+import pytest
+
+from gateway.broker import cancelling
+from topology import ChainSettings
+
+from .support import ROOT, GatewayProcess, Receiver, broker_url, connect, drain, now_ms
+
+SMALL = dict(max_level=3, resolution_ms=100)
+
+
+@pytest.fixture
+def chain(make_chain):
+    made: List[ChainSettings] = []
+
+    def make(**settings) -> ChainSettings:
+        c = make_chain(**{**SMALL, **settings})
+        with connect() as connection:
+            cancelling.declare(connection.channel(), c.names, cancelling.retention_ms(c))
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        try:
+            with connect() as connection:
+                cancelling.delete(connection.channel(), c.names)
+        except pika.exceptions.AMQPError:
+            pass
+
+
+def publish(chain: ChainSettings, messages: Iterable[tuple]) -> None:
+    """(message id, delay ms, body) each, confirmed."""
+    with connect() as c:
+        ch = c.channel()
+        ch.confirm_delivery()
+        for mid, delay, body in messages:
+            ch.basic_publish(chain.names.check_in, "k", body, pika.BasicProperties(
+                message_id=mid, headers={"x-delay": delay}, delivery_mode=2), mandatory=True)
+
+
+def cancel(chain: ChainSettings, ids: Iterable[str]) -> None:
+    """As any AMQP client does it: an empty message to <prefix>.cancel, the id as message_id."""
+    with connect() as c:
+        ch = c.channel()
+        ch.confirm_delivery()
+        for mid in ids:
+            ch.basic_publish(chain.names.cancel, "", b"", pika.BasicProperties(message_id=mid), mandatory=True)
+
+
+def collect_until(receiver: Receiver, seconds: float, expect: Optional[int] = None,
+                  after_s: float = 1.5) -> Dict[str, List[bytes]]:
+    """Everything that arrives within `seconds`, by message id; with `expect`, once that many
+    arrived, what else arrives within `after_s` more."""
+    if expect is not None:
+        receiver.collect(expect, timeout=seconds)
+        seconds = after_s
+    receiver.collect(10**9, timeout=seconds)
+    out: Dict[str, List[bytes]] = {}
+    for m in receiver.messages:
+        out.setdefault(m.properties.message_id, []).append(m.body)
+    return out
+
+
+@contextlib.contextmanager
+def open_ids_file(ids: List[str]) -> Iterator[str]:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "ids.txt")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write("\n".join(ids) + "\n")
+        yield path
+
+
+def dropped(gateway: GatewayProcess) -> Dict[str, float]:
+    return {labels["where"]: value for labels, value in gateway.samples("delay_gateway_cancelled_total")}
+
+
+def cli(chain: ChainSettings, *args: str, stdin: Optional[str] = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gateway", "cancel", "--prefix", chain.prefix,
+                           "--max-level", str(chain.max_level), "--resolution-ms", str(chain.resolution_ms),
+                           "--url", broker_url(), *args], cwd=ROOT, capture_output=True, text=True, input=stdin,
+                          timeout=60)
+
+
+def test_a_cancel_wins_in_meditation_the_chain_a_carrier_and_the_distributors_hold(chain, run_gateway):
+    c = chain()
+    gateway = run_gateway(c, "--lead-ms", "1500")
+    receiver = Receiver(c)
+    # With a lead of 1500 ms: 1700 ms goes to the distributor at once and is held; 2600 ms
+    # waits in the chain (in a carrier with its twin); 5000 ms laps meditation first.
+    delays = {"held": 1700, "chain": 2600, "meditating": 5000}
+    publish(c, [(f"{kind}-{n}", delay, kind.encode()) for kind, delay in delays.items() for n in range(3)])
+    time.sleep(0.5)
+    cancel(c, [f"{kind}-0" for kind in delays] + [f"{kind}-1" for kind in delays])
+    got = collect_until(receiver, 10, expect=3)
+    assert sorted(got) == sorted(f"{kind}-2" for kind in delays), got
+    assert all(len(v) == 1 for v in got.values())
+    where = dropped(gateway)
+    assert where.get("release", 0) + where.get("distributor", 0) >= 2  # held: dropped at release
+    assert where.get("returning", 0) >= 2  # back from meditation
+    assert sum(where.values()) == 6
+    assert gateway.metric("delay_gateway_cancels_total") == 6
+    assert not gateway.errors()
+
+
+def test_a_backlog_in_check_in_a_bad_cancel_and_a_cancel_too_late(chain, run_gateway):
+    c = chain()
+    receiver = Receiver(c)
+    publish(c, [("late", 0, b"now")])
+    gateway = run_gateway(c)
+    assert list(collect_until(receiver, 3, expect=1)) == ["late"]
+    gateway.terminate()
+    # No gateway: everything waits in check-in, cancels behind the messages they cancel.
+    publish(c, [(f"m{n}", 1000, b"x") for n in range(6)])
+    cancel(c, ["m0", "m1", "m2", "", "late"])
+    with connect() as conn:  # a cancel without any message_id
+        ch = conn.channel()
+        ch.confirm_delivery()
+        ch.basic_publish(c.names.cancel, "", b"", pika.BasicProperties(), mandatory=True)
+    publish(c, [("m0", 1000, b"again")])  # published after its cancel: not affected
+    gateway = run_gateway(c)
+    got = collect_until(receiver, 6, expect=5)
+    assert got == {"late": [b"now"], "m0": [b"again"], "m3": [b"x"], "m4": [b"x"], "m5": [b"x"]}, got
+    # Read behind their messages, so dropped further on (where: the chain's length decides).
+    assert sum(dropped(gateway).values()) == 3
+    with connect() as conn:
+        parked = drain(conn.channel(), c.names.parked)
+    reasons = sorted(p.headers["x-gateway-error"] for _, p, _ in parked)
+    assert len(reasons) == 2 and "needs the id" in reasons[0] and "empty" in reasons[1], reasons
+    # The command cannot know the message was delivered, and says so; the id was recorded.
+    out = cli(c, "late")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("late: already cancelled at ") and "cannot be known" in out.stdout
+    bad = cli(c, "ok-id", "x" * 256)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "256 bytes" in bad.stderr, bad.stderr
+    assert bad.stdout.startswith("ok-id: cancelled at "), bad.stdout
+
+
+def test_two_replicas_a_restart_and_a_replica_started_after_the_cancels_agree(chain, run_gateway):
+    c = chain()
+    replicas = [run_gateway(c, "--lead-ms", "300") for _ in range(2)]
+    receiver = Receiver(c)
+    publish(c, [(f"r{n}", 3000, b"x") for n in range(20)])
+    with open_ids_file([f"r{n}" for n in range(0, 20, 2)]) as path:
+        out = cli(c, "--from-file", path)
+    assert out.returncode == 0 and out.stdout.count(": cancelled at ") == 10, out
+    later = run_gateway(c, "--lead-ms", "300")  # started after the cancels
+    assert later.events("cancellations_read")[0]["held"] >= 10
+    for replica in replicas:
+        replica.terminate()  # what they held goes back to the distributor queue, for the later one
+    replicas[0] = run_gateway(c, "--lead-ms", "300")  # and one restarted
+    got = collect_until(receiver, 8, expect=10)
+    assert sorted(got) == sorted(f"r{n}" for n in range(1, 20, 2)), got
+    assert all(len(v) == 1 for v in got.values())
+    status = subprocess.run([sys.executable, "-m", "gateway", "status", "--prefix", c.prefix, "--max-level",
+                             str(c.max_level), "--resolution-ms", str(c.resolution_ms), "--url", broker_url()],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert "cancellations: 10 message id(s) cancelled within the retention window of " in status.stdout, status
+
+
+def test_reschedule_cancel_then_publish_the_same_id_arrives_once_at_the_new_time(chain, run_gateway):
+    c = chain()
+    run_gateway(c)
+    receiver = Receiver(c)
+    publish(c, [("job", 1500, b"old"), ("other", 1500, b"kept")])
+    cancel(c, ["job"])
+    sent = now_ms()
+    publish(c, [("job", 2500, b"new")])
+    got = collect_until(receiver, 8, expect=2)
+    assert got == {"other": [b"kept"], "job": [b"new"]}, got
+    arrived = next(m.at_ms for m in receiver.messages if m.body == b"new")
+    assert arrived >= sent + 2500
+
+
+def test_ten_thousand_scheduled_five_thousand_cancelled(chain, run_gateway):
+    c = chain(max_level=7)  # 12.7 s: no meditation laps, the gateway's work is the cancels
+    gateway = run_gateway(c, "--lead-ms", "300")
+    receiver = Receiver(c)
+    ids = [f"b{n}" for n in range(10_000)]
+    with connect() as conn:  # one channel keeps the order; confirmed at the end, all at once
+        ch = conn.channel()
+        for n, mid in enumerate(ids):
+            ch.basic_publish(c.names.check_in, "k", b"", pika.BasicProperties(
+                message_id=mid, headers={"x-delay": 10_000 + n % 1000}, delivery_mode=2))
+        for mid in ids[::2]:
+            ch.basic_publish(c.names.cancel, "", b"", pika.BasicProperties(message_id=mid))
+        ch.confirm_delivery()  # returns once everything before it was routed
+    # Due 10 to 11 s after check-in reads them: on a busy 2-core machine check-in needs
+    # several seconds for the 10,000 and then the 5,000 cancels behind them (a backlog delays
+    # cancels as it delays messages).
+    got = collect_until(receiver, 25, expect=5000, after_s=2)
+    assert not set(got) & set(ids[::2]), "a cancelled message was delivered"
+    assert set(got) == set(ids[1::2]), f"{5000 - len(got)} lost"
+    assert gateway.metric("delay_gateway_cancels_total") == 5000

@@ -1,0 +1,212 @@
+"""Cancelling by message id, the pure parts: the store, the decision, and what the
+check-in, returning and distributor handlers do with cancels (no broker)."""
+
+import tracemalloc
+import uuid
+from typing import Dict, List, Optional, Tuple
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from topology import ChainSettings
+
+from gateway.core import cancels, carrier, envelope, handlers
+from gateway.core.actions import Delivery, Enqueue, Forward
+from gateway.core.cancels import BadCancel, Sequencer, Store, cancelled, checked_id
+from gateway.core.carrier import Entry
+from gateway.core.envelope import Inside
+from gateway.core.wire import Properties, Table, long
+
+CHAIN = ChainSettings(prefix="t", max_level=4, resolution_ms=100)
+NAMES = CHAIN.names
+NOW = 1_800_000_000_000
+
+
+class Judge:
+    """The decision over a plain dict, recording what it dropped where."""
+
+    def __init__(self, held: Optional[Dict[bytes, int]] = None) -> None:
+        self.held = held or {}
+        self.dropped: List[Tuple[bytes, str]] = []
+
+    def __call__(self, entry: Entry, where: str) -> bool:
+        mid = entry.user.get("message_id")
+        if cancelled(self.held.get(mid) if mid else None, entry.accepted_us):
+            self.dropped.append((mid, where))
+            return True
+        return False
+
+
+def message(mid: Optional[str], delay_ms: int = 5000, exchange: str = "t.check-in", **headers) -> Delivery:
+    table = Table([long("x-delay", delay_ms)] + [long(k, v) for k, v in headers.items()])
+    return Delivery(exchange, b"key", Properties.build(message_id=mid, headers=table), b"body")
+
+
+def cancel(mid: Optional[str], **headers) -> Delivery:
+    props = Properties.build(message_id=mid, headers=Table([long(k, v) for k, v in headers.items()]) or None)
+    return Delivery(NAMES.cancel, b"", props, b"")
+
+
+# -- the decision ------------------------------------------------------------------------------
+def test_a_cancel_at_or_after_the_message_wins_and_one_before_it_does_not():
+    assert cancelled(10, 10) and cancelled(11, 10)
+    assert not cancelled(9, 10)
+    assert not cancelled(None, 10) and not cancelled(None, None)
+    assert cancelled(1, None)  # a message from before times were kept: any cancel held wins
+
+
+def test_the_sequencer_orders_reads_within_one_millisecond():
+    seq = Sequencer()
+    times = [seq(NOW) for _ in range(5)] + [seq(NOW - 3)]  # the clock stepped back too
+    assert times == sorted(times) and len(set(times)) == 6 and times[0] == NOW * 1000
+
+
+@pytest.mark.parametrize("raw, why", [(None, "needs the id"), (b"", "empty"), ("x" * 256, "256 bytes")])
+def test_bad_ids_are_refused_with_the_reason(raw, why):
+    with pytest.raises(BadCancel, match=why):
+        checked_id(raw)
+
+
+def test_ids_are_bytes_and_255_bytes_is_allowed():
+    assert checked_id("é" * 127) == ("é" * 127).encode()
+    assert checked_id(b"\xff" * 255) == b"\xff" * 255
+
+
+def test_a_record_reads_back_and_a_mark_is_no_record():
+    props = cancels.record(b"order-1", 123)
+    assert cancels.read_record(props.headers) == (b"order-1", 123)
+    assert cancels.read_record(cancels.mark(b"tok").headers) is None
+
+
+def test_the_brokers_arrival_stamp_is_the_time_and_a_future_one_is_capped():
+    seq = Sequencer()
+    assert cancels.stamp_us(Table([long("timestamp_in_ms", NOW - 5)]), NOW, seq) == (NOW - 5) * 1000
+    assert cancels.stamp_us(Table([long("timestamp_in_ms", NOW + 10_000)]), NOW, seq) == NOW * 1000
+    assert cancels.stamp_us(Table([long("timestamp_in_ms", 12)]), NOW, seq) == NOW * 1000  # not plausible
+
+
+# -- the store ---------------------------------------------------------------------------------
+def test_the_store_keeps_the_latest_cancel_of_an_id_and_forgets_past_the_window():
+    store = Store(window_ms=1000)
+    assert store.add(b"a", NOW * 1000, NOW)
+    assert store.add(b"a", (NOW - 500) * 1000, NOW)  # older record of the same id, out of order
+    assert store.get(b"a") == NOW * 1000
+    assert not store.add(b"old", (NOW - 2000) * 1000, NOW)  # already outside: nothing held
+    assert store.prune(NOW + 600) == 0 and store.get(b"a") == NOW * 1000
+    assert store.prune(NOW + 1001) == 1 and store.get(b"a") is None and len(store) == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([b"a", b"b", b"c", b"d"]), st.integers(0, 5000)), max_size=60),
+       st.integers(0, 6000))
+def test_the_store_answers_as_the_latest_record_inside_the_window(records, prune_at):
+    store = Store(window_ms=1000)
+    base = NOW
+    kept = []
+    for mid, t in records:
+        if store.add(mid, (base + t) * 1000, base + t):
+            kept.append((mid, (base + t) * 1000))
+    store.prune(base + prune_at)
+    cutoff = (base + prune_at - 1000) * 1000
+    for mid in (b"a", b"b", b"c", b"d"):
+        times = [t for m, t in kept if m == mid]
+        latest = max(times, default=None)
+        got = store.get(mid)
+        if latest is not None and latest >= cutoff:
+            assert got == latest  # never forgets a cancel inside the window
+        else:
+            assert got in (None, latest)  # outside the window: forgotten, or soon
+
+
+def test_memory_per_100000_cancellations_is_bounded_and_measured(record_property):
+    store = Store(window_ms=10_000)
+    ids = [str(uuid.uuid4()).encode() for _ in range(100_000)]
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for i, mid in enumerate(ids):
+        store.add(mid, NOW * 1000 + i, NOW)
+    used = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    record_property("figures", f"cancellations: {used / 1e6:.1f} MB per 100,000 held (36-byte ids, ids counted apart)")
+    assert len(store) == 100_000
+    assert used < 40_000_000
+    store.prune(NOW + 20_000)
+    assert len(store) == 0 and store.oldest_us is None
+
+
+# -- handlers ----------------------------------------------------------------------------------
+def test_check_in_records_a_cancel_with_its_time():
+    check_in = handlers.CheckIn(CHAIN, 0, lambda: NOW)
+    [record] = check_in(cancel("order-1"))
+    assert isinstance(record, Forward) and record.exchange == NAMES.cancellations and record.mandatory
+    assert record.outcome == cancels.RECORDED
+    mid, at = cancels.read_record(record.props.headers)
+    assert mid == b"order-1" and at // 1000 == NOW
+    [stamped] = check_in(cancel("order-1", timestamp_in_ms=NOW - 7))
+    assert cancels.read_record(stamped.props.headers) == (b"order-1", (NOW - 7) * 1000)
+
+
+@pytest.mark.parametrize("mid, why", [(None, "needs the id"), ("", "empty")])
+def test_a_cancel_without_an_id_is_parked_with_the_reason(mid, why):
+    [parked] = handlers.CheckIn(CHAIN, 0, lambda: NOW)(cancel(mid))
+    assert parked.outcome == "parked" and why in parked.reason
+
+
+def test_a_message_on_check_in_is_timed_and_a_cancel_read_later_wins_over_it():
+    judge = Judge()
+    check_in = handlers.CheckIn(CHAIN, 0, lambda: NOW, cancelled=judge)
+    [sent] = check_in(message("m1"))
+    [rec] = check_in(cancel("m1"))
+    mid, at = cancels.read_record(rec.props.headers)
+    assert isinstance(sent, Enqueue) and sent.entry.accepted_us < at
+    judge.held[mid] = at
+    assert check_in(message("m1")) != []  # published again after the cancel: a reschedule
+    assert cancelled(at, sent.entry.accepted_us)  # the first one is cancelled wherever it is
+
+
+def test_check_in_drops_a_message_whose_cancel_is_held_and_stamped_later():
+    judge = Judge({b"m1": (NOW + 5) * 1000})
+    check_in = handlers.CheckIn(CHAIN, 0, lambda: NOW + 10, cancelled=judge)
+    assert check_in(message("m1", timestamp_in_ms=NOW)) == []
+    assert judge.dropped == [(b"m1", "check-in")]
+    assert check_in(message("m2", timestamp_in_ms=NOW)) != []
+    assert check_in(message("m1", timestamp_in_ms=NOW + 6)) != []
+
+
+def test_the_time_travels_alone_and_in_carriers_and_old_formats_still_read():
+    e1 = Entry(b"k1", Properties.build(message_id=b"a"), b"x", NOW, 111)
+    e2 = Entry(b"k2", Properties.build(message_id=b"b"), b"y", NOW, None)
+    alone = handlers.carry("ex", b"", "chain", [e1])
+    assert handlers.entries(Delivery("ex", b"", alone.props, alone.body)) == [e1]
+    both = handlers.carry("ex", b"", "chain", [e1, e2])
+    assert handlers.entries(Delivery("ex", b"", both.props, both.body)) == [e1, e2]
+    # a carrier and a message from before the time was kept: delivered as they are, untimed
+    old = Properties.build(headers=Table([long(envelope.DUE_AT, NOW), long(carrier.COUNT, 2)]))
+    assert [e.accepted_us for e in handlers.entries(Delivery("ex", b"", old, both.body))] == [None, None]
+    plain = envelope.inside(e1.user, e1.routing_key, NOW)
+    assert handlers.entries(Delivery("ex", b"", plain, b"x"))[0].accepted_us is None
+    assert Inside(envelope.inside(e1.user, b"k", NOW, None, 5)).again() == envelope.inside(e1.user, b"k", NOW, None, 5)
+
+
+def test_returning_and_the_distributor_drop_cancelled_messages_of_a_carrier():
+    cut = Entry(b"k", Properties.build(message_id=b"cut"), b"x", NOW + 50, 100)
+    kept = Entry(b"k", Properties.build(message_id=b"kept"), b"y", NOW + 50, 100)
+    later = Entry(b"k", Properties.build(message_id=b"cut"), b"z", NOW + 50, 300)  # rescheduled
+    both = handlers.carry("ex", b"", "chain", [cut, kept, later])
+    judge = Judge({b"cut": 200})
+    d = Delivery("ex", b"", both.props, both.body)
+    back = handlers.Returning(CHAIN, 0, lambda: NOW, cancelled=judge)(d)
+    assert [a.entry for a in back] == [kept, later]
+    out = handlers.Distributor(CHAIN, 0, lambda: NOW, cancelled=judge)(d)
+    assert [a.entry for a in out] == [kept, later]
+    assert judge.dropped == [(b"cut", "returning"), (b"cut", "distributor")]
+
+
+def test_the_distributor_asks_again_at_release():
+    judge = Judge()
+    dist = handlers.Distributor(CHAIN, 0, lambda: NOW, cancelled=judge)
+    e = Entry(b"k", Properties.build(message_id=b"m"), b"x", NOW + 50, 100)
+    [held] = dist(Delivery("ex", b"", handlers.carry("ex", b"", "d", [e]).props, b"x"))
+    assert dist.keep(held)
+    judge.held[b"m"] = 150
+    assert not dist.keep(held)
