@@ -65,9 +65,8 @@ def run(args: argparse.Namespace) -> int:
         summary = cancel_table(spark, args, fmt, Target(urls, exchange, tls, args.confirm_window))
     except UsageError:
         raise
-    except Exception as exc:  # a Spark failure: one line, not a Java stack trace
-        if type(exc).__module__.startswith(("pyspark", "py4j")):
-            print(f"delay-gateway cancel-table: Spark failed: {session.one_line(exc)}", file=sys.stderr)
+    except Exception as exc:
+        if session.said_spark_failed("cancel-table", exc):
             return 1
         raise
     finally:

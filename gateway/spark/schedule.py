@@ -133,9 +133,8 @@ def run(args: argparse.Namespace) -> int:
         summary = job.run()
     except UsageError:
         raise
-    except Exception as exc:  # a Spark failure: one line, not a Java stack trace
-        if type(exc).__module__.startswith(("pyspark", "py4j")):
-            print(f"delay-gateway schedule: Spark failed: {session.one_line(exc)}", file=sys.stderr)
+    except Exception as exc:
+        if session.said_spark_failed("schedule", exc):
             return 1
         raise
     finally:

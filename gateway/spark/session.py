@@ -91,6 +91,15 @@ def conf_pairs(pairs: Iterable[str]) -> Tuple[Tuple[str, str], ...]:
     return tuple(out)
 
 
+def said_spark_failed(command: str, error: BaseException) -> bool:
+    """Spark's own failure (not ours) is one line on stderr, not a Java stack trace: True
+    when it was said, and the command exits 1."""
+    if not type(error).__module__.startswith(("pyspark", "py4j")):
+        return False
+    print(f"delay-gateway {command}: Spark failed: {one_line(error)}", file=sys.stderr)
+    return True
+
+
 def one_line(error: BaseException) -> str:
     """The useful line of a Spark error (a Py4J error carries a Java stack trace, and a
     failed Python task the worker's traceback: the last 'SomethingError: ...' line of it)."""
