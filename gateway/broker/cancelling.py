@@ -160,13 +160,17 @@ class Follower:
             connection = None
             try:
                 connection = codec.blocking(parameters(url, "delay-gateway cancellations", self.settings.tls))
-                failures = 0
                 self._session(connection)
             except ChannelClosedByBroker as exc:
+                # Back off over attempts that fail alike; a session that read the stream (it
+                # cleared `problem`) starts the count again.
+                failures = 0 if self.problem is None else failures
                 if exc.reply_code != 404:
                     failures += 1
-                    self.problem = classify(exc, url)
-                    self.log.warning("cancellations_channel_closed", broker=redact(url), error=repr(exc))
+                    trouble = classify(exc, url)
+                    if self.problem is None or trouble.message != self.problem.message:  # news only
+                        self.log.warning("cancellations_channel_closed", broker=redact(url), error=repr(exc))
+                    self.problem = trouble
                     self.stop.wait(min(10.0, 0.2 * 2 ** min(failures, 6)))
                     continue
                 # At start the worker may not have declared it yet: look again soon, quietly.
@@ -179,7 +183,7 @@ class Follower:
                 self.stop.wait(MISSING_RETRY_S)
                 continue
             except AMQPError as exc:
-                failures += 1
+                failures = (0 if self.problem is None else failures) + 1
                 self.problem = classify(exc, url)
                 if self.ready.is_set():  # (before, the worker reports it)
                     self.log.warning("cancellations_connection_lost", broker=redact(url), error=repr(exc))
@@ -200,10 +204,10 @@ class Follower:
     def _session(self, connection) -> None:
         channel = connection.channel()
         channel.queue_declare(self.names.cancellations, passive=True)
-        self.problem = None
         channel.basic_qos(prefetch_count=PREFETCH)
         channel.basic_consume(self.names.cancellations, self._on_record,
                               arguments={"x-stream-offset": self._start()})
+        self.problem = None  # consuming: a passive declare needs no permission, a consume does
         if not self.ready.is_set():
             # The stream's end, as of now: a record of our own. Read back, everything before
             # it has been read.

@@ -114,6 +114,7 @@ class Upkeep:
     def run(self) -> None:
         urls = itertools.cycle(self.settings.urls)
         failures = 0
+        said = ""  # the last error logged: the same one again every second is no news
         while not self.stop.is_set():
             url = next(urls)
             try:
@@ -127,7 +128,9 @@ class Upkeep:
             try:
                 self._session(connection)
             except AMQPError as exc:
-                self.log.warning("upkeep_connection_lost", broker=redact(url), error=repr(exc))
+                if repr(exc) != said or self.attached.is_set():  # a session that worked: news again
+                    self.log.warning("upkeep_connection_lost", broker=redact(url), error=repr(exc))
+                said = repr(exc)
             except Exception:  # housekeeping must never take the consumers down with it
                 self.log.exception("upkeep_failed")
             finally:
