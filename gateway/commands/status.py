@@ -19,7 +19,7 @@ import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
-from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from topology.broker.inventory import Look, Prober, look_at_generation, read_registry
 from topology.names import Names
@@ -109,8 +109,6 @@ def report(prefix: str, own: ChainKey, lead_ms: int, registry: Optional[Registry
     broker messages, and a note says so."""
     fixed = Names(prefix)
     chains = sorted(set(chains) | {own})
-    problems: List[str] = []
-    notes: List[str] = []
 
     def count(name: str) -> Tuple[bool, Optional[int]]:
         c = observed.queues.get(name)
@@ -130,6 +128,36 @@ def report(prefix: str, own: ChainKey, lead_ms: int, registry: Optional[Registry
     add(fixed.check_in, "check-in", "check-in", 0, None, "any time: not read yet")
     add(fixed.returning, "returning", "returning", 0, None, "any time: back from meditation, planned again next")
 
+    chain_rows, resolutions = _chains(prefix, own, lead_ms, registry, chains, observed, add)
+    hold = max(resolutions or [own.resolution_ms]) + lead_ms
+    add(fixed.distributor, "distributor ready", "distributor", 0, hold, sent_as="distributor")
+    for queue_type in QUEUE_TYPES:  # the exits of chains of another queue type, where they exist
+        if queue_type != "quorum" and observed.queues.get(fixed.exit_distributor(queue_type)) is not None:
+            add(fixed.exit_returning(queue_type), f"returning ({queue_type} chains)", "returning", 0, None,
+                "any time: back from meditation, planned again next", sent_as="meditation")
+            add(fixed.exit_distributor(queue_type), f"distributor ready ({queue_type} chains)", "distributor", 0,
+                hold, sent_as="chain")
+    d = observed.queues.get(fixed.distributor)
+    consumers = d.consumers if d is not None else None
+    if held is None and consumers == 0:
+        held, held_source = 0, "no consumer"  # nobody can hold a message
+    rows.append(Row(fixed.distributor, "distributor held", "held", held, d is not None, 0, hold,
+                    note="" if held is not None else f"not visible over AMQP: {held_source}"))
+    add(fixed.parking, "parking", "parking", None, None, "being parked")
+    add(fixed.parked, "parked", "parked", None, None, "until replayed (delay-gateway parked list)")
+
+    problems, notes = _findings(prefix, own, registry, rows, chain_rows, held, consumers, carried)
+    return Report(prefix, now_ms, lead_ms, rows, [c for c in chain_rows if c.declared or c.yours],
+                  due_within(rows), "metrics" if held is not None else held_source, consumers, problems, notes)
+
+
+Add = Callable[..., None]
+
+
+def _chains(prefix: str, own: ChainKey, lead_ms: int, registry: Optional[Registry], chains: List[ChainKey],
+            observed: Observed, add: Add) -> Tuple[List[Chain], List[int]]:
+    """The rows of every chain's meditation and level queues (through `add`), each chain's
+    line, and the resolutions of the chains present."""
     chain_rows: List[Chain] = []
     resolutions = []
     for gen in sorted({k.generation for k in chains}):
@@ -163,24 +191,16 @@ def report(prefix: str, own: ChainKey, lead_ms: int, registry: Optional[Registry
                 add(q, f"{gen} level {level:02d} pass", "pass", 0, (1 << level) * unit + lead_ms,
                     chain=gen, level=level, sent_as="chain")
 
-    hold = max(resolutions or [own.resolution_ms]) + lead_ms
-    add(fixed.distributor, "distributor ready", "distributor", 0, hold, sent_as="distributor")
-    for queue_type in QUEUE_TYPES:  # the exits of chains of another queue type, where they exist
-        if queue_type != "quorum" and observed.queues.get(fixed.exit_distributor(queue_type)) is not None:
-            add(fixed.exit_returning(queue_type), f"returning ({queue_type} chains)", "returning", 0, None,
-                "any time: back from meditation, planned again next", sent_as="meditation")
-            add(fixed.exit_distributor(queue_type), f"distributor ready ({queue_type} chains)", "distributor", 0,
-                hold, sent_as="chain")
-    d = observed.queues.get(fixed.distributor)
-    consumers = d.consumers if d is not None else None
-    if held is None and consumers == 0:
-        held, held_source = 0, "no consumer"  # nobody can hold a message
-    rows.append(Row(fixed.distributor, "distributor held", "held", held, d is not None, 0, hold,
-                    note="" if held is not None else f"not visible over AMQP: {held_source}"))
-    add(fixed.parking, "parking", "parking", None, None, "being parked")
-    add(fixed.parked, "parked", "parked", None, None, "until replayed (delay-gateway parked list)")
+    return chain_rows, resolutions
 
-    # -- what is wrong, or worth knowing -------------------------------------------------
+
+def _findings(prefix: str, own: ChainKey, registry: Optional[Registry], rows: List[Row], chain_rows: List[Chain],
+              held: Optional[int], consumers: Optional[int],
+              carried: Optional[Dict[str, float]]) -> Tuple[List[str], List[str]]:
+    """What is wrong (problems), and what is worth knowing (notes)."""
+    fixed = Names(prefix)
+    problems: List[str] = []
+    notes: List[str] = []
     if any(not r.exists for r in rows if r.role in ("check-in", "distributor")):
         problems.append(f"the topology is not declared under prefix {prefix!r} (no queue {fixed.check_in!r}): "
                         "run `delay-gateway declare` with your settings, or check --prefix and --url")
@@ -210,8 +230,8 @@ def report(prefix: str, own: ChainKey, lead_ms: int, registry: Optional[Registry
             notes.append("≈: messages estimated from the broker's count of carriers and the gateways' "
                          "messages per carrier so far (their /metrics)")
 
-    return Report(prefix, now_ms, lead_ms, rows, [c for c in chain_rows if c.declared or c.yours],
-                  due_within(rows), "metrics" if held is not None else held_source, consumers, problems, notes)
+    return problems, notes
+
 
 
 def due_within(rows: Sequence[Row]) -> List[Window]:
