@@ -170,7 +170,7 @@ class Pipe:
             callback()
 
     def waiting_for_confirm_ms(self, now_ms: int) -> int:
-        return self.flow.waiting_for_confirm_ms(now_ms)
+        return self.flow.ledger.waiting_for_confirm_ms(now_ms)
 
     # -- frames in -----------------------------------------------------------------------
     def _on_message(self, channel: Channel, method: spec.Basic.Deliver, properties: codec.WireProperties,

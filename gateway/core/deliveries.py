@@ -71,8 +71,10 @@ class Deliveries(Generic[P]):
         """Sent and not yet confirmed, in the order sent."""
         return self._window.inflight()
 
-    def oldest_unconfirmed(self) -> Optional[Publication[P]]:
-        return self._window.oldest()
+    def waiting_for_confirm_ms(self, now_ms: int) -> int:
+        """How long the oldest publish not yet confirmed has been waiting (0: none)."""
+        pub = self._window.oldest()
+        return now_ms - pub.sent_ms if pub is not None else 0
 
     def held_tags(self) -> List[int]:
         return [t for t, d in self._deliveries.items() if d.holds]

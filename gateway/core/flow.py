@@ -45,7 +45,6 @@ class Flow:
         self._draining = False
         self._answers = Answers(self.ledger, names, self._park, self._delivered, observer, self._give_up)
 
-    # -- queries --------------------------------------------------------------------------
     @property
     def held(self) -> int:
         """Messages held until their time (the held-messages gauge)."""
@@ -55,11 +54,6 @@ class Flow:
         """When the next `tick` is due (epoch ms), if any."""
         times = (self._holds.next_due(), self._batcher.next_deadline(), self._flush_at, self._answers.next_retry())
         return min((t for t in times if t is not None), default=None)
-
-    def waiting_for_confirm_ms(self, now_ms: int) -> int:
-        """How long the oldest publish not yet confirmed has been waiting (0: none)."""
-        pub = self.ledger.oldest_unconfirmed()
-        return now_ms - pub.sent_ms if pub is not None else 0
 
     # -- events ---------------------------------------------------------------------------
     def delivered(self, tag: int, d: Delivery, now: int) -> Actions:

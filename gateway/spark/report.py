@@ -68,12 +68,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def analyse(spark, records: str, out: str, top_keys: int = 20) -> Dict[str, Any]:
-    from pyspark.sql import Window
+def _read(spark, records: str):
+    """The records as read (cached), and how many lines there were and how many unreadable."""
     from pyspark.sql import functions as F
 
-    sc = spark.sparkContext
-    sc.setJobDescription("report: read records")
+    spark.sparkContext.setJobDescription("report: read records")
     try:
         raw = (spark.read.schema(SCHEMA).option("mode", "PERMISSIVE")
                .option("columnNameOfCorruptRecord", "_corrupt_record").json(records)).cache()
@@ -81,6 +80,15 @@ def analyse(spark, records: str, out: str, top_keys: int = 20) -> Dict[str, Any]
         lines = raw.agg(F.count(F.lit(1)).alias("lines"), F.count("_corrupt_record").alias("unreadable")).first()
     except Exception as exc:  # AnalysisException: no such path
         raise UsageError(f"cannot read {records}: {session_line(exc)}") from None
+    return raw, lines
+
+
+def analyse(spark, records: str, out: str, top_keys: int = 20) -> Dict[str, Any]:
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    sc = spark.sparkContext
+    raw, lines = _read(spark, records)
     # Blank lines read as all-null rows; lines with no arrival time are not deliveries.
     d = raw.filter(F.col("_corrupt_record").isNull() & F.col("arrived_at").isNotNull()).drop("_corrupt_record")
     bucket = F.when(F.col("delay_ms").isNull(), F.lit(UNKNOWN))

@@ -192,6 +192,114 @@ class Tally:
     failures: List[Tuple[int, str]] = field(default_factory=list)
 
 
+def column_mapping(a, df) -> Dict[str, Any]:
+    """Which column is what; a named column that is not there is a usage error."""
+    columns = [c for c in df.columns if c != CORRUPT]
+
+    def pick(flag: str, required: bool = False) -> Optional[str]:
+        given = getattr(a, flag)
+        name = given or DEFAULTS[flag]
+        if name in columns:
+            return name
+        if given or required:
+            option = "--" + flag.replace("_", "-")
+            raise UsageError(f"{a.input} has no column {name!r} (columns: {', '.join(columns)}): "
+                             f"name it with {option}" + (", or give --routing-key" if flag.startswith(
+                                 "routing") else ", or send whole rows with --payload-row" if flag.startswith(
+                                 "payload") else ""))
+        return None
+
+    m: Dict[str, Any] = {"columns": columns, "corrupt": CORRUPT in df.columns}
+    m["routing_key"] = None if a.routing_key is not None else pick("routing_key_column", True)
+    m["payload"] = None if a.payload_row else pick("payload_column", True)
+    m["message_id"] = pick("message_id_column")
+    m["headers"] = pick("headers_column")
+    if a.due_expr:
+        if a.delay_column or a.deliver_at_column:
+            raise UsageError("--due-expr replaces --delay-column and --deliver-at-column: give one")
+        m["delay"] = m["deliver_at"] = None
+    else:
+        m["delay"], m["deliver_at"] = pick("delay_column"), pick("deliver_at_column")
+        if m["delay"] is None and m["deliver_at"] is None:
+            raise UsageError(f"{a.input} has neither a delay_ms nor a deliver_at column (columns: "
+                             f"{', '.join(columns)}): name one with --delay-column or --deliver-at-column, "
+                             "or give --due-expr")
+    return m
+
+
+def run_description(a, fmt: str, target: Target, df, m) -> Dict[str, Any]:
+    """What decides which rows become which messages: a change means another run."""
+    files = []
+    for path in sorted(df.inputFiles()):
+        local = path[len("file:"):] if path.startswith("file:") else path
+        try:
+            st = os.stat(local)
+            files.append([path, st.st_size, st.st_mtime_ns])
+        except OSError:
+            files.append([path])
+    options = {k: getattr(a, k) for k in ("routing_key", "payload_row", "due_expr", "content_type",
+                                            "max_overdue_ms", "max_payload_bytes", "rows_per_partition")}
+    hosts = sorted(redact(u) for u in target.urls)
+    return {"format": fmt, "files": files, "mapping": m, "options": options,
+            "exchange": target.exchange, "brokers": hosts}
+
+
+# -- errors ------------------------------------------------------------------------------------
+def write_errors(spark, fmt: str, path: str, checked, m) -> Dict[str, Any]:
+    from pyspark.sql import Observation
+    from pyspark.sql import functions as F
+    reason = F.col("__c.reason")
+    observation = Observation("schedule")
+    observed = checked.observe(
+        observation, F.count(F.lit(1)).alias("read"), F.count(reason).alias("rejected"),
+        *[F.sum(F.when(reason == r, 1).otherwise(0)).alias(r) for r in rows.REASONS])
+    # The raw text of an unparseable line, under a name Spark does not itself treat as special
+    # when the errors output is read back.
+    kept = [F.col(_q(c)) for c in m["columns"]] + ([F.col(CORRUPT).alias(LINE)] if m["corrupt"] else [])
+    errors = observed.filter(reason.isNotNull()).select(
+        *kept, reason.alias(REASON), F.col("__c.detail").alias(DETAIL))
+    spark.sparkContext.setJobDescription("schedule: check rows, write rejected rows")
+    writer = errors.write.mode("overwrite")
+    if fmt == "csv":
+        writer.options(**CSV).csv(path)
+    elif fmt == "json":
+        writer.json(path)
+    else:
+        writer.parquet(path)
+    got = observation.get
+    return {"read": int(got["read"]), "rejected": int(got["rejected"]),
+            "by_reason": {r: int(got[r] or 0) for r in rows.REASONS}}
+
+
+class ProgressLine:
+    """Says every `interval` seconds (and once at the end) how far publishing got."""
+
+    def __init__(self, interval: float, tally: Tally, total: int, parts: int) -> None:
+        self.interval, self.tally, self.total, self.parts = interval, tally, total, parts
+        self.started = time.monotonic()
+
+    def every_interval(self, stop: threading.Event) -> None:
+        if self.interval <= 0:
+            return
+        while not stop.wait(self.interval):
+            self.say()
+
+    def say(self) -> None:
+        if self.interval <= 0:
+            return
+        tally, total, parts = self.tally, self.total, self.parts
+        with tally.lock:
+            published, done, failed = tally.published, tally.partitions, len(tally.failures)
+        elapsed = time.monotonic() - self.started
+        rate = published / elapsed if elapsed > 0 else 0.0
+        left = f", about {int((total - published) / rate)} s left" if rate > 0 and published < total else ""
+        share = 100 * published // total if total else 100
+        print(f"schedule: published {published:,} of {total:,} rows ({share} %), {done} of {parts} partitions"
+              f"{f', {failed} failed' if failed else ''}, {rate:,.0f} rows/s{left}", file=sys.stderr, flush=True)
+        log.info("schedule_progress", published=published, total=total, partitions_done=done,
+                 partitions=parts, failed=failed, rows_per_second=round(rate))
+
+
 class Job:
     def __init__(self, spark, args, target: Target) -> None:
         self.spark, self.args, self.target = spark, args, target
@@ -203,9 +311,9 @@ class Job:
         from pyspark.sql import functions as F
         started = time.monotonic()
         df = self.read()
-        mapping = self.mapping(df)
+        mapping = column_mapping(self.args, df)
         state = progress_mod.Progress(self.state_dir)
-        description = self.description(df, mapping)
+        description = run_description(self.args, self.format, self.target, df, mapping)
         fp = progress_mod.fingerprint(description)
         previous = None if self.args.restart else state.run()
         if previous is not None and previous.get("fingerprint") != fp:
@@ -221,7 +329,7 @@ class Job:
 
         checked = self.check(df, mapping, limits).persist()
         try:
-            counts = self.write_errors(checked, mapping)
+            counts = write_errors(self.spark, self.format, self.errors_path, checked, mapping)
             log.info("schedule_checked", read=counts["read"], rejected=counts["rejected"], errors=self.errors_path,
                      seconds=round(time.monotonic() - started, 3))
             good = counts["read"] - counts["rejected"]
@@ -288,58 +396,6 @@ class Job:
             from gateway.spark.session import one_line
             raise UsageError(f"cannot read {self.args.input} as {self.format}: {one_line(exc)}") from None
 
-    def mapping(self, df) -> Dict[str, Any]:
-        """Which column is what; a named column that is not there is a usage error."""
-        a = self.args
-        columns = [c for c in df.columns if c != CORRUPT]
-
-        def pick(flag: str, required: bool = False) -> Optional[str]:
-            given = getattr(a, flag)
-            name = given or DEFAULTS[flag]
-            if name in columns:
-                return name
-            if given or required:
-                option = "--" + flag.replace("_", "-")
-                raise UsageError(f"{a.input} has no column {name!r} (columns: {', '.join(columns)}): "
-                                 f"name it with {option}" + (", or give --routing-key" if flag.startswith(
-                                     "routing") else ", or send whole rows with --payload-row" if flag.startswith(
-                                     "payload") else ""))
-            return None
-
-        m: Dict[str, Any] = {"columns": columns, "corrupt": CORRUPT in df.columns}
-        m["routing_key"] = None if a.routing_key is not None else pick("routing_key_column", True)
-        m["payload"] = None if a.payload_row else pick("payload_column", True)
-        m["message_id"] = pick("message_id_column")
-        m["headers"] = pick("headers_column")
-        if a.due_expr:
-            if a.delay_column or a.deliver_at_column:
-                raise UsageError("--due-expr replaces --delay-column and --deliver-at-column: give one")
-            m["delay"] = m["deliver_at"] = None
-        else:
-            m["delay"], m["deliver_at"] = pick("delay_column"), pick("deliver_at_column")
-            if m["delay"] is None and m["deliver_at"] is None:
-                raise UsageError(f"{a.input} has neither a delay_ms nor a deliver_at column (columns: "
-                                 f"{', '.join(columns)}): name one with --delay-column or --deliver-at-column, "
-                                 "or give --due-expr")
-        return m
-
-    def description(self, df, m) -> Dict[str, Any]:
-        """What decides which rows become which messages: a change means another run."""
-        files = []
-        for path in sorted(df.inputFiles()):
-            local = path[len("file:"):] if path.startswith("file:") else path
-            try:
-                st = os.stat(local)
-                files.append([path, st.st_size, st.st_mtime_ns])
-            except OSError:
-                files.append([path])
-        a = self.args
-        options = {k: getattr(a, k) for k in ("routing_key", "payload_row", "due_expr", "content_type",
-                                                "max_overdue_ms", "max_payload_bytes", "rows_per_partition")}
-        hosts = sorted(redact(u) for u in self.target.urls)
-        return {"format": self.format, "files": files, "mapping": m, "options": options,
-                "exchange": self.target.exchange, "brokers": hosts}
-
     def check(self, df, m, limits: rows.Limits):
         from pyspark.sql import functions as F
         from pyspark.sql import types as T
@@ -401,32 +457,6 @@ class Job:
                 F.when(mid.isNull(), row_json), corrupt).alias("__c"))
         return checked
 
-    # -- errors ------------------------------------------------------------------------------------
-    def write_errors(self, checked, m) -> Dict[str, Any]:
-        from pyspark.sql import Observation
-        from pyspark.sql import functions as F
-        reason = F.col("__c.reason")
-        observation = Observation("schedule")
-        observed = checked.observe(
-            observation, F.count(F.lit(1)).alias("read"), F.count(reason).alias("rejected"),
-            *[F.sum(F.when(reason == r, 1).otherwise(0)).alias(r) for r in rows.REASONS])
-        # The raw text of an unparseable line, under a name Spark does not itself treat as special
-        # when the errors output is read back.
-        kept = [F.col(_q(c)) for c in m["columns"]] + ([F.col(CORRUPT).alias(LINE)] if m["corrupt"] else [])
-        errors = observed.filter(reason.isNotNull()).select(
-            *kept, reason.alias(REASON), F.col("__c.detail").alias(DETAIL))
-        self.spark.sparkContext.setJobDescription("schedule: check rows, write rejected rows")
-        writer = errors.write.mode("overwrite")
-        if self.format == "csv":
-            writer.options(**CSV).csv(self.errors_path)
-        elif self.format == "json":
-            writer.json(self.errors_path)
-        else:
-            writer.parquet(self.errors_path)
-        got = observation.get
-        return {"read": int(got["read"]), "rejected": int(got["rejected"]),
-                "by_reason": {r: int(got[r] or 0) for r in rows.REASONS}}
-
     # -- publishing --------------------------------------------------------------------------------
     def publish(self, rdd, partitions: int, done_before: Dict[int, int], to_publish: int,
                 state: progress_mod.Progress, tally: Tally) -> None:
@@ -438,8 +468,8 @@ class Job:
         func = functools.partial(publish_partition, target, self.content_type)
         started = time.monotonic()
         stop = threading.Event()
-        printer = threading.Thread(target=self._progress, args=(stop, tally, to_publish, len(todo), started),
-                                   daemon=True)
+        progress = ProgressLine(self.args.progress_interval, tally, to_publish, len(todo))
+        printer = threading.Thread(target=progress.every_interval, args=(stop,), daemon=True)
         printer.start()
 
         def one(p: int) -> None:
@@ -468,29 +498,7 @@ class Job:
             tally.seconds = time.monotonic() - started
             stop.set()
             printer.join()
-            self._print_progress(tally, to_publish, len(todo), started)
-
-    def _progress(self, stop: threading.Event, tally: Tally, total: int, parts: int, started: float) -> None:
-        interval = self.args.progress_interval
-        if interval <= 0:
-            return
-        while not stop.wait(interval):
-            self._print_progress(tally, total, parts, started)
-
-    def _print_progress(self, tally: Tally, total: int, parts: int, started: float) -> None:
-        if self.args.progress_interval <= 0:
-            return
-        with tally.lock:
-            published, done, failed = tally.published, tally.partitions, len(tally.failures)
-        elapsed = time.monotonic() - started
-        rate = published / elapsed if elapsed > 0 else 0.0
-        left = f", about {int((total - published) / rate)} s left" if rate > 0 and published < total else ""
-        share = 100 * published // total if total else 100
-        print(f"schedule: published {published:,} of {total:,} rows ({share} %), {done} of {parts} partitions"
-              f"{f', {failed} failed' if failed else ''}, {rate:,.0f} rows/s{left}", file=sys.stderr, flush=True)
-        log.info("schedule_progress", published=published, total=total, partitions_done=done,
-                 partitions=parts, failed=failed, rows_per_second=round(rate))
-
+            progress.say()
 
 def _check_row(limits, due_expr, rk, size, delay, at, at_ts, mid, headers, row_json, corrupt):
     c = rows.check(rk, size, delay, at, at_ts, mid, headers, row_json, corrupt, limits, due_expr)
