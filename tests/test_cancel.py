@@ -189,7 +189,7 @@ def test_reschedule_cancel_then_publish_the_same_id_arrives_once_at_the_new_time
 
 
 def test_ten_thousand_scheduled_five_thousand_cancelled(chain, run_gateway):
-    c = chain(max_level=7)  # 12.7 s: no meditation laps, the gateway's work is the cancels
+    c = chain(max_level=9)  # 51.2 s: no meditation laps, the gateway's work is the cancels
     gateway = run_gateway(c, "--lead-ms", "300")
     receiver = Receiver(c)
     ids = [f"b{n}" for n in range(10_000)]
@@ -197,14 +197,16 @@ def test_ten_thousand_scheduled_five_thousand_cancelled(chain, run_gateway):
         ch = conn.channel()
         for n, mid in enumerate(ids):
             ch.basic_publish(c.names.check_in, "k", b"", pika.BasicProperties(
-                message_id=mid, headers={"x-delay": 10_000 + n % 1000}, delivery_mode=2))
+                message_id=mid, headers={"x-delay": 25_000 + n % 1000}, delivery_mode=2))
         for mid in ids[::2]:
             ch.basic_publish(c.names.cancel, "", b"", pika.BasicProperties(message_id=mid))
         ch.confirm_delivery()  # returns once everything before it was routed
-    # Due 10 to 11 s after check-in reads them: on a busy 2-core machine check-in needs
-    # several seconds for the 10,000 and then the 5,000 cancels behind them (a backlog delays
-    # cancels as it delays messages).
-    got = collect_until(receiver, 25, expect=5000, after_s=2)
-    assert not set(got) & set(ids[::2]), "a cancelled message was delivered"
+    # Due 25 to 26 s after check-in reads them (3.10), or after the broker took them (4.x,
+    # with the arrival stamp): on a busy 2-core machine check-in needed more than 10 s for the
+    # 10,000 and then the 5,000 cancels behind them (a backlog delays cancels as it delays
+    # messages, and then a cancel can come after its message's due time).
+    got = collect_until(receiver, 50, expect=5000, after_s=2)
+    through = sorted(set(got) & set(ids[::2]))
+    assert not through, f"{len(through)} cancelled messages were delivered, e.g. {through[:5]}"
     assert set(got) == set(ids[1::2]), f"{5000 - len(got)} lost"
     assert gateway.metric("delay_gateway_cancels_total") == 5000
