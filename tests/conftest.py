@@ -75,6 +75,10 @@ ONE_BROKER: Dict[str, Tuple[Sequence[str], dict, str]] = {
         (("rmq3.10",), {}, "Spark's resume record; `schedule` itself runs on 4.3 too"),
     "test_failed_partitions_are_reported_and_published_by_the_next_run":
         (("rmq3.10",), {}, "Spark's retry of failed partitions; `schedule` itself runs on 4.3 too"),
+    "test_cancel_table_cancels_every_id_of_a_table_and_rejects_bad_rows_like_schedule":
+        (("rmq3.10",), {}, "Spark's side of cancel-table (formats, rejections, counts); cancels on every "
+                           "version are test_cancel.py's. On 4.x x-delay counts from the broker's arrival, "
+                           "so its messages fall due while Spark starts, before the cancels are sent"),
     "test_arrival_stamp_is_added_and_a_publishers_own_is_kept":
         (RMQ4, {}, "message interceptors exist from 3.12 on"),
     "test_the_receiver_sees_the_stamp_of_the_original_publish":

@@ -12,6 +12,7 @@ from topology.broker.declare import declare
 from gateway.broker.amqp import blocking_channel
 from gateway.clock import wall_ms
 from gateway.broker.publish import Publisher
+from gateway.commands.selftest import unconsumed
 from gateway.settings import chain_from, tls_from, urls_from
 
 
@@ -29,7 +30,11 @@ def demo(args) -> int:
              "--queue-type", chain.queue_type, "--zero-bits", chain.zero_bits, "--log-level", "warning"],
             env=dict(os.environ, DELAY_GATEWAY_URL=url))
         try:
-            time.sleep(1.0)  # let the consumers attach (messages would wait for them anyway)
+            # Publish once the gateway consumes: with the broker's arrival stamp x-delay counts
+            # from the publish, and messages already due when it starts come out in any order.
+            attach_by = time.monotonic() + 30
+            while unconsumed(channel, chain) and time.monotonic() < attach_by and gateway.poll() is None:
+                channel.connection.sleep(0.2)
             publisher = Publisher(channel, chain)
             print(f"publishing {len(delays)} messages to {chain.names.check_in}; "
                   f"receiving from {chain.names.pick_up} (binding demo.#)\n")
