@@ -80,3 +80,82 @@ def test_the_cli_publisher_sends_a_float_header_as_a_double():
     Publisher(channel, ChainSettings(prefix="t")).send(b"x", "k", delay_ms=5, headers={"f": 1.5})
     assert Properties.parse(channel.sent).headers.find("f").kind == b"d"
     assert Properties.parse(channel.sent).headers.get("f") == 1.5
+
+
+def test_pika_still_reads_and_writes_where_the_cork_steps_in():
+    from pika.adapters.base_connection import BaseConnection
+    from pika.adapters.utils import io_services_utils as io
+
+    assert "self._read_frame()" in inspect.getsource(Connection._on_data_available), (
+        f"pika {pika.__version__}: Connection._on_data_available no longer reads frames; codec.WireConnection "
+        f"corks around it; pinned {PINNED}.")
+    assert "self._transport.write(data)" in inspect.getsource(BaseConnection._adapter_emit_data), (
+        f"pika {pika.__version__}: BaseConnection._adapter_emit_data no longer hands data to its transport; "
+        f"codec.WireConnection takes it there while corked; pinned {PINNED}.")
+    source = inspect.getsource(io._AsyncPlaintextTransport) + inspect.getsource(io._AsyncTransportBase)
+    for name in ("self._sock", "def get_write_buffer_size", "_STATE_ACTIVE", "self._state"):
+        assert name in source, f"pika {pika.__version__}: the plaintext transport has no {name}; pinned {PINNED}."
+
+
+class Transport:
+    """Where pika's plaintext transport keeps what the codec reads: a socket, a buffer, a state."""
+
+    _STATE_ACTIVE = 1
+
+    def __init__(self, sock):
+        self._sock, self._state, self.buffered = sock, 1, []
+
+    def get_write_buffer_size(self):
+        return sum(map(len, self.buffered))
+
+    def write(self, data_out):
+        self.buffered.append(data_out)
+
+
+def corked_connection(sock):
+    connection = codec.WireConnection.__new__(codec.WireConnection)  # no connecting: only its writing
+    connection.cork = codec.Cork(connection)
+    connection._transport = Transport(sock)
+    return connection
+
+
+def test_frames_emitted_while_corked_go_out_in_one_send_at_the_end():
+    import socket
+
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        ours.setblocking(False)
+        connection = corked_connection(ours)
+        with connection.cork:
+            connection._adapter_emit_data(b"method")
+            with connection.cork:  # nested: still the outer one's
+                connection._adapter_emit_data(b"header")
+            connection._adapter_emit_data(b"body")
+            theirs.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                theirs.recv(100)  # nothing sent yet
+        assert theirs.recv(100) == b"methodheaderbody"
+        assert connection._transport.buffered == []
+
+
+def test_the_cork_leaves_to_the_transport_what_the_socket_does_not_take_and_keeps_order():
+    import socket
+
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        ours.setblocking(False)
+        connection = corked_connection(ours)
+        big = bytes(range(256)) * 40_000  # more than a socket pair's buffers
+        with connection.cork:
+            connection._adapter_emit_data(big)
+        rest = b"".join(connection._transport.buffered)
+        assert 0 < len(rest) < len(big) and big.endswith(rest)
+        with connection.cork:  # data waits in the transport: later frames queue behind it
+            connection._adapter_emit_data(b"after")
+        assert connection._transport.buffered[-1] == b"after"
+    connection = corked_connection(None)  # not a plain socket (TLS): the transport writes it all
+    connection._adapter_emit_data(b"plain")
+    with connection.cork:
+        connection._adapter_emit_data(b"a")
+        connection._adapter_emit_data(b"b")
+    assert connection._transport.buffered == [b"plain", b"ab"]

@@ -13,12 +13,21 @@ of failing. `RawProperties` sends bytes exactly as given; `encoded()` turns pika
 with Python values into them, a Python float as an AMQP double (pika cannot encode floats).
 Nothing in pika is changed: other connections in the same process keep pika's behaviour.
 
-This leans on three pika internals, pinned in pyproject.toml and checked by
-tests/test_codec.py: `Connection._read_frame` (where a connection decodes a frame),
-`frame.decode_frame` and `frame.Header` (the frame it builds), and BlockingConnection's
-`_impl_class` (the SelectConnection class it drives).
+A `WireConnection` also writes less often: pika hands the transport each frame on its own
+and sends one buffer per system call, on the poll after the one that made it (a publish is
+three sends, an ack one, each a TCP segment the broker reads on its own). Inside its `cork`
+(every batch of frames read, and each of the gateway's own events) the frames wait, and
+go out at the end in one `send` at once, the way the broker's own writer batches.
+
+This leans on pika internals, pinned in pyproject.toml and checked by tests/test_codec.py:
+`Connection._read_frame` (where a connection decodes a frame), `frame.decode_frame` and
+`frame.Header` (the frame it builds), BlockingConnection's `_impl_class` (the
+SelectConnection class it drives), `_on_data_available` and `_adapter_emit_data` (frames in
+and out) and the plaintext transport's socket and buffer (`_sock`, `get_write_buffer_size`).
 """
 
+import contextlib
+import socket
 import struct
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -89,11 +98,73 @@ def decode_frame(buffer: bytes) -> Tuple[int, Any]:
     return end, frame.Header(channel, body_size, WireProperties(props))
 
 
+class Cork:
+    """While entered (nested: the outermost), a WireConnection's frames wait; on leaving they
+    go out together. Reentered for every event, so a plain class: no generator per use."""
+
+    __slots__ = ("_connection", "_depth", "frames")
+
+    def __init__(self, connection: "WireConnection") -> None:
+        self._connection, self._depth = connection, 0
+        self.frames: List[bytes] = []
+
+    def __enter__(self) -> None:
+        self._depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        if self._depth == 0 and self.frames:
+            frames, self.frames = self.frames, []
+            self._connection._write_now(frames[0] if len(frames) == 1 else b"".join(frames))
+
+    @property
+    def on(self) -> bool:
+        return self._depth > 0
+
+
 class WireConnection(pika.SelectConnection):
-    """A SelectConnection whose messages arrive with WireProperties."""
+    """A SelectConnection whose messages arrive with WireProperties, and whose frames go out
+    together (`cork`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.cork = Cork(self)  # (before pika's __init__, which may already write)
+        super().__init__(*args, **kwargs)
 
     def _read_frame(self) -> Tuple[int, Any]:
         return decode_frame(self._frame_buffer)
+
+    def _on_data_available(self, data_in: bytes) -> None:
+        with self.cork:  # what the frames read make us send: one write
+            super()._on_data_available(data_in)
+
+    def _adapter_emit_data(self, data_out: bytes) -> None:
+        if self.cork.on:
+            self.cork.frames.append(data_out)
+        else:
+            super()._adapter_emit_data(data_out)
+
+    def _write_now(self, data_out: bytes) -> None:
+        """Send at once what the socket takes; the transport keeps the rest for when it can
+        write. Only when nothing waits before it, and on a plain socket (TLS: the transport)."""
+        transport = self._transport
+        sock = getattr(transport, "_sock", None)
+        if transport is None or type(sock) is not socket.socket or transport.get_write_buffer_size() \
+                or getattr(transport, "_state", None) != getattr(transport, "_STATE_ACTIVE", object()):
+            if transport is not None:
+                super()._adapter_emit_data(data_out)
+            return
+        try:
+            sent = sock.send(data_out)
+        except OSError:  # would block, or an error the transport meets too and reports its way
+            sent = 0
+        if sent < len(data_out):
+            super()._adapter_emit_data(data_out[sent:])
+
+
+def cork(connection: object) -> "contextlib.AbstractContextManager[None]":
+    """The connection's `cork` where it has one (tests' fakes do not)."""
+    found = getattr(connection, "cork", None)
+    return found if isinstance(found, Cork) else contextlib.nullcontext()
 
 
 def blocking(parameters: pika.ConnectionParameters) -> pika.BlockingConnection:

@@ -69,6 +69,7 @@ class Pipe:
                  on_fatal: Optional[Callable[[Exception], None]] = None,
                  batcher: Optional[Batcher] = None, keep: Optional[Callable[[Forward], bool]] = None) -> None:
         self._connection, self.queue, self._prefetch, self._clock = connection, queue, prefetch, clock
+        self._cork = codec.cork(connection)  # what an event makes us send goes out in one write
         self._on_fatal = on_fatal or (lambda exc: None)
         self._log = structlog.get_logger("gateway").bind(queue=queue)
         # A debug event costs structlog's processors even when the level filters it out later.
@@ -196,6 +197,11 @@ class Pipe:
 
     # -- frames out ----------------------------------------------------------------------
     def _do(self, actions: Actions) -> None:
+        with self._cork:
+            self._act(actions)
+        self._schedule()
+
+    def _act(self, actions: Actions) -> None:
         if actions.publish and self._publish is not None:
             self._send(self._publish, actions)
         if self._consume is not None and self._consume.is_open:
@@ -207,7 +213,6 @@ class Pipe:
             self._connection.close()
         if actions.finished:
             self._finish()
-        self._schedule()
 
     def _send(self, channel: Channel, actions: Actions) -> None:
         for pub in actions.publish:

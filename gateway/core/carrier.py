@@ -126,6 +126,7 @@ class Batcher:
     def __init__(self, max_messages: int, max_bytes: int, wait_ms: int) -> None:
         self.max_messages, self.max_bytes, self.wait_ms = max_messages, max_bytes, wait_ms
         self._open: Dict[Route, Batch] = {}
+        self._first: Optional[int] = None  # the earliest opened_ms of the open batches (asked after every event)
 
     def __len__(self) -> int:
         return sum(len(b.items) for b in self._open.values())
@@ -140,18 +141,29 @@ class Batcher:
             batch = None
         if batch is None:
             batch = self._open[key] = Batch(key, now_ms)
+            if self._first is None or now_ms < self._first:
+                self._first = now_ms
         batch.items.append((tag, entry))
         batch.size += entry.size
         if len(batch.items) >= self.max_messages:
             closed.append(self._open.pop(key))
+        if closed:
+            self._closed()
         return closed
 
     def expired(self, now_ms: int) -> List[Batch]:
+        if self._first is None or now_ms - self._first < self.wait_ms:
+            return []
         due = [k for k, b in self._open.items() if now_ms - b.opened_ms >= self.wait_ms]
-        return [self._open.pop(k) for k in due]
+        out = [self._open.pop(k) for k in due]
+        self._closed()
+        return out
 
     def next_deadline(self) -> Optional[int]:
-        return min((b.opened_ms + self.wait_ms for b in self._open.values()), default=None)
+        return None if self._first is None else self._first + self.wait_ms
+
+    def _closed(self) -> None:
+        self._first = min((b.opened_ms for b in self._open.values()), default=None)
 
     def discard(self, tag: int) -> None:
         """Forget the messages of this delivery (rare: a delivery given up)."""
@@ -163,10 +175,12 @@ class Batcher:
                 batch.items, batch.size = kept, sum(e.size for _, e in kept)
             else:
                 del self._open[key]
+        self._closed()
 
     def drain(self) -> List[Batch]:
         out = list(self._open.values())
         self._open.clear()
+        self._first = None
         return out
 
 

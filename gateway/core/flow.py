@@ -52,8 +52,11 @@ class Flow:
 
     def next_wake(self) -> Optional[int]:
         """When the next `tick` is due (epoch ms), if any."""
-        times = (self._holds.next_due(), self._batcher.next_deadline(), self._flush_at, self._answers.next_retry())
-        return min((t for t in times if t is not None), default=None)
+        at = self._holds.next_due()
+        for t in (self._batcher.next_deadline(), self._flush_at, self._answers.next_retry()):
+            if t is not None and (at is None or t < at):
+                at = t
+        return at
 
     # -- events ---------------------------------------------------------------------------
     def delivered(self, tag: int, d: Delivery, now: int) -> Actions:

@@ -19,6 +19,7 @@ and the broker's dead-lettering (with the least-privilege permissions of docs/se
 from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 
 from topology import ChainSettings, Enter, Meditate, plan
+from topology.encoding import units_for
 from topology.names import Names
 
 from gateway.core import cancels, carrier, envelope
@@ -106,6 +107,26 @@ def route(chain: ChainSettings, remaining_ms: int, lead_ms: int) -> Tuple[str, b
     return chain.names.distributor, b"", "distributor"
 
 
+class Routes:
+    """`route` for one chain and lead, remembered by whole units: a message's way depends
+    only on them, and a workload meets few (a check-in consumer asks for every message)."""
+
+    KEEP = 4096
+
+    def __init__(self, chain: ChainSettings, lead_ms: int) -> None:
+        self.chain, self.lead_ms = chain, lead_ms
+        self._known: Dict[int, Tuple[str, bytes, str]] = {}
+
+    def __call__(self, remaining_ms: int) -> Tuple[str, bytes, str]:
+        units = units_for(remaining_ms, self.chain.resolution_ms, self.lead_ms)
+        found = self._known.get(units)
+        if found is None:
+            if len(self._known) >= self.KEEP:
+                self._known.clear()
+            found = self._known[units] = route(self.chain, units * self.chain.resolution_ms, 0)
+        return found
+
+
 def carry(exchange: str, routing_key: bytes, outcome: str, batch: List[Entry]) -> Forward:
     """One publish for the messages of a batch: alone in the plain format, or a carrier."""
     if len(batch) == 1:
@@ -121,6 +142,7 @@ class CheckIn:
         # A message may wait up to wait_ms for others going the same way: the chain leaves
         # that much more to the distributor, so waiting never makes it late.
         self.chain, self.lead_ms, self.clock = chain, lead_ms + wait_ms, clock
+        self.route = Routes(chain, self.lead_ms)
         self.cancelled = cancelled
         self.sequence = cancels.Sequencer()
 
@@ -136,7 +158,7 @@ class CheckIn:
         entry = Entry(d.routing_key, user, d.body, due, cancels.stamp_us(user.headers, now, self.sequence))
         if self.cancelled is not None and self.cancelled(entry, "check-in"):
             return []
-        return [Enqueue(*route(self.chain, due - now, self.lead_ms), entry)]
+        return [Enqueue(*self.route(due - now), entry)]
 
     def record(self, d: Delivery, user: Properties, now: int) -> List[Action]:
         """A cancel (it came through `<prefix>.cancel`): append it to the cancellations
@@ -158,7 +180,7 @@ class Returning(CheckIn):
             return [park(self.chain.names, d.props, d.routing_key, d.body,
                          f"came back from meditation not in the gateway's format ({exc})")]
         now = self.clock()
-        return [Enqueue(*route(self.chain, e.due_ms - now, self.lead_ms), e) for e in back
+        return [Enqueue(*self.route(e.due_ms - now), e) for e in back
                 if self.cancelled is None or not self.cancelled(e, "returning")]
 
 
