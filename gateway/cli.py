@@ -83,6 +83,10 @@ def main(argv: Optional[Sequence[str]] = None, environ=None) -> int:
     except BrokerError as exc:
         print(f"delay-gateway {args.command}: {exc}", file=sys.stderr)
         return EXIT_NO_BROKER if exc.trouble.heals else EXIT_REFUSED
+    except BrokenPipeError:  # `... | head` stopped reading: what it read is what was wanted
+        # Python flushes stdout once more at exit; point it at nothing so that flush cannot fail.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 # -- run ------------------------------------------------------------------------------------

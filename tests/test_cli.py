@@ -44,6 +44,13 @@ def test_explain_shows_the_route():
     assert "hold 999 ms" in lines[-1]
 
 
+def test_output_cut_short_by_a_pipe_is_no_error():
+    # `explain ... | head -1`: the reader goes away before the command has written all
+    r = subprocess.run(f"{sys.executable} -m gateway explain 3000000000000 --max-level 4 | head -1", shell=True,
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.stdout.count("\n") == 1 and r.stderr == "", r.stderr
+
+
 def test_publish_and_declare_commands_end_to_end(make_chain, run_gateway):
     chain = make_chain(max_level=3, resolution_ms=100)
     assert cli("declare", *chain_args(chain)).returncode == 0  # again: a no-op
