@@ -81,6 +81,19 @@ def test_check_in_sends_a_carrier_when_the_batch_is_full_or_old_enough():
     assert conn.consuming().acks == [(4, True)]
 
 
+def test_check_in_does_not_wait_for_company_that_cannot_come():
+    # All its prefetch (10) outstanding, the broker sends nothing more until acks: the open
+    # batches (two routes here, neither full) go at once instead of after their wait.
+    handler = CheckIn(CHAIN, 50, lambda: conn.clock(), wait_ms=200)
+    conn, pipe, _ = started(NAMES.check_in, handler, Batcher(1000, 1_000_000, 200))
+    for i in range(9):
+        delay = 5000 if i % 2 else 9000
+        conn.consuming().deliver(b"m", Properties.build(headers=Table([wire.long("x-delay", delay)])))
+    assert conn.published == []  # room for more: they wait for company
+    conn.consuming().deliver(b"m", Properties.build(headers=Table([wire.long("x-delay", 5000)])))
+    assert sorted(len(carrier.unpack(p.body)) for p in conn.published) == [5, 5]
+
+
 def test_a_message_the_broker_refuses_is_found_and_parked_without_touching_the_others():
     conn, pipe, _ = started(NAMES.distributor, Distributor(CHAIN, 50, lambda: conn.clock()))
     for body in (b"a", b"poison", b"c"):

@@ -74,7 +74,7 @@ class Pipe:
         self._log = structlog.get_logger("gateway").bind(queue=queue)
         # A debug event costs structlog's processors even when the level filters it out later.
         self._debug = logging.getLogger("gateway").isEnabledFor(logging.DEBUG)
-        self.flow = Flow(queue, names, handler, Telemetry(queue, metrics, self._log), batcher, keep)
+        self.flow = Flow(queue, names, handler, Telemetry(queue, metrics, self._log), batcher, keep, prefetch)
         metrics.held.labels(queue).set_function(lambda: self.flow.held)
         self._consume: Optional[Channel] = None
         self._publish: Optional[Channel] = None

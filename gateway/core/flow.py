@@ -32,8 +32,12 @@ class Flow:
     """The core of one consumer (see the module doc): events in, `Actions` out."""
 
     def __init__(self, queue: str, names: Names, handler: Handler, observer: Observer,
-                 batcher: Optional[Batcher] = None, keep: Optional[Callable[[Forward], bool]] = None) -> None:
+                 batcher: Optional[Batcher] = None, keep: Optional[Callable[[Forward], bool]] = None,
+                 prefetch: int = 0) -> None:
         self._names, self._handler, self._observer = names, handler, observer
+        # With this many deliveries outstanding the broker sends no more until we acknowledge
+        # some: open batches then close at once, as no message can join them (0: no limit).
+        self._prefetch = prefetch
         self._keep = keep  # asked again as a held message is released: False drops it (it was cancelled)
         self._park = handlers.parker(names, queue)
         self._batcher = batcher if batcher is not None else Batcher(1, 1, 0)  # (an empty one is falsy)
@@ -85,6 +89,9 @@ class Flow:
                 self._holds.add(action.not_before_ms, tag, action)
             else:
                 self._send([tag], action, [(tag, action.entry)], now, out)
+        if self._prefetch and len(self._delivered) >= self._prefetch:
+            for batch in self._batcher.drain():
+                self._flush_batch(batch, now, out)
         return out
 
     def publishing_opened(self, now: int) -> Actions:
