@@ -42,6 +42,22 @@ def test_batches_close_by_count_bytes_and_age():
     assert [t for batch in b.drain() for t, _ in batch.items] == [6]
 
 
+def test_a_message_that_may_not_wait_the_whole_wait_closes_its_batch_sooner():
+    b = Batcher(max_messages=1000, max_bytes=10_000, wait_ms=200)
+    b.add("a", 1, entry(), 0)
+    assert b.next_deadline() == 200
+    b.add("a", 2, entry(), 10, send_by_ms=60)  # due soon: its batch goes by then
+    assert b.next_deadline() == 60 and b.expired(59) == []
+    b.add("b", 3, entry(), 20)
+    [a] = b.expired(60)
+    assert [t for t, _ in a.items] == [1, 2] and b.next_deadline() == 220
+    b.add("c", 4, entry(), 30, send_by_ms=0)  # due already: at the next tick, with whoever joins it by then
+    b.add("c", 5, entry(), 30)
+    assert b.next_deadline() == 30
+    [c] = b.expired(30)
+    assert [t for t, _ in c.items] == [4, 5]
+
+
 def test_without_waiting_every_message_goes_alone():
     b = Batcher(max_messages=1000, max_bytes=10_000, wait_ms=0)
     assert [len(x.items) for x in b.add("a", 1, entry(), 0)] == [1] and len(b) == 0

@@ -81,6 +81,20 @@ def test_check_in_sends_a_carrier_when_the_batch_is_full_or_old_enough():
     assert conn.consuming().acks == [(4, True)]
 
 
+def test_a_message_due_within_the_carrier_wait_reaches_the_distributor_by_its_lead():
+    handler = CheckIn(CHAIN, 50, lambda: conn.clock(), wait_ms=200)
+    conn, pipe, _ = started(NAMES.check_in, handler, Batcher(1000, 1_000_000, 200))
+    conn.consuming().deliver(b"soon", Properties.build(headers=Table([wire.long("x-delay", 120)])))
+    conn.advance(69)
+    assert conn.published == []
+    conn.advance(1)  # due in 120 ms, the distributor's lead is 50: it goes at 70, not at 200
+    [pub] = conn.published
+    assert pub.exchange == NAMES.distributor and pub.body == b"soon"
+    conn.consuming().deliver(b"now", Properties.build(headers=Table([wire.long("x-delay", 0)])))
+    conn.advance(0)
+    assert [p.body for p in conn.published] == [b"soon", b"now"]
+
+
 def test_check_in_does_not_wait_for_company_that_cannot_come():
     # All its prefetch (10) outstanding, the broker sends nothing more until acks: the open
     # batches (two routes here, neither full) go at once instead of after their wait.

@@ -40,6 +40,9 @@ class Enqueue:
     routing_key: bytes
     outcome: str  # chain, meditation, distributor
     entry: Entry
+    # To the distributor, due within the carrier wait: it may not wait for company past the
+    # distributor's lead (chain routes plan the wait in, and have no limit).
+    send_by_ms: Optional[int] = None
 
 
 Action = Union[Forward, Enqueue]

@@ -118,6 +118,7 @@ class Batch:
     opened_ms: int
     items: List[Tuple[int, Entry]] = field(default_factory=list)  # (delivery tag, entry)
     size: int = 0
+    close_by_ms: int = 0  # sent by then at the latest: its wait, or sooner if a message must go sooner
 
 
 class Batcher:
@@ -126,23 +127,27 @@ class Batcher:
     def __init__(self, max_messages: int, max_bytes: int, wait_ms: int) -> None:
         self.max_messages, self.max_bytes, self.wait_ms = max_messages, max_bytes, wait_ms
         self._open: Dict[Route, Batch] = {}
-        self._first: Optional[int] = None  # the earliest opened_ms of the open batches (asked after every event)
+        self._first: Optional[int] = None  # the earliest close_by_ms of the open batches (asked after every event)
 
     def __len__(self) -> int:
         return sum(len(b.items) for b in self._open.values())
 
-    def add(self, key: Route, tag: int, entry: Entry, now_ms: int) -> List[Batch]:
+    def add(self, key: Route, tag: int, entry: Entry, now_ms: int, send_by_ms: Optional[int] = None) -> List[Batch]:
+        """Add a message; `send_by_ms`: it may not wait past then (else: the whole wait). One
+        due already still closes only at the next tick: others read with it may join it."""
         if entry.size >= self.max_bytes or self.max_messages <= 1 or self.wait_ms <= 0:
-            return [Batch(key, now_ms, [(tag, entry)], entry.size)]  # alone
+            return [Batch(key, now_ms, [(tag, entry)], entry.size, now_ms)]  # alone
         closed = []
         batch = self._open.get(key)
         if batch is not None and batch.size + entry.size > self.max_bytes:
             closed.append(self._open.pop(key))
             batch = None
         if batch is None:
-            batch = self._open[key] = Batch(key, now_ms)
-            if self._first is None or now_ms < self._first:
-                self._first = now_ms
+            batch = self._open[key] = Batch(key, now_ms, close_by_ms=now_ms + self.wait_ms)
+        if send_by_ms is not None and send_by_ms < batch.close_by_ms:
+            batch.close_by_ms = max(send_by_ms, now_ms)
+        if self._first is None or batch.close_by_ms < self._first:
+            self._first = batch.close_by_ms
         batch.items.append((tag, entry))
         batch.size += entry.size
         if len(batch.items) >= self.max_messages:
@@ -152,18 +157,18 @@ class Batcher:
         return closed
 
     def expired(self, now_ms: int) -> List[Batch]:
-        if self._first is None or now_ms - self._first < self.wait_ms:
+        if self._first is None or now_ms < self._first:
             return []
-        due = [k for k, b in self._open.items() if now_ms - b.opened_ms >= self.wait_ms]
+        due = [k for k, b in self._open.items() if now_ms >= b.close_by_ms]
         out = [self._open.pop(k) for k in due]
         self._closed()
         return out
 
     def next_deadline(self) -> Optional[int]:
-        return None if self._first is None else self._first + self.wait_ms
+        return self._first
 
     def _closed(self) -> None:
-        self._first = min((b.opened_ms for b in self._open.values()), default=None)
+        self._first = min((b.close_by_ms for b in self._open.values()), default=None)
 
     def discard(self, tag: int) -> None:
         """Forget the messages of this delivery (rare: a delivery given up)."""

@@ -82,7 +82,7 @@ class Flow:
             self._observer.forwarded(action)
             if isinstance(action, Enqueue):
                 route = (action.exchange, action.routing_key, action.outcome)
-                for batch in self._batcher.add(route, tag, action.entry, now):
+                for batch in self._batcher.add(route, tag, action.entry, now, action.send_by_ms):
                     self._flush_batch(batch, now, out)
             elif action.not_before_ms is not None and action.not_before_ms > now:
                 self.ledger.hold(tag)

@@ -142,6 +142,7 @@ class CheckIn:
         # A message may wait up to wait_ms for others going the same way: the chain leaves
         # that much more to the distributor, so waiting never makes it late.
         self.chain, self.lead_ms, self.clock = chain, lead_ms + wait_ms, clock
+        self.hand_over_ms = lead_ms  # the distributor's lead: what a message direct to it may not wait into
         self.route = Routes(chain, self.lead_ms)
         self.cancelled = cancelled
         self.sequence = cancels.Sequencer()
@@ -158,7 +159,13 @@ class CheckIn:
         entry = Entry(d.routing_key, user, d.body, due, cancels.stamp_us(user.headers, now, self.sequence))
         if self.cancelled is not None and self.cancelled(entry, "check-in"):
             return []
-        return [Enqueue(*self.route(due - now), entry)]
+        return [self.enqueue(entry, now)]
+
+    def enqueue(self, e: Entry, now: int) -> Enqueue:
+        exchange, key, outcome = self.route(e.due_ms - now)
+        if outcome == "distributor":
+            return Enqueue(exchange, key, outcome, e, e.due_ms - self.hand_over_ms)
+        return Enqueue(exchange, key, outcome, e)
 
     def record(self, d: Delivery, user: Properties, now: int) -> List[Action]:
         """A cancel (it came through `<prefix>.cancel`): append it to the cancellations
@@ -180,8 +187,7 @@ class Returning(CheckIn):
             return [park(self.chain.names, d.props, d.routing_key, d.body,
                          f"came back from meditation not in the gateway's format ({exc})")]
         now = self.clock()
-        return [Enqueue(*self.route(e.due_ms - now), e) for e in back
-                if self.cancelled is None or not self.cancelled(e, "returning")]
+        return [self.enqueue(e, now) for e in back if self.cancelled is None or not self.cancelled(e, "returning")]
 
 
 class Distributor:
