@@ -24,7 +24,7 @@ from gateway.settings import UsageError, chain_from, tls_from, urls_from
 from gateway.spark import require, rows
 from gateway.spark.publisher import Target
 from gateway.spark.schedule import CORRUPT, CSV, DETAIL, LINE, REASON, _positive, _q, _write_json, check_exchange, \
-    input_format
+    input_format, write_rows
 
 log = structlog.get_logger("cancel-table")
 
@@ -120,13 +120,7 @@ def cancel_table(spark, args: argparse.Namespace, fmt: str, target: Target) -> D
         errors = observed.filter(F.col("__reason").isNotNull()).select(
             *kept, F.col("__reason").alias(REASON), F.col("__detail").alias(DETAIL))
         spark.sparkContext.setJobDescription("cancel-table: check rows, write rejected rows")
-        writer = errors.write.mode("overwrite")
-        if fmt == "csv":
-            writer.options(**CSV).csv(errors_path)
-        elif fmt == "json":
-            writer.json(errors_path)
-        else:
-            writer.parquet(errors_path)
+        write_rows(errors, fmt, errors_path)
         got = observation.get
         read_n, rejected = int(got["read"]), int(got["rejected"])
         by_reason = {r: int(got[r] or 0) for r in REASONS}

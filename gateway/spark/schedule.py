@@ -245,6 +245,17 @@ def run_description(a, fmt: str, target: Target, df, m) -> Dict[str, Any]:
 
 
 # -- errors ------------------------------------------------------------------------------------
+def write_rows(df, fmt: str, path: str) -> None:
+    """Rows (the rejected ones) in the input's format: CSV with a header, JSON lines, Parquet."""
+    writer = df.write.mode("overwrite")
+    if fmt == "csv":
+        writer.options(**CSV).csv(path)
+    elif fmt == "json":
+        writer.json(path)
+    else:
+        writer.parquet(path)
+
+
 def write_errors(spark, fmt: str, path: str, checked, m) -> Dict[str, Any]:
     from pyspark.sql import Observation
     from pyspark.sql import functions as F
@@ -259,13 +270,7 @@ def write_errors(spark, fmt: str, path: str, checked, m) -> Dict[str, Any]:
     errors = observed.filter(reason.isNotNull()).select(
         *kept, reason.alias(REASON), F.col("__c.detail").alias(DETAIL))
     spark.sparkContext.setJobDescription("schedule: check rows, write rejected rows")
-    writer = errors.write.mode("overwrite")
-    if fmt == "csv":
-        writer.options(**CSV).csv(path)
-    elif fmt == "json":
-        writer.json(path)
-    else:
-        writer.parquet(path)
+    write_rows(errors, fmt, path)
     got = observation.get
     return {"read": int(got["read"]), "rejected": int(got["rejected"]),
             "by_reason": {r: int(got[r] or 0) for r in rows.REASONS}}
