@@ -1,5 +1,7 @@
 """What each consumer does with a delivery, with a fixed clock (pure)."""
 
+from hypothesis import given
+from hypothesis import strategies as st
 from pika import BasicProperties
 
 from gateway.core import carrier, envelope
@@ -7,7 +9,7 @@ from gateway.broker import codec
 from gateway.core.actions import Delivery, Enqueue, Forward
 from gateway.core.carrier import Entry
 from gateway.core.envelope import Inside
-from gateway.core.handlers import CheckIn, Distributor, Parking, Returning, carry
+from gateway.core.handlers import CheckIn, Distributor, Parking, Returning, Routes, carry, route
 from gateway.core.wire import Properties
 from topology import ChainSettings
 
@@ -152,3 +154,11 @@ def test_a_parked_message_keeps_the_publishers_properties_for_replay():
     original = props(headers={"x-delay": "soon", "t": "x"}, message_id="m-1", expiration="5")
     [f] = CheckIn(CHAIN, 50, lambda: NOW)(Delivery("d.check-in", b"k", original, b"b"))
     assert Inside(f.props).user.raw == envelope.publishers(original).raw
+
+
+@given(st.integers(-10**6, 10**13), st.integers(0, 5000))
+def test_remembered_routes_are_the_routes(remaining_ms, lead_ms):
+    chain = ChainSettings(prefix="r", max_level=6, resolution_ms=250)
+    routes = Routes(chain, lead_ms)
+    assert routes(remaining_ms) == route(chain, remaining_ms, lead_ms)
+    assert routes(remaining_ms) == route(chain, remaining_ms, lead_ms)  # and once remembered

@@ -115,10 +115,9 @@ Route = Tuple[str, bytes, str]  # exchange, routing key, outcome (a metric label
 @dataclass
 class Batch:
     key: Route
-    opened_ms: int
+    close_by_ms: int  # sent by then at the latest: its wait, or sooner if a message must go sooner
     items: List[Tuple[int, Entry]] = field(default_factory=list)  # (delivery tag, entry)
     size: int = 0
-    close_by_ms: int = 0  # sent by then at the latest: its wait, or sooner if a message must go sooner
 
 
 class Batcher:
@@ -136,14 +135,14 @@ class Batcher:
         """Add a message; `send_by_ms`: it may not wait past then (else: the whole wait). One
         due already still closes only at the next tick: others read with it may join it."""
         if entry.size >= self.max_bytes or self.max_messages <= 1 or self.wait_ms <= 0:
-            return [Batch(key, now_ms, [(tag, entry)], entry.size, now_ms)]  # alone
+            return [Batch(key, now_ms, [(tag, entry)], entry.size)]  # alone
         closed = []
         batch = self._open.get(key)
         if batch is not None and batch.size + entry.size > self.max_bytes:
             closed.append(self._open.pop(key))
             batch = None
         if batch is None:
-            batch = self._open[key] = Batch(key, now_ms, close_by_ms=now_ms + self.wait_ms)
+            batch = self._open[key] = Batch(key, now_ms + self.wait_ms)
         if send_by_ms is not None and send_by_ms < batch.close_by_ms:
             batch.close_by_ms = max(send_by_ms, now_ms)
         if self._first is None or batch.close_by_ms < self._first:

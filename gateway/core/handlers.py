@@ -118,7 +118,8 @@ class Routes:
         self._known: Dict[int, Tuple[str, bytes, str]] = {}
 
     def __call__(self, remaining_ms: int) -> Tuple[str, bytes, str]:
-        units = units_for(remaining_ms, self.chain.resolution_ms, self.lead_ms)
+        # (every number of units past the chain's means meditation: one key for them all)
+        units = min(units_for(remaining_ms, self.chain.resolution_ms, self.lead_ms), self.chain.max_units + 1)
         found = self._known.get(units)
         if found is None:
             if len(self._known) >= self.KEEP:
@@ -140,7 +141,8 @@ class CheckIn:
     def __init__(self, chain: ChainSettings, lead_ms: int, clock: Clock, wait_ms: int = 0,
                  cancelled: Optional[Cancelled] = None) -> None:
         # A message may wait up to wait_ms for others going the same way: the chain leaves
-        # that much more to the distributor, so waiting never makes it late.
+        # that much more to the distributor, so waiting never makes it late (one going to
+        # the distributor directly may wait only until its lead: `enqueue`).
         self.chain, self.lead_ms, self.clock = chain, lead_ms + wait_ms, clock
         self.hand_over_ms = lead_ms  # the distributor's lead: what a message direct to it may not wait into
         self.route = Routes(chain, self.lead_ms)
