@@ -14,8 +14,9 @@ them from the gateways' /metrics.
 """
 
 import json
+import signal
 import sys
-import time
+import threading
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -415,10 +416,23 @@ def one(connection, args, own: ChainKey, now_ms: int) -> Report:
 
 def command(args, open_channel, own: ChainKey, clock) -> int:
     """Print the report once, or every --interval seconds with --watch (redrawn in place
-    on a terminal). Exit 3 when the topology is not declared (once)."""
+    on a terminal) until interrupted. Exit 3 when the topology is not declared (once)."""
+    stop = threading.Event()
+    if args.watch:
+        # Ctrl-C ends the watch between two reports: raised inside pika instead, it can leave
+        # the connection unable to close.
+        previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        return _reports(args, open_channel, own, clock, stop)
+    finally:
+        if args.watch:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _reports(args, open_channel, own: ChainKey, clock, stop: threading.Event) -> int:
     with open_channel() as channel:
         connection = channel.connection
-        while True:
+        while not stop.is_set():
             r = one(connection, args, own, clock())
             if r.missing and not args.watch and not args.json:
                 # Nothing under this prefix: the one useful line, not a table of "missing".
@@ -432,4 +446,5 @@ def command(args, open_channel, own: ChainKey, clock) -> int:
             sys.stdout.flush()
             if not args.watch:
                 return 3 if r.missing else 0
-            time.sleep(args.interval)
+            stop.wait(args.interval)
+    return 0
