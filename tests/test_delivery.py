@@ -136,7 +136,9 @@ def test_unreadable_delays_are_parked_with_a_reason(chain, run_gateway):
 def test_a_due_message_nobody_is_bound_for_is_parked(chain, run_gateway):
     gateway = run_gateway(chain)
     receiver = Receiver(chain, pattern="bound.#")
-    publish(chain, [("unbound.key", b"lost?", delayed(300)), ("bound.key", b"fine", delayed(400))])
+    # long enough to pass through the chain (lead 50 + carrier wait 200 + a unit), so the
+    # message reaches the distributor that consumes this chain's exit
+    publish(chain, [("unbound.key", b"lost?", delayed(800)), ("bound.key", b"fine", delayed(900))])
     assert [m.body for m in receiver.collect(1, timeout=10)] == [b"fine"]
     [(method, properties, body)] = wait_parked(chain, 1)
     assert body == b"lost?" and method.routing_key == "unbound.key"
