@@ -30,15 +30,20 @@ def wait_parked(chain, count: int, timeout: float = 15) -> dict:
         time.sleep(0.2)
 
 
+# Long enough that a replayed message with its delay applied again could not pass for one
+# delivered at once, even after a slow start of the replaying command.
+DELAY_MS = 5000
+
+
 def test_list_then_replay_after_the_cause_is_fixed(make_chain, run_gateway):
     chain = make_chain(max_level=3, resolution_ms=100)
     run_gateway(chain)
     with connect() as connection:
         channel = connection.channel()
         channel.confirm_delivery()
-        for i in range(3):  # due in 2 s, but nobody is bound to "late.#" yet
+        for i in range(3):  # due in DELAY_MS, but nobody is bound to "late.#" yet
             channel.basic_publish(chain.names.check_in, f"late.{i}", b"late", pika.BasicProperties(
-                message_id=f"late-{i}", headers={"x-delay": 2000, "keep": i}), mandatory=True)
+                message_id=f"late-{i}", headers={"x-delay": DELAY_MS, "keep": i}), mandatory=True)
         channel.basic_publish(chain.names.check_in, "bad.header", b"bad", pika.BasicProperties(
             message_id="bad", headers={"x-delay": "tomorrow"}), mandatory=True)
     report = wait_parked(chain, 4)
@@ -59,12 +64,14 @@ def test_list_then_replay_after_the_cause_is_fixed(make_chain, run_gateway):
     replayed_at = now_ms()
     rest = json.loads(cli(chain, "replay", "--reason", "unroutable").stdout)
     assert rest["replayed"] == 2
-    # Already due when parked: delivered at once, its 2 s x-delay not applied again.
-    got = receiver.collect(3, timeout=1.5)
+    # Already due when parked: delivered at once, its x-delay not applied again (which would
+    # make it arrive DELAY_MS after the replay at the earliest; the margin is the CLI's start
+    # on a loaded machine).
+    got = receiver.collect(3, timeout=DELAY_MS / 1000)
     receiver.close()
     assert sorted(m.properties.message_id for m in got) == ["late-0", "late-1", "late-2"]
-    assert all(m.at_ms - replayed_at < 2000 for m in got)
-    assert all(sent_headers(m.properties) == {"x-delay": 2000, "keep": int(m.routing_key[-1])} for m in got)
+    assert all(m.at_ms - replayed_at < DELAY_MS - 1000 for m in got), [m.at_ms - replayed_at for m in got]
+    assert all(sent_headers(m.properties) == {"x-delay": DELAY_MS, "keep": int(m.routing_key[-1])} for m in got)
     # The unreadable header was not fixed: replaying it parks it again, with its reason.
     assert json.loads(cli(chain, "replay").stdout)["replayed"] == 1
     again = wait_parked(chain, 1)
