@@ -225,21 +225,18 @@ class Follower:
                 self.metrics.cancellations_held.set(len(self.store))
 
     def _on_record(self, channel, method, properties, body) -> None:
-        wire_props = getattr(properties, "wire", None)
-        headers = wire_props.headers if wire_props is not None else None
-        offset = (properties.headers or {}).get("x-stream-offset") if headers is None else headers.get(
-            "x-stream-offset")
+        headers = properties.wire.headers  # (a codec connection: exact headers)
+        offset = headers.get("x-stream-offset")
         if isinstance(offset, int):
             self._next = offset + 1
-        if headers is not None:
-            found = cancels.read_record(headers)
-            if found is not None:
-                self.store.add(found[0], found[1], wall_ms())
-            elif self._mark is not None and cancels.read_mark(headers) == self._mark:
-                self._mark = None
-                self.ready.set()
-                self.metrics.cancellations_held.set(len(self.store))
-                self.log.info("cancellations_read", held=len(self.store), window_s=self.store.window_us // 1_000_000)
+        found = cancels.read_record(headers)
+        if found is not None:
+            self.store.add(found[0], found[1], wall_ms())
+        elif self._mark is not None and cancels.read_mark(headers) == self._mark:
+            self._mark = None
+            self.ready.set()
+            self.metrics.cancellations_held.set(len(self.store))
+            self.log.info("cancellations_read", held=len(self.store), window_s=self.store.window_us // 1_000_000)
         channel.basic_ack(method.delivery_tag)
 
 

@@ -89,7 +89,7 @@ class WindowPublisher:
             for url in self.urls:
                 try:  # returns once connected, or raises: then the next URL
                     return _opened(self, parameters(url, self.name, self.tls))
-                except Exception as exc:  # noqa: BLE001 (reported below, in one line)
+                except Exception as exc:  # reported below, in one line
                     errors.append(f"{redact(url)}: {exc!r}")
             if time.monotonic() + delay > deadline:
                 raise PublishError("cannot connect: " + "; ".join(errors[-len(self.urls):]))

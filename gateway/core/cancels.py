@@ -22,7 +22,7 @@ from collections import deque
 from typing import Deque, Dict, Optional, Tuple
 
 from gateway.core import wire
-from gateway.core.envelope import ARRIVAL_SKEW_MS, ARRIVED, SMALLEST_DELIVER_AT
+from gateway.core.envelope import arrival_stamp
 from gateway.core.wire import Properties, Table
 
 MAX_ID_BYTES = 255
@@ -68,11 +68,8 @@ class Sequencer:
 def stamp_us(headers: Table, now_ms: int, sequence: Sequencer) -> int:
     """A publisher's message's or a cancel's time: the broker's arrival stamp, if there is a
     plausible one, else the next time of this reader."""
-    stamp = headers.get(ARRIVED)
-    if isinstance(stamp, int) and not isinstance(stamp, bool) \
-            and SMALLEST_DELIVER_AT <= stamp <= now_ms + ARRIVAL_SKEW_MS:
-        return min(stamp, now_ms) * 1000
-    return sequence(now_ms)
+    stamp = arrival_stamp(headers, now_ms)
+    return sequence(now_ms) if stamp is None else stamp * 1000
 
 
 def record(message_id: bytes, at_us: int) -> Properties:

@@ -113,13 +113,19 @@ def due_at(headers: Table, now_ms: int) -> int:
     return max(due, default=now_ms)
 
 
-def arrived_at(headers: Table, now_ms: int) -> int:
-    """When the broker received the message, if it says so plausibly; else now."""
+def arrival_stamp(headers: Table, now_ms: int) -> Optional[int]:
+    """When the broker received the message, if it says so plausibly (never after now)."""
     stamp = headers.get(ARRIVED)
     if isinstance(stamp, int) and not isinstance(stamp, bool) \
             and SMALLEST_DELIVER_AT <= stamp <= now_ms + ARRIVAL_SKEW_MS:
         return min(stamp, now_ms)
-    return now_ms
+    return None
+
+
+def arrived_at(headers: Table, now_ms: int) -> int:
+    """When the broker received the message, if it says so plausibly; else now."""
+    stamp = arrival_stamp(headers, now_ms)
+    return now_ms if stamp is None else stamp
 
 
 def _absolute(name: str, value: Any, now_ms: int) -> int:
