@@ -6,7 +6,8 @@ Callbacks that pika would run later from its ioloop (channel opened, basic.qos-o
 wait in a queue until `settle()`.
 
 It keeps what the consumer sent: every publish (with its sequence number on its channel
-and the channel it went on), every ack and nack.
+and the channel it went on), every ack and nack, and (`frames`) the order of acks,
+publishes and basic.qos.
 """
 
 from dataclasses import dataclass, field
@@ -101,7 +102,12 @@ class FakeChannel:
 
     def basic_qos(self, prefetch_count: int, callback: Callable[[Any], None]) -> None:
         self.prefetch = prefetch_count
+        self.connection.frames.append(("qos", self.number))
         self.connection.loop.soon.append(lambda: callback(None))
+
+    def queue_declare(self, queue: str, passive: bool, callback: Callable[[Any], None]) -> None:
+        frame = _Frame(spec.Queue.DeclareOk(queue, self.connection.backlog, 0))
+        self.connection.loop.soon.append(lambda: callback(frame))
 
     def basic_consume(self, queue: str, on_message: Callable[..., None], callback: Callable[[Any], None]) -> str:
         self.on_message, self.consumer_tag = on_message, f"ctag-{self.number}"
@@ -119,11 +125,13 @@ class FakeChannel:
         self.seq += 1
         self.connection.published.append(
             Published(self, self.seq, exchange, routing_key, body, properties.wire, mandatory))
+        self.connection.frames.append(("publish", exchange))
 
     def basic_ack(self, delivery_tag: int, multiple: bool = False) -> None:
         if not self.is_open:
             raise ChannelWrongStateError("Channel is closed.")
         self.acks.append((delivery_tag, multiple))
+        self.connection.frames.append(("ack", delivery_tag, multiple))
 
     def basic_nack(self, delivery_tag: int, multiple: bool = False, requeue: bool = True) -> None:
         if not self.is_open:
@@ -168,6 +176,8 @@ class FakeConnection:
     is_open: bool = True
     channels: List[FakeChannel] = field(default_factory=list)
     published: List[Published] = field(default_factory=list)
+    frames: List[tuple] = field(default_factory=list)  # what went out, in order: qos, publish, ack
+    backlog: int = 0  # what a queue holds, as queue.declare-ok says
 
     def __post_init__(self) -> None:
         self.loop = self.ioloop = FakeLoop(self.clock)

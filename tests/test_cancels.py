@@ -12,7 +12,7 @@ from topology import ChainSettings
 
 from gateway.core import cancels, carrier, envelope, handlers
 from gateway.core.actions import Delivery, Enqueue, Forward
-from gateway.core.cancels import BadCancel, Sequencer, Store, cancelled, checked_id
+from gateway.core.cancels import BadCancel, Held, Sequencer, Store, Time, after, checked_id
 from gateway.core.carrier import Entry
 from gateway.core.envelope import Inside
 from gateway.core.wire import Properties, Table, long
@@ -22,16 +22,31 @@ NAMES = CHAIN.names
 NOW = 1_800_000_000_000
 
 
-class Judge:
-    """The decision over a plain dict, recording what it dropped where."""
+def held(*times: Time) -> Held:
+    h = Held()
+    for t in times:
+        h.add(t)
+    return h
 
-    def __init__(self, held: Optional[Dict[bytes, int]] = None) -> None:
+
+def taken_in(entry: Entry) -> Optional[Time]:
+    """A message's time as broker/cancelling.Judge reads it."""
+    if entry.accepted_us is None:
+        return None
+    return Time(entry.accepted_us, envelope.broker_stamp(entry.user.headers, NOW + 60_000))
+
+
+class Judge:
+    """The decision over a plain dict of cancels held, recording what it dropped where."""
+
+    def __init__(self, held: Optional[Dict[bytes, Held]] = None) -> None:
         self.held = held or {}
         self.dropped: List[Tuple[bytes, str]] = []
 
     def __call__(self, entry: Entry, where: str) -> bool:
         mid = entry.user.get("message_id")
-        if cancelled(self.held.get(mid) if mid else None, entry.accepted_us):
+        h = self.held.get(mid) if mid else None
+        if h is not None and h.cancels(taken_in(entry)):
             self.dropped.append((mid, where))
             return True
         return False
@@ -48,17 +63,39 @@ def cancel(mid: Optional[str], **headers) -> Delivery:
 
 
 # -- the decision ------------------------------------------------------------------------------
-def test_a_cancel_at_or_after_the_message_wins_and_one_before_it_does_not():
-    assert cancelled(10, 10) and cancelled(11, 10)
-    assert not cancelled(9, 10)
-    assert not cancelled(None, 10) and not cancelled(None, None)
-    assert cancelled(1, None)  # a message from before times were kept: any cancel held wins
+def test_a_cancel_read_at_or_after_the_message_wins_and_one_before_it_does_not():
+    assert after(Time(10), Time(10)) and after(Time(11), Time(10))
+    assert not after(Time(9), Time(10))
+    assert held(Time(1)).cancels(None)  # a message from before times were kept: any cancel held wins
 
 
-def test_the_sequencer_orders_reads_within_one_millisecond():
+def test_stamps_are_compared_with_stamps_and_read_times_with_read_times():
+    # both stamped: the broker's clock decides, whatever the read times (another replica's)
+    assert after(Time(read_us=5, arrived_ms=NOW + 1), Time(read_us=9, arrived_ms=NOW))
+    assert not after(Time(read_us=9, arrived_ms=NOW), Time(read_us=5, arrived_ms=NOW + 1))
+    # the same millisecond: the order check-in read them in
+    assert after(Time(7, NOW), Time(5, NOW)) and not after(Time(5, NOW), Time(7, NOW))
+    # one of them unstamped (the interceptor turned on or off between them): read times only
+    assert after(Time(7, None), Time(5, NOW + 100)) and not after(Time(5, NOW + 100), Time(7, None))
+
+
+def test_held_cancels_answer_for_each_kind_of_message():
+    h = held(Time(100, NOW), Time(50, None))
+    assert h.newest_read_us == 100
+    assert h.cancels(Time(90, NOW - 1)) and not h.cancels(Time(90, NOW + 1))
+    assert h.cancels(Time(40, NOW + 1))  # the unstamped cancel was read after it
+    assert h.cancels(Time(99, None)) and not h.cancels(Time(101, None))
+    # the latest stamped cancel is kept, by stamp and then read time, in any order of arrival
+    h2 = held(Time(300, NOW + 2), Time(500, NOW + 1), Time(200, NOW + 2))
+    assert h2.stamped == Time(300, NOW + 2)
+
+
+def test_the_sequencer_orders_reads_within_one_millisecond_and_starts_above_a_floor():
     seq = Sequencer()
     times = [seq(NOW) for _ in range(5)] + [seq(NOW - 3)]  # the clock stepped back too
     assert times == sorted(times) and len(set(times)) == 6 and times[0] == NOW * 1000
+    restarted = Sequencer().above(times[-1])  # a new process whose clock is behind
+    assert restarted(NOW - 1000) > times[-1]
 
 
 @pytest.mark.parametrize("raw, why", [(None, "needs the id"), (b"", "empty"), ("x" * 256, "256 bytes")])
@@ -73,26 +110,30 @@ def test_ids_are_bytes_and_255_bytes_is_allowed():
 
 
 def test_a_record_reads_back_and_a_mark_is_no_record():
-    props = cancels.record(b"order-1", 123)
-    assert cancels.read_record(props.headers) == (b"order-1", 123)
+    assert cancels.read_record(cancels.record(b"order-1", Time(123)).headers) == (b"order-1", Time(123))
+    assert cancels.read_record(cancels.record(b"o", Time(123, NOW)).headers) == (b"o", Time(123, NOW))
     assert cancels.read_record(cancels.mark(b"tok").headers) is None
+    # a record of the version before: one time, read as the read time
+    old = Table([cancels.wire.longstr(cancels.RECORD_ID, b"o"), long(cancels.RECORD_AT, 5)])
+    assert cancels.read_record(old) == (b"o", Time(5))
 
 
-def test_the_brokers_arrival_stamp_is_the_time_and_a_future_one_is_capped():
-    seq = Sequencer()
-    assert cancels.stamp_us(Table([long("timestamp_in_ms", NOW - 5)]), NOW, seq) == (NOW - 5) * 1000
-    assert cancels.stamp_us(Table([long("timestamp_in_ms", NOW + 10_000)]), NOW, seq) == NOW * 1000
-    assert cancels.stamp_us(Table([long("timestamp_in_ms", 12)]), NOW, seq) == NOW * 1000  # not plausible
+def test_the_brokers_stamp_is_taken_as_it_is_and_only_x_delay_counts_from_it_capped():
+    ahead = Table([long("timestamp_in_ms", NOW + 10_000)])
+    assert envelope.broker_stamp(ahead, NOW) == NOW + 10_000  # the broker's clock, never mixed with ours
+    assert envelope.arrival_stamp(ahead, NOW) == NOW  # x-delay never counts from our future
+    assert envelope.broker_stamp(Table([long("timestamp_in_ms", 12)]), NOW) is None  # not plausible
+    assert envelope.broker_stamp(Table([long("timestamp_in_ms", NOW + 61_000)]), NOW) is None
 
 
 # -- the store ---------------------------------------------------------------------------------
 def test_the_store_keeps_the_latest_cancel_of_an_id_and_forgets_past_the_window():
     store = Store(window_ms=1000)
-    assert store.add(b"a", NOW * 1000, NOW)
-    assert store.add(b"a", (NOW - 500) * 1000, NOW)  # older record of the same id, out of order
-    assert store.get(b"a") == NOW * 1000
-    assert not store.add(b"old", (NOW - 2000) * 1000, NOW)  # already outside: nothing held
-    assert store.prune(NOW + 600) == 0 and store.get(b"a") == NOW * 1000
+    assert store.add(b"a", Time(NOW * 1000), NOW)
+    assert store.add(b"a", Time((NOW - 500) * 1000), NOW)  # older record of the same id, out of order
+    assert store.get(b"a").newest_read_us == NOW * 1000 == store.newest_read_us
+    assert not store.add(b"old", Time((NOW - 2000) * 1000), NOW)  # already outside: nothing held
+    assert store.prune(NOW + 600) == 0 and store.get(b"a").newest_read_us == NOW * 1000
     assert store.prune(NOW + 1001) == 1 and store.get(b"a") is None and len(store) == 0
 
 
@@ -104,7 +145,7 @@ def test_the_store_answers_as_the_latest_record_inside_the_window(records, prune
     base = NOW
     kept = []
     for mid, t in records:
-        if store.add(mid, (base + t) * 1000, base + t):
+        if store.add(mid, Time((base + t) * 1000), base + t):
             kept.append((mid, (base + t) * 1000))
     store.prune(base + prune_at)
     cutoff = (base + prune_at - 1000) * 1000
@@ -112,10 +153,11 @@ def test_the_store_answers_as_the_latest_record_inside_the_window(records, prune
         times = [t for m, t in kept if m == mid]
         latest = max(times, default=None)
         got = store.get(mid)
+        got_us = None if got is None else got.newest_read_us
         if latest is not None and latest >= cutoff:
-            assert got == latest  # never forgets a cancel inside the window
+            assert got_us == latest  # never forgets a cancel inside the window
         else:
-            assert got in (None, latest)  # outside the window: forgotten, or soon
+            assert got_us in (None, latest)  # outside the window: forgotten, or soon
 
 
 def test_memory_per_100000_cancellations_is_bounded_and_measured(record_property):
@@ -124,7 +166,7 @@ def test_memory_per_100000_cancellations_is_bounded_and_measured(record_property
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
     for i, mid in enumerate(ids):
-        store.add(mid, NOW * 1000 + i, NOW)
+        store.add(mid, Time(NOW * 1000 + i), NOW)
     used = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
     record_property("figures", f"cancellations: {used / 1e6:.1f} MB per 100,000 held (36-byte ids, ids counted apart)")
@@ -139,11 +181,12 @@ def test_check_in_records_a_cancel_with_its_time():
     check_in = handlers.CheckIn(CHAIN, 0, lambda: NOW)
     [record] = check_in(cancel("order-1"))
     assert isinstance(record, Forward) and record.exchange == NAMES.cancellations and record.mandatory
-    assert record.outcome == cancels.RECORDED
+    assert record.outcome == cancels.RECORDED and record.fence
     mid, at = cancels.read_record(record.props.headers)
-    assert mid == b"order-1" and at // 1000 == NOW
+    assert mid == b"order-1" and at.read_us // 1000 == NOW and at.arrived_ms is None
     [stamped] = check_in(cancel("order-1", timestamp_in_ms=NOW - 7))
-    assert cancels.read_record(stamped.props.headers) == (b"order-1", (NOW - 7) * 1000)
+    _, at2 = cancels.read_record(stamped.props.headers)
+    assert at2.arrived_ms == NOW - 7 and at2.read_us > at.read_us
 
 
 @pytest.mark.parametrize("mid, why", [(None, "needs the id"), ("", "empty")])
@@ -158,14 +201,14 @@ def test_a_message_on_check_in_is_timed_and_a_cancel_read_later_wins_over_it():
     [sent] = check_in(message("m1"))
     [rec] = check_in(cancel("m1"))
     mid, at = cancels.read_record(rec.props.headers)
-    assert isinstance(sent, Enqueue) and sent.entry.accepted_us < at
-    judge.held[mid] = at
+    assert isinstance(sent, Enqueue) and sent.entry.accepted_us < at.read_us
+    judge.held[mid] = held(at)
     assert check_in(message("m1")) != []  # published again after the cancel: a reschedule
-    assert cancelled(at, sent.entry.accepted_us)  # the first one is cancelled wherever it is
+    assert judge.held[mid].cancels(taken_in(sent.entry))  # the first one is cancelled wherever it is
 
 
 def test_check_in_drops_a_message_whose_cancel_is_held_and_stamped_later():
-    judge = Judge({b"m1": (NOW + 5) * 1000})
+    judge = Judge({b"m1": held(Time(1, NOW + 5))})  # read long ago by another replica
     check_in = handlers.CheckIn(CHAIN, 0, lambda: NOW + 10, cancelled=judge)
     assert check_in(message("m1", timestamp_in_ms=NOW)) == []
     assert judge.dropped == [(b"m1", "check-in")]
@@ -193,7 +236,7 @@ def test_returning_and_the_distributor_drop_cancelled_messages_of_a_carrier():
     kept = Entry(b"k", Properties.build(message_id=b"kept"), b"y", NOW + 50, 100)
     later = Entry(b"k", Properties.build(message_id=b"cut"), b"z", NOW + 50, 300)  # rescheduled
     both = handlers.carry("ex", b"", "chain", [cut, kept, later])
-    judge = Judge({b"cut": 200})
+    judge = Judge({b"cut": held(Time(200))})
     d = Delivery("ex", b"", both.props, both.body)
     back = handlers.Returning(CHAIN, 0, lambda: NOW, cancelled=judge)(d)
     assert [a.entry for a in back] == [kept, later]
@@ -206,7 +249,7 @@ def test_the_distributor_asks_again_at_release():
     judge = Judge()
     dist = handlers.Distributor(CHAIN, 0, lambda: NOW, cancelled=judge)
     e = Entry(b"k", Properties.build(message_id=b"m"), b"x", NOW + 50, 100)
-    [held] = dist(Delivery("ex", b"", handlers.carry("ex", b"", "d", [e]).props, b"x"))
-    assert dist.keep(held)
-    judge.held[b"m"] = 150
-    assert not dist.keep(held)
+    [kept] = dist(Delivery("ex", b"", handlers.carry("ex", b"", "d", [e]).props, b"x"))
+    assert dist.keep(kept)
+    judge.held[b"m"] = held(Time(150))
+    assert not dist.keep(kept)

@@ -2,6 +2,8 @@
 tests/fake_broker.py: what each broker event turns into, frame by frame, with the real
 handlers and a clock the test moves."""
 
+from collections import deque
+
 import structlog.testing
 
 from gateway.broker.consumer import Pipe
@@ -170,3 +172,51 @@ def test_handler_failures_park_the_delivery_whole():
     conn.consuming().deliver(b"body", Properties.build(message_id="m"), routing_key="k.1")
     [parked] = conn.published
     assert parked.exchange == NAMES.parked and parked.routing_key == b"k.1" and "a bug" in Inside(parked.props).error
+
+
+def test_a_cancel_is_a_fence_its_record_waits_for_every_ack_before_it_and_holds_back_those_after():
+    """Check-in's fence (flow.Flow): the cancel closes the open carriers at once, its record
+    goes out only after the acks of every delivery before it and a basic.qos round trip,
+    and nothing read after it is acknowledged before it."""
+    handler = CheckIn(CHAIN, 50, lambda: conn.clock(), wait_ms=200)
+    conn, pipe, _ = started(NAMES.check_in, handler, Batcher(100, 100_000, 200))
+    in_five_s = Properties.build(message_id="m", headers=Table([wire.long("x-delay", 5000)]))
+    conn.consuming().deliver(b"m1", in_five_s)
+    conn.consuming().deliver(b"m2", in_five_s)
+    assert conn.published == []  # waiting for company
+    conn.frames.clear()
+    conn.consuming().deliver(b"", Properties.build(message_id="m"), exchange=NAMES.cancel)  # tag 3
+    [carried] = conn.published  # the open carrier went at once; the record waits
+    assert carried.exchange != NAMES.cancellations and len(carrier.unpack(carried.body)) == 2
+    conn.consuming().deliver(b"m4", in_five_s)  # read after the cancel: a reschedule
+    conn.advance(200)
+    [_, after] = conn.published
+    conn.publishing().confirm(after.seq)  # m4 done first: still not acknowledged
+    assert conn.consuming().acks == []
+    conn.publishing().confirm(carried.seq)  # m1, m2 done: acknowledged now, then the sync
+    assert conn.consuming().acks == [(2, True)] and conn.frames[-1] == ("qos", conn.consuming().number)
+    assert all(p.exchange != NAMES.cancellations for p in conn.published)
+    conn.settle()  # basic.qos-ok: the broker has the acks; the record goes out
+    record = conn.published[-1]
+    assert record.exchange == NAMES.cancellations and record.mandatory
+    assert conn.frames.index(("ack", 2, True)) < conn.frames.index(("qos", conn.consuming().number)) \
+        < conn.frames.index(("publish", NAMES.cancellations))
+    conn.advance(5)
+    assert conn.consuming().acks == [(2, True)]  # m4 still waits for the cancel
+    conn.publishing().confirm(record.seq)
+    conn.advance(5)
+    assert conn.consuming().acks == [(2, True), (4, True)]
+
+
+def test_consecutive_cancels_are_recorded_together_and_a_lost_connection_forgets_the_fences():
+    handler = CheckIn(CHAIN, 50, lambda: conn.clock(), wait_ms=200)
+    conn, pipe, _ = started(NAMES.check_in, handler, Batcher(100, 100_000, 200))
+    for mid in ("a", "b", "c"):
+        conn.consuming().deliver(b"", Properties.build(message_id=mid), exchange=NAMES.cancel)
+    conn.settle()  # nothing before them: one sync opens all three
+    assert [p.exchange for p in conn.published] == [NAMES.cancellations] * 3
+    assert conn.frames.count(("qos", conn.consuming().number)) == 2  # the consumer's own, and one sync
+    conn.consuming().deliver(b"x", Properties.build(message_id="x", headers=Table([wire.long("x-delay", 5000)])))
+    conn.consuming().deliver(b"", Properties.build(message_id="x"), exchange=NAMES.cancel)
+    conn.close()  # everything unacknowledged goes back to the queue; nothing is left waiting
+    assert pipe.flow._fenced == deque() and not pipe.flow._syncing

@@ -35,7 +35,7 @@ from topology.settings import ChainSettings
 from gateway.broker import codec
 from gateway.broker.amqp import Trouble, classify, parameters
 from gateway.clock import wall_ms
-from gateway.core import cancels
+from gateway.core import cancels, envelope
 from gateway.core.actions import Action, Delivery, Forward
 from gateway.core.carrier import Entry
 from gateway.core.cancels import Store
@@ -101,12 +101,17 @@ class Judge:
         if not len(self.store):  # the usual case: no cancel in the window, nothing to read
             return False
         message_id = entry.user.get("message_id")
-        at = self.store.get(message_id) if message_id else None
-        if not cancels.cancelled(at, entry.accepted_us):
+        held = self.store.get(message_id) if message_id else None
+        if held is None:
+            return False
+        taken_in = None if entry.accepted_us is None else cancels.Time(
+            entry.accepted_us, envelope.broker_stamp(entry.user.headers, wall_ms()))
+        if not held.cancels(taken_in):
             return False
         self.metrics.cancelled.labels(where).inc()
         self.log.info("cancelled_message_dropped", message_id=entry.user.text("message_id"), where=where,
-                      due_ms=entry.due_ms, cancelled_us=at, accepted_us=entry.accepted_us)
+                      due_ms=entry.due_ms, cancelled_us=held.newest_read_us, accepted_us=entry.accepted_us,
+                      arrived_ms=taken_in and taken_in.arrived_ms)
         return True
 
 
@@ -122,7 +127,7 @@ def recording(check_in: Callable[[Delivery], List[Action]], metrics: Metrics) ->
                 found = cancels.read_record(action.props.headers)
                 if found is not None:
                     log.info("cancel_recorded", message_id=found[0].decode("utf-8", "backslashreplace"),
-                             cancelled_us=found[1])
+                             cancelled_us=found[1].read_us, arrived_ms=found[1].arrived_ms)
         return actions
     return handle
 
@@ -247,7 +252,7 @@ def window_start(window_ms: int) -> datetime.datetime:
     return datetime.datetime.fromtimestamp(max(0.0, start_s), datetime.timezone.utc)
 
 
-def read(connection, names: Names, window_ms: int, idle_s: float = 0.3) -> List[Tuple[bytes, int]]:
+def read(connection, names: Names, window_ms: int, idle_s: float = 0.3) -> List[Tuple[bytes, cancels.Time]]:
     """The records of the window, oldest first, read until the stream is quiet for idle_s
     (for commands; a gateway follows the stream with `Follower`). Missing stream: []."""
     channel = connection.channel()
@@ -257,7 +262,7 @@ def read(connection, names: Names, window_ms: int, idle_s: float = 0.3) -> List[
         if exc.reply_code == 404:
             return []
         raise
-    found: List[Tuple[bytes, int]] = []
+    found: List[Tuple[bytes, cancels.Time]] = []
     cutoff_us = (wall_ms() - window_ms) * 1000
     seen = 0
 
@@ -265,7 +270,7 @@ def read(connection, names: Names, window_ms: int, idle_s: float = 0.3) -> List[
         nonlocal seen
         seen += 1
         record = cancels.read_record(properties.wire.headers)
-        if record is not None and record[1] >= cutoff_us:
+        if record is not None and record[1].read_us >= cutoff_us:
             found.append(record)
         ch.basic_ack(method.delivery_tag)
 

@@ -67,7 +67,8 @@ class Pipe:
     def __init__(self, connection: Connection, queue: str, handler: Handler, prefetch: int, metrics: Metrics,
                  names: Names, clock: Callable[[], int] = wall_ms,
                  on_fatal: Optional[Callable[[Exception], None]] = None,
-                 batcher: Optional[Batcher] = None, keep: Optional[Callable[[Forward], bool]] = None) -> None:
+                 batcher: Optional[Batcher] = None, keep: Optional[Callable[[Forward], bool]] = None,
+                 on_caught_up: Optional[Callable[[], None]] = None) -> None:
         self._connection, self.queue, self._prefetch, self._clock = connection, queue, prefetch, clock
         self._cork = codec.cork(connection)  # what an event makes us send goes out in one write
         self._on_fatal = on_fatal or (lambda exc: None)
@@ -83,6 +84,11 @@ class Pipe:
         self._timer_at: Optional[int] = None
         self._on_stopped: Optional[Callable[[], None]] = None
         self.consuming = False
+        # Told once this consumer has read what its queue held when it started, and has
+        # recorded every cancel among it (worker.Session: check-in, before the distributor).
+        self._on_caught_up = on_caught_up
+        self._backlog: Optional[int] = None  # what the queue held as we started consuming
+        self._read = 0
 
     # -- life cycle --------------------------------------------------------------------
     def open(self) -> None:
@@ -107,11 +113,19 @@ class Pipe:
         # our basic.qos and its answer: consuming then is pika's error, not ours to raise.
         if not channel.is_open:
             return
+        if self._on_caught_up is not None and self._backlog is None:
+            channel.queue_declare(self.queue, passive=True, callback=lambda frame: self._counted(channel, frame))
+            return
         self._consumer_tag = channel.basic_consume(self.queue, self._on_message, callback=lambda _: self._consuming())
+
+    def _counted(self, channel: Channel, frame: Any) -> None:
+        self._backlog = frame.method.message_count
+        self._start_consuming(channel)
 
     def _consuming(self) -> None:
         self.consuming = True
         self._log.info("consuming", prefetch=self._prefetch)
+        self._do(Actions())  # (an empty queue: caught up at once)
 
     def _on_cancelled(self, frame: object) -> None:
         # The broker cancelled our consumer (its queue was deleted, or its node went away):
@@ -178,6 +192,7 @@ class Pipe:
                     body: bytes) -> None:
         d = Delivery(method.exchange, envelope.as_bytes(method.routing_key), properties.wire, body,
                      method.redelivered)
+        self._read += 1
         self._do(self.flow.delivered(method.delivery_tag, d, self._clock()))
 
     def _on_return(self, channel: Channel, method: spec.Basic.Return, properties: codec.WireProperties,
@@ -188,6 +203,9 @@ class Pipe:
         method = frame.method
         self._do(self.flow.confirmed(method.delivery_tag, method.multiple, isinstance(method, spec.Basic.Ack),
                                      self._clock()))
+
+    def _on_synced(self, frame: object) -> None:
+        self._do(self.flow.synced(self._clock()))
 
     def _on_timer(self) -> None:
         self._timer = self._timer_at = None
@@ -200,6 +218,10 @@ class Pipe:
         with self._cork:
             self._act(actions)
         self._schedule()
+        if self._on_caught_up is not None and self._backlog is not None and self._read >= self._backlog \
+                and not self.flow.fenced:
+            told, self._on_caught_up = self._on_caught_up, None
+            told()
 
     def _act(self, actions: Actions) -> None:
         if actions.publish and self._publish is not None:
@@ -209,6 +231,8 @@ class Pipe:
                 self._consume.basic_ack(tag, multiple=multiple)
             for tag in actions.reject:
                 self._consume.basic_nack(tag, requeue=False)
+            if actions.sync:  # the same prefetch again: only the answer matters
+                self._consume.basic_qos(prefetch_count=self._prefetch, callback=self._on_synced)
         if actions.reconnect and self._connection.is_open:
             self._connection.close()
         if actions.finished:

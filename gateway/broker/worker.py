@@ -27,6 +27,7 @@ from gateway.broker import codec, stamp
 from gateway.broker.amqp import BrokerError, Trouble, blocking_channel, classify, parameters
 from gateway.clock import wall_ms
 from gateway.core.carrier import Batcher
+from gateway.core.cancels import Sequencer
 from gateway.broker import cancelling
 from gateway.broker.cancelling import Judge
 from gateway.broker.consumer import Pipe
@@ -39,6 +40,7 @@ STOP_POLL_S = 0.2
 STOP_GRACE_S = 10.0
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.2, 10.0
 STABLE_S = 30.0  # a connection up this long (and consuming) resets the backoff
+CATCH_UP_S = 60.0  # the other consumers wait at most this long for check-in's backlog
 FATAL_ATTEMPTS = 3  # errors that do not heal: give up after this many
 EXIT_NO_BROKER, EXIT_REFUSED = 1, 3
 
@@ -63,8 +65,10 @@ class Session:
     """One connection, from open to close, with the consumers of the chosen role."""
 
     def __init__(self, url: str, settings: Settings, metrics: Metrics, health: Health,
-                 stop: threading.Event, exits: Sequence[str] = (), judge: Optional[Judge] = None) -> None:
+                 stop: threading.Event, exits: Sequence[str] = (), judge: Optional[Judge] = None,
+                 sequence: Optional[Sequencer] = None) -> None:
         self.judge = judge  # whether a message was cancelled (cancelling.py); None: not asked
+        self.sequence = sequence  # check-in's read times, one sequence for the process
         self.url, self.settings, self.metrics, self.health, self.stop_event = url, settings, metrics, health, stop
         self.exits = exits  # chain exits in other queue types, to consume as well
         self.log = structlog.get_logger("gateway").bind(broker=redact(url))
@@ -73,6 +77,7 @@ class Session:
         self.ready_since: Optional[float] = None
         self.blocked = False  # by a resource alarm
         self._stopping = False
+        self._opened_all = False
 
     def run(self) -> None:
         """Returns when the connection closes."""
@@ -89,17 +94,23 @@ class Session:
         self.metrics.connections.inc()
         s, chain, names = self.settings, self.settings.chain, self.settings.chain.names
 
-        def pipe(queue: str, handler, prefetch: int, batched: bool = False) -> None:
+        def pipe(queue: str, handler, prefetch: int, batched: bool = False, on_caught_up=None) -> None:
             batcher = Batcher(s.carrier_messages, s.carrier_bytes, s.carrier_wait_ms) if batched else None
             keep = handler.keep if isinstance(handler, Distributor) and self.judge is not None else None
             self.pipes.append(Pipe(connection, queue, handler, prefetch, self.metrics, names,
-                                   on_fatal=self._on_fatal, batcher=batcher, keep=keep))
+                                   on_fatal=self._on_fatal, batcher=batcher, keep=keep, on_caught_up=on_caught_up))
 
         returning = [names.returning] + [q for q in self.exits if q.startswith(names.returning + ".")]
         distributors = [names.distributor] + [q for q in self.exits if q.startswith(names.distributor + ".")]
+        # The other consumers start once check-in has read what it held and recorded every
+        # cancel in it: after a crash, a cancel the dead process read but had not recorded
+        # yet must be in place before a message it cancels can be released, even one due
+        # by now (at most CATCH_UP_S).
+        gate = s.role == "all" and self.judge is not None
         if s.role in ("all", "check-in"):
-            check_in = CheckIn(chain, s.lead_ms, wall_ms, s.carrier_wait_ms, self.judge)
-            pipe(names.check_in, cancelling.recording(check_in, self.metrics), s.prefetch, batched=True)
+            check_in = CheckIn(chain, s.lead_ms, wall_ms, s.carrier_wait_ms, self.judge, self.sequence)
+            pipe(names.check_in, cancelling.recording(check_in, self.metrics), s.prefetch, batched=True,
+                 on_caught_up=self._caught_up if gate else None)
             for queue in returning:
                 pipe(queue, Returning(chain, s.lead_ms, wall_ms, s.carrier_wait_ms, self.judge), s.prefetch,
                      batched=True)
@@ -108,9 +119,21 @@ class Session:
                 pipe(queue, Distributor(chain, s.lead_ms, wall_ms, s.stamp_due_at, self.judge),
                      s.distributor_prefetch)
             pipe(names.parking, Parking(names), s.prefetch)
-        for p in self.pipes:
+        for p in self.pipes[:1] if gate else self.pipes:
             p.open()
+        if gate:
+            self.connection.ioloop.call_later(CATCH_UP_S, lambda: self._caught_up(late=True))
         self._watch()
+
+    def _caught_up(self, late: bool = False) -> None:
+        if self._opened_all or not self.connection.is_open:
+            return
+        self._opened_all = True
+        if late:
+            self.log.warning("check_in_catch_up_slow", waited_s=CATCH_UP_S,
+                             cancels="starting the other consumers before check-in read its backlog")
+        for p in self.pipes[1:]:
+            p.open()
 
     def _watch(self) -> None:
         # Polled rather than signalled: a signal handler must not take pika's locks.
@@ -247,6 +270,7 @@ def run(settings: Settings, stop: threading.Event, metrics: Metrics, health: Hea
     checked = False  # the topology: declared, or (--no-declare) its exchanges found
     stamp_checked = False  # said once per process, on the first broker that answers
     backoff = Backoff()
+    sequence = Sequencer()
     refused = 0
     last_up = time.monotonic()
     while not stop.is_set():
@@ -273,8 +297,10 @@ def run(settings: Settings, stop: threading.Event, metrics: Metrics, health: Hea
                     break
                 if missing is not None:
                     raise BrokerError(missing)
+            if cancels is not None:  # read times above every cancel held, whatever the clock did
+                sequence.above(cancels.store.newest_read_us)
             session = Session(url, settings, metrics, health, stop, other_exits(url, settings),
-                              Judge(cancels.store, metrics) if cancels is not None else None)
+                              Judge(cancels.store, metrics) if cancels is not None else None, sequence)
             session.run()
             trouble = classify(session.error, url) if session.error is not None else None
         except TopologyConflict as exc:

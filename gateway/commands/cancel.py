@@ -94,10 +94,11 @@ def _text(mid: bytes) -> str:
     return mid.decode("utf-8", "surrogateescape")
 
 
-def latest(records: List[Tuple[bytes, int]]) -> Dict[bytes, int]:
+def latest(records: List[Tuple[bytes, cancels.Time]]) -> Dict[bytes, int]:
+    """id -> when its latest cancel was read (µs)."""
     out: Dict[bytes, int] = {}
     for mid, at in records:
-        out[mid] = max(at, out.get(mid, at))
+        out[mid] = max(at.read_us, out.get(mid, at.read_us))
     return out
 
 

@@ -29,6 +29,9 @@ class Forward:
     reason: Optional[str] = None  # why it is parked
     mandatory: bool = False  # pick-up: a message nobody is bound for comes back, to be parked
     entry: Optional[Entry] = None  # the one publisher's message it carries, if it is one
+    # Published only once every delivery before the one it comes from is acknowledged, and
+    # nothing after that delivery is acknowledged before it (a cancel's record: flow.Flow).
+    fence: bool = False
 
 
 @dataclass(frozen=True)

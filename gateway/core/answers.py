@@ -52,6 +52,9 @@ class Actions:
     ack: List[Tuple[int, bool]] = field(default_factory=list)  # (delivery tag, multiple)
     reject: List[int] = field(default_factory=list)  # nack without requeue: the broker dead-letters it
     reconnect: bool = False  # start over on a new connection
+    # After the acks: a round trip on the consuming channel (basic.qos), answered by
+    # Flow.synced, so the broker has taken every ack sent before it.
+    sync: bool = False
     finished: bool = False  # stopping, and nothing is left to wait for
 
 

@@ -4,31 +4,39 @@ A cancel is a message published to `<prefix>.cancel`, which is bound to the chec
 queue: it queues behind every message published before it, so the order the check-in
 consumer reads them in is the order the broker took them in, on every broker version,
 whatever the backlog and without comparing clocks. The check-in consumer turns it into a
-*record* (the id and its time) appended to the stream `<prefix>.cancellations`; every
+*record* (the id and its times) appended to the stream `<prefix>.cancellations`; every
 gateway follows that stream into a `Store`.
 
-Times are microseconds. A message's time (`accepted_us`) and a cancel's are the broker's
-arrival stamp when it has one (RabbitMQ 3.12+ with the interceptor: `timestamp_in_ms`),
-else the moment the check-in consumer read it, made strictly increasing within the
-process (`Sequencer`) so that a cancel read after a message always has the later time,
-and a message read after a cancel (a reschedule) the later one too.
+Every message and every cancel has two times, and a comparison uses one clock only:
+- its *read time* (µs): when the check-in consumer read it, strictly increasing within a
+  process and started above every cancel held (`Sequencer`), so that a cancel read after a
+  message has the later time, and a message read after a cancel (a reschedule) the later
+  one too. Check-in fences its acknowledgements around each cancel (flow.Flow): a record
+  is written only once every message before the cancel is acknowledged, so what a crash
+  hands back is read again, in its first order, before the cancel behind it is recorded;
+- its *arrival stamp* (ms), when the broker stamps arrivals (RabbitMQ 3.12+ with the
+  interceptor: `timestamp_in_ms`), read raw from the message's headers: the broker's clock,
+  the same for every reader, so several check-in consumers agree.
 
-A message is cancelled iff a cancel for its id has a time >= the message's. A message
-with no time (in a queue since before this version) is cancelled by any cancel held for
-its id: it was accepted before any cancel could be.
+A message is cancelled iff a cancel held for its id came after it: by the stamps when both
+have one (the same millisecond: by the read times), else by the read times. A message with
+no read time (in a queue since before this version) is cancelled by any cancel held for its
+id: it was accepted before any cancel could be.
 """
 
 from collections import deque
+from dataclasses import dataclass
 from typing import Deque, Dict, Optional, Tuple
 
 from gateway.core import wire
-from gateway.core.envelope import arrival_stamp
 from gateway.core.wire import Properties, Table
 
 MAX_ID_BYTES = 255
-# On a record in the stream: the id cancelled (its bytes) and the cancel's time (µs).
+# On a record in the stream: the id cancelled (its bytes), the cancel's read time (µs) and
+# its arrival stamp (ms) if the broker stamped it.
 RECORD_ID = "x-gateway-message-id"
 RECORD_AT = "x-gateway-cancelled-us"
+RECORD_ARRIVED = "x-gateway-cancel-arrived-ms"
 # On a record a gateway appends to find the stream's end (see broker/cancelling.py).
 RECORD_MARK = "x-gateway-mark"
 # Outcome label of the publish that records a cancel (metrics).
@@ -54,28 +62,44 @@ def checked_id(message_id: object) -> bytes:
 
 
 class Sequencer:
-    """Microseconds from a millisecond clock, strictly increasing: two reads of one process
-    never get the same time, so the order they were read in decides."""
+    """Microseconds from a millisecond clock, strictly increasing from `floor` on: two reads
+    of one process never get the same time, so the order they were read in decides; started
+    above every cancel held, a new process reads after them even if its clock went back."""
 
-    def __init__(self) -> None:
-        self._last = 0
+    def __init__(self, floor: int = 0) -> None:
+        self._last = floor
 
     def __call__(self, now_ms: int) -> int:
         self._last = max(now_ms * 1000, self._last + 1)
         return self._last
 
-
-def stamp_us(headers: Table, now_ms: int, sequence: Sequencer) -> int:
-    """A publisher's message's or a cancel's time: the broker's arrival stamp, if there is a
-    plausible one, else the next time of this reader."""
-    stamp = arrival_stamp(headers, now_ms)
-    return sequence(now_ms) if stamp is None else stamp * 1000
+    def above(self, floor: int) -> "Sequencer":
+        """From now on, times above `floor` too."""
+        self._last = max(self._last, floor)
+        return self
 
 
-def record(message_id: bytes, at_us: int) -> Properties:
+@dataclass(frozen=True)
+class Time:
+    """When a message or a cancel was taken in: its read time (µs), its arrival stamp (ms)."""
+
+    read_us: int
+    arrived_ms: Optional[int] = None
+
+
+def after(cancel: Time, message: Time) -> bool:
+    """Whether the cancel came after the message (see the module doc): one clock at a time."""
+    if cancel.arrived_ms is not None and message.arrived_ms is not None and cancel.arrived_ms != message.arrived_ms:
+        return cancel.arrived_ms > message.arrived_ms
+    return cancel.read_us >= message.read_us
+
+
+def record(message_id: bytes, at: Time) -> Properties:
     """The properties of a record (its body is empty)."""
-    return Properties.build(delivery_mode=2, headers=Table([wire.longstr(RECORD_ID, message_id),
-                                                            wire.long(RECORD_AT, at_us)]))
+    entries = [wire.longstr(RECORD_ID, message_id), wire.long(RECORD_AT, at.read_us)]
+    if at.arrived_ms is not None:
+        entries.append(wire.long(RECORD_ARRIVED, at.arrived_ms))
+    return Properties.build(delivery_mode=2, headers=Table(entries))
 
 
 def mark(token: bytes) -> Properties:
@@ -87,59 +111,93 @@ def read_mark(headers: Table) -> Optional[bytes]:
     return token.encode("utf-8") if isinstance(token, str) else token if isinstance(token, bytes) else None
 
 
-def read_record(headers: Table) -> Optional[Tuple[bytes, int]]:
+def read_record(headers: Table) -> Optional[Tuple[bytes, Time]]:
     """(id, time) of a record; None if it is not one (a mark, or not ours). The id is read
-    as text or bytes: RabbitMQ 4 with the arrival stamp re-encodes a binary header as text."""
-    mid, at = headers.get(RECORD_ID), headers.get(RECORD_AT)
+    as text or bytes: RabbitMQ 4 with the arrival stamp re-encodes a binary header as text.
+    A record of an earlier version has one time, which counts as its read time."""
+    mid, at, arrived = headers.get(RECORD_ID), headers.get(RECORD_AT), headers.get(RECORD_ARRIVED)
     if isinstance(mid, str):
         mid = mid.encode("utf-8")
-    if isinstance(mid, bytes) and mid and isinstance(at, int) and not isinstance(at, bool):
-        return mid, at
+    if isinstance(mid, bytes) and mid and _integer(at):
+        return mid, Time(at, arrived if _integer(arrived) else None)
     return None
 
 
-def cancelled(cancel_us: Optional[int], accepted_us: Optional[int]) -> bool:
-    """The decision: a cancel held (its time) against a message's time (None: unknown, old)."""
-    return cancel_us is not None and (accepted_us is None or cancel_us >= accepted_us)
+def _integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class Held:
+    """The cancels held for one id, as much of them as any decision needs: the newest read
+    time, the latest stamped cancel (by stamp, then read time), the newest unstamped one."""
+
+    __slots__ = ("newest_read_us", "stamped", "unstamped_read_us")
+
+    def __init__(self) -> None:
+        self.newest_read_us = -1
+        self.stamped: Optional[Time] = None
+        self.unstamped_read_us = -1
+
+    def add(self, at: Time) -> None:
+        self.newest_read_us = max(self.newest_read_us, at.read_us)
+        if at.arrived_ms is None:
+            self.unstamped_read_us = max(self.unstamped_read_us, at.read_us)
+        elif self.stamped is None or (at.arrived_ms, at.read_us) > (self.stamped.arrived_ms, self.stamped.read_us):
+            self.stamped = at
+
+    def cancels(self, message: Optional[Time]) -> bool:
+        """Whether a cancel held came after a message taken in at this time (None: unknown)."""
+        if message is None:
+            return True
+        if message.arrived_ms is None:
+            return self.newest_read_us >= message.read_us
+        return (self.stamped is not None and after(self.stamped, message)) \
+            or self.unstamped_read_us >= message.read_us
 
 
 class Store:
-    """id -> the latest cancel's time, for the cancels of the last `window_us`.
+    """id -> the cancels held for it (`Held`), for the cancels of the last `window_us`.
 
-    Memory is bounded by the cancels inside the window: `prune` forgets what is older. One
-    thread adds (the stream's follower), others look up; a lookup is one dict read.
+    Memory is bounded by the cancels inside the window: `prune` forgets what is older (by
+    read time). One thread adds (the stream's follower), others look up; a lookup is one
+    dict read.
     """
 
     def __init__(self, window_ms: int) -> None:
         self.window_us = window_ms * 1000
-        self._latest: Dict[bytes, int] = {}
-        self._order: Deque[Tuple[int, bytes]] = deque()  # as added: (time, id)
+        self._held: Dict[bytes, Held] = {}
+        self._order: Deque[Tuple[int, bytes]] = deque()  # as added: (read time, id)
         self.added = 0
+        self.newest_read_us = 0  # of every cancel held: where a new Sequencer starts
 
     def __len__(self) -> int:
-        return len(self._latest)
+        return len(self._held)
 
-    def add(self, message_id: bytes, at_us: int, now_ms: int) -> bool:
+    def add(self, message_id: bytes, at: Time, now_ms: int) -> bool:
         """Hold a cancel; False if it is already outside the window (nothing to hold)."""
-        if at_us < now_ms * 1000 - self.window_us:
+        if at.read_us < now_ms * 1000 - self.window_us:
             return False
         self.added += 1
-        if at_us > self._latest.get(message_id, -1):
-            self._latest[message_id] = at_us
-        self._order.append((at_us, message_id))
+        held = self._held.get(message_id)
+        if held is None:
+            held = self._held[message_id] = Held()
+        held.add(at)
+        self.newest_read_us = max(self.newest_read_us, at.read_us)
+        self._order.append((at.read_us, message_id))
         return True
 
-    def get(self, message_id: Optional[bytes]) -> Optional[int]:
-        return None if message_id is None else self._latest.get(message_id)
+    def get(self, message_id: Optional[bytes]) -> Optional[Held]:
+        return None if message_id is None else self._held.get(message_id)
 
     def prune(self, now_ms: int) -> int:
-        """Forget cancels older than the window; how many were forgotten. Records come in
+        """Forget cancels older than the window; how many ids were forgotten. Records come in
         about time order; one a little out of order is forgotten a little late."""
         cutoff, gone = now_ms * 1000 - self.window_us, 0
         while self._order and self._order[0][0] < cutoff:
             at, mid = self._order.popleft()
-            if self._latest.get(mid) == at:
-                del self._latest[mid]
+            held = self._held.get(mid)
+            if held is not None and held.newest_read_us == at:
+                del self._held[mid]
                 gone += 1
         return gone
 

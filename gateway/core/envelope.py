@@ -113,13 +113,20 @@ def due_at(headers: Table, now_ms: int) -> int:
     return max(due, default=now_ms)
 
 
-def arrival_stamp(headers: Table, now_ms: int) -> Optional[int]:
-    """When the broker received the message, if it says so plausibly (never after now)."""
+def broker_stamp(headers: Table, now_ms: int) -> Optional[int]:
+    """The broker's arrival stamp as it is (the broker's clock), if it is plausible."""
     stamp = headers.get(ARRIVED)
     if isinstance(stamp, int) and not isinstance(stamp, bool) \
             and SMALLEST_DELIVER_AT <= stamp <= now_ms + ARRIVAL_SKEW_MS:
-        return min(stamp, now_ms)
+        return stamp
     return None
+
+
+def arrival_stamp(headers: Table, now_ms: int) -> Optional[int]:
+    """When the broker received the message, if it says so plausibly, on our clock: never
+    after now (what x-delay counts from)."""
+    stamp = broker_stamp(headers, now_ms)
+    return None if stamp is None else min(stamp, now_ms)
 
 
 def arrived_at(headers: Table, now_ms: int) -> int:

@@ -10,14 +10,17 @@ the returned `Actions` say, nothing more. The core keeps:
 - the held messages (`Holds`), released at their due time: `held` is their count, the one
   the held-messages gauge reads;
 - the open batches (`Batcher`), closed by count, bytes or age;
+- the fences waiting for their turn (a cancel's record: published once every delivery
+  before it is acknowledged and the broker has taken those acks, so that a crash at any
+  moment hands back, in their first order, the messages and the cancels a crash undid);
 - when acknowledgements are due; and (answers.Answers) the refused publishes waiting to be
   retried.
 
 Time comes in with each event (epoch ms); `next_wake()` says when the core wants a `tick`.
 """
 
-from collections import Counter
-from typing import Callable, Dict, List, Optional, Sequence
+from collections import Counter, deque
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from topology.names import Names
 
@@ -46,8 +49,16 @@ class Flow:
         self._left: Dict[int, int] = {}  # tag -> its messages not yet in a sent publication
         self._holds: Holds[int, Forward] = Holds()  # a delivery tag's message, due at its time
         self._flush_at: Optional[int] = None
+        self._fenced: Deque[Tuple[int, Forward]] = deque()  # fences not yet published, in order
+        self._syncing = False  # a sync is under way
+        self._acked_since_sync: Optional[int] = None  # the lowest tag acknowledged after it was asked for
         self._draining = False
         self._answers = Answers(self.ledger, names, self._park, self._delivered, observer, self._give_up)
+
+    @property
+    def fenced(self) -> int:
+        """Fences (cancels) read and not yet recorded."""
+        return len(self._fenced)
 
     @property
     def held(self) -> int:
@@ -66,13 +77,14 @@ class Flow:
     def delivered(self, tag: int, d: Delivery, now: int) -> Actions:
         out = Actions()
         self._release_due(now, out)  # a stream of deliveries must not keep due messages waiting
-        self.ledger.received(tag)
         self._delivered[tag] = d
         try:
             actions = self._handler(d)
         except Exception as exc:  # a bug must not stop the gateway, nor lose the message
             self._observer.note("exception", "handler_failed", routing_key=envelope.shown(d.routing_key))
             actions = list(self._park(d, f"the gateway failed on it: {exc!r}"))
+        fence = any(isinstance(a, Forward) and a.fence for a in actions)
+        self.ledger.received(tag, fence)
         if not actions:
             self.ledger.finish(tag)
             self._ack_soon(now, out)
@@ -84,14 +96,19 @@ class Flow:
                 route = (action.exchange, action.routing_key, action.outcome)
                 for batch in self._batcher.add(route, tag, action.entry, now, action.send_by_ms):
                     self._flush_batch(batch, now, out)
+            elif action.fence:
+                self._fenced.append((tag, action))
             elif action.not_before_ms is not None and action.not_before_ms > now:
                 self.ledger.hold(tag)
                 self._holds.add(action.not_before_ms, tag, action)
             else:
                 self._send([tag], action, [(tag, action.entry)], now, out)
-        if self._prefetch and len(self._delivered) >= self._prefetch:
+        if fence or (self._prefetch and len(self._delivered) >= self._prefetch):
+            # A fence waits for every delivery before it: what waits for company goes now.
             for batch in self._batcher.drain():
                 self._flush_batch(batch, now, out)
+        if fence:
+            self._open_fences(out)
         return out
 
     def publishing_opened(self, now: int) -> Actions:
@@ -123,6 +140,20 @@ class Flow:
         out = Actions()
         self._answers.apply(self.ledger.confirmed(seq, multiple, ack), now, out)
         self._ack_soon(now, out)
+        self._open_fences(out)  # (a delivery before a fence may have been given up)
+        self._maybe_finished(out)
+        return out
+
+    def synced(self, now: int) -> Actions:
+        """The broker answered the sync: it has taken every ack sent before it, so each fence
+        whose deliveries before it were all acknowledged by then is published now."""
+        out = Actions()
+        since, self._syncing, self._acked_since_sync = self._acked_since_sync, False, None
+        while self._fenced and self.ledger.settled_before(self._fenced[0][0]) \
+                and (since is None or self._fenced[0][0] < since):
+            tag, forward = self._fenced.popleft()
+            self._send([tag], forward, [(tag, None)], now, out)
+        self._open_fences(out)
         self._maybe_finished(out)
         return out
 
@@ -164,6 +195,8 @@ class Flow:
         self._left.clear()
         self._answers.clear()
         self._flush_at = None
+        self._fenced.clear()
+        self._syncing, self._acked_since_sync = False, None
 
     # -- decisions ------------------------------------------------------------------------
     def _release_due(self, now: int, out: Actions) -> None:
@@ -189,8 +222,9 @@ class Flow:
         self._ack_soon(now, out)
 
     def _ack_soon(self, now: int, out: Actions) -> None:
-        """Deliveries are done: acknowledge them now (a full batch) or within ACK_FLUSH_MS."""
-        if self.ledger.done_count >= ACK_BATCH:
+        """Deliveries are done: acknowledge them now (a full batch, or a fence waits for them)
+        or within ACK_FLUSH_MS."""
+        if self.ledger.done_count >= ACK_BATCH or (self._fenced and self.ledger.done_count):
             self._flush(out)
         elif self._flush_at is None and self.ledger.done_count:
             self._flush_at = now + ACK_FLUSH_MS
@@ -232,8 +266,18 @@ class Flow:
         out.ack.extend((tag, False) for tag in singles)
         for tag in gone:
             self._delivered.pop(tag, None)
+        if gone and self._syncing:
+            self._acked_since_sync = min(gone if self._acked_since_sync is None else [self._acked_since_sync, *gone])
+        if gone:
+            self._open_fences(out)
+
+    def _open_fences(self, out: Actions) -> None:
+        """Ask for a sync once the first fence's turn has come (every delivery before it
+        acknowledged): it is published when the broker answers (`synced`)."""
+        if not self._syncing and self._fenced and self.ledger.settled_before(self._fenced[0][0]):
+            self._syncing = out.sync = True
 
     def _maybe_finished(self, out: Actions) -> None:
-        if self._draining and not self.ledger.unconfirmed:
+        if self._draining and not self.ledger.unconfirmed and not self._fenced:
             self._flush(out)
             out.finished = True

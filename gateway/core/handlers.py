@@ -139,7 +139,7 @@ def carry(exchange: str, routing_key: bytes, outcome: str, batch: List[Entry]) -
 
 class CheckIn:
     def __init__(self, chain: ChainSettings, lead_ms: int, clock: Clock, wait_ms: int = 0,
-                 cancelled: Optional[Cancelled] = None) -> None:
+                 cancelled: Optional[Cancelled] = None, sequence: Optional[cancels.Sequencer] = None) -> None:
         # A message may wait up to wait_ms for others going the same way: the chain leaves
         # that much more to the distributor, so waiting never makes it late (one going to
         # the distributor directly may wait only until its lead: `enqueue`).
@@ -147,7 +147,8 @@ class CheckIn:
         self.hand_over_ms = lead_ms  # the distributor's lead: what a message direct to it may not wait into
         self.route = Routes(chain, self.lead_ms)
         self.cancelled = cancelled
-        self.sequence = cancels.Sequencer()
+        # read times: one sequence per process, started above every cancel held
+        self.sequence = sequence if sequence is not None else cancels.Sequencer()
 
     def __call__(self, d: Delivery) -> List[Action]:
         now = self.clock()
@@ -158,7 +159,7 @@ class CheckIn:
             due = envelope.due_at(user.headers, now)
         except Unreadable as exc:
             return [park(self.chain.names, user, d.routing_key, d.body, str(exc))]
-        entry = Entry(d.routing_key, user, d.body, due, cancels.stamp_us(user.headers, now, self.sequence))
+        entry = Entry(d.routing_key, user, d.body, due, self.sequence(now))
         if self.cancelled is not None and self.cancelled(entry, "check-in"):
             return []
         return [self.enqueue(entry, now)]
@@ -171,14 +172,15 @@ class CheckIn:
 
     def record(self, d: Delivery, user: Properties, now: int) -> List[Action]:
         """A cancel (it came through `<prefix>.cancel`): append it to the cancellations
-        stream; it is acknowledged once the broker confirmed the record."""
+        stream, once every delivery before it is acknowledged (a fence: flow.Flow); it is
+        acknowledged once the broker confirmed the record."""
         try:
             message_id = cancels.checked_id(user.get("message_id"))
         except cancels.BadCancel as exc:
             return [park(self.chain.names, user, d.routing_key, d.body, str(exc))]
-        at = cancels.stamp_us(user.headers, now, self.sequence)
+        at = cancels.Time(self.sequence(now), envelope.broker_stamp(user.headers, now))
         return [Forward(self.chain.names.cancellations, b"", cancels.record(message_id, at), b"", cancels.RECORDED,
-                        mandatory=True)]
+                        mandatory=True, fence=True)]
 
 
 class Returning(CheckIn):
