@@ -79,6 +79,9 @@ ONE_BROKER: Dict[str, Tuple[Sequence[str], dict, str]] = {
         (("rmq3.10",), {}, "Spark's side of cancel-table (formats, rejections, counts); cancels on every "
                            "version are test_cancel.py's. On 4.x x-delay counts from the broker's arrival, "
                            "so its messages fall due while Spark starts, before the cancels are sent"),
+    "test_a_confirmed_cancel_wins_through_a_crash_with_the_arrival_stamp":
+        (RMQ4, {}, "the session's 4.x nodes stamp arrivals; the same test without the stamp runs on every "
+                   "version's private node"),
     "test_arrival_stamp_is_added_and_a_publishers_own_is_kept":
         (RMQ4, {}, "message interceptors exist from 3.12 on"),
     "test_the_receiver_sees_the_stamp_of_the_original_publish":

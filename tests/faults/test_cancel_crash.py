@@ -1,0 +1,249 @@
+"""A confirmed cancel wins through a gateway killed with SIGKILL, or whose connection the
+broker closes, at the worst moment: right after the cancels are confirmed, while the
+messages they cancel are in open carriers (not yet acknowledged), in the chain, lapping
+meditation, and held by the distributor. A rescheduled id arrives once, with its new body.
+
+On every suite broker: the private node without the arrival stamp (3.10, and 4.3 with the
+interceptor off, as a broker has it by default), and the session's 4.3 node with the stamp
+on. About 12 s a case."""
+
+import socket
+import subprocess
+import threading
+import time
+from typing import Dict, List
+from urllib.parse import urlsplit
+
+import pika
+import pytest
+
+from gateway.broker import cancelling
+from topology import ChainSettings
+
+from ..support import GatewayProcess, Receiver, connect, report_figures
+
+# 4 levels of 200 ms: the chain holds up to 3 s; longer delays lap meditation first.
+CHAIN = dict(max_level=4, resolution_ms=200)
+LEAD_MS = 1500  # the distributor holds what is due within 1.5 s (plus a unit)
+# Messages wait up to 1 s in an open carrier for company: the fresh ones are still there,
+# unacknowledged, when their cancels are read (which close the carriers at once).
+WAIT_MS = 1000
+KINDS = {"held": 2000, "chain": 3200, "meditating": 6000}
+FRESH_MS = 4000
+
+
+def publish(url: str, chain: ChainSettings, messages: List[tuple]) -> None:
+    """(message id, delay ms, body) each, confirmed, on one channel (in this order)."""
+    with connect(url) as c:
+        ch = c.channel()
+        ch.confirm_delivery()
+        for mid, delay, body in messages:
+            ch.basic_publish(chain.names.check_in, "k", body, pika.BasicProperties(
+                message_id=mid, headers={"x-delay": delay}, delivery_mode=2), mandatory=True)
+
+
+def cancel_and_publish(url: str, chain: ChainSettings, items: List[tuple]) -> None:
+    """('cancel', id) or ('publish', id, delay, body), in this order on one channel, each
+    confirmed before the next (a reschedule waits for its cancel's confirm)."""
+    with connect(url) as c:
+        ch = c.channel()
+        ch.confirm_delivery()
+        for item in items:
+            if item[0] == "cancel":
+                ch.basic_publish(chain.names.cancel, "", b"", pika.BasicProperties(message_id=item[1]),
+                                 mandatory=True)
+            else:
+                _, mid, delay, body = item
+                ch.basic_publish(chain.names.check_in, "k", body, pika.BasicProperties(
+                    message_id=mid, headers={"x-delay": delay}, delivery_mode=2), mandatory=True)
+
+
+class Proxy:
+    """The gateway's way to the broker: a TCP forwarder whose connections the test cuts at
+    once (rabbitmqctl close_connection takes a second to start: too late for the worst
+    moment). New connections keep being accepted."""
+
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        self.target = (parts.hostname, parts.port or 5672)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.url = url.replace(f":{self.target[1]}/", f":{self.port}/")
+        self.pairs: List[socket.socket] = []
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.target)
+            with self.lock:
+                self.pairs += [client, server]
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(a: socket.socket, b: socket.socket) -> None:
+        try:
+            while True:
+                data = a.recv(65536)
+                if not data:
+                    break
+                b.sendall(data)
+        except OSError:
+            pass
+        for s in (a, b):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def cut(self) -> int:
+        with self.lock:
+            pairs, self.pairs = self.pairs, []
+        for s in pairs:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        return len(pairs) // 2
+
+    def close(self) -> None:
+        self.listener.close()
+        self.cut()
+
+
+def run_case(url: str, chain: ChainSettings, how: str, label: str) -> None:
+    args = ("--lead-ms", str(LEAD_MS), "--carrier-wait-ms", str(WAIT_MS))
+    receiver = Receiver(chain, url=url)
+    proxy = Proxy(url)
+    gateway = GatewayProcess(chain, *args, url=proxy.url).wait_ready()
+    second = None
+    try:
+        # In place before the cancels: held by the distributor, in the chain, in meditation.
+        placed = [(f"{kind}-{n}", delay, b"old") for kind, delay in KINDS.items() for n in range(4)]
+        publish(url, chain, placed)
+        time.sleep(1.0)
+        # Fresh ones and, behind them, the cancels of half of everything; one id rescheduled
+        # at once after its cancel's confirm. Then the kill (or the lost connection) at once.
+        fresh = [(f"fresh-{n}", FRESH_MS, b"old") for n in range(8)]
+        cancelled = [mid for mid, _, _ in placed + fresh if int(mid.rsplit("-", 1)[1]) % 2 == 0]
+        items = [("publish", *m) for m in fresh] + [("cancel", mid) for mid in cancelled]
+        items.append(("publish", "fresh-0", FRESH_MS, b"new"))
+        cancel_and_publish(url, chain, items)
+        if how.endswith("recorded"):  # the cancels read, recorded and acknowledged; what came
+            deadline = time.monotonic() + 5  # before them may still wait in open carriers
+            while len(gateway.events("cancel_recorded")) < len(cancelled) and time.monotonic() < deadline:
+                time.sleep(0.002)
+            time.sleep(0.1)
+        if how.startswith("kill"):
+            gateway.kill()
+            time.sleep(1.3)  # a supervisor restarts it
+            second = GatewayProcess(chain, *args, url=proxy.url)
+        else:
+            assert proxy.cut() >= 1  # every connection of the gateway, at once
+        time.sleep(0.2)
+        # rescheduled 1.5 s after its cancel: while the gateway restarts or reconnects
+        cancel_and_publish(url, chain, [("publish", "held-0", 2500, b"new")])
+        expected = {mid for mid, _, _ in placed + fresh} - set(cancelled) | {"fresh-0", "held-0"}
+        receiver.collect(len(expected), timeout=25)
+        receiver.collect(10**6, timeout=2)  # and anything more that comes
+    finally:
+        for g in (gateway, second):
+            if g is not None and g.proc.poll() is None:
+                g.terminate()
+        receiver.close()
+        proxy.close()
+    got: Dict[str, List[bytes]] = {}
+    for m in receiver.messages:
+        got.setdefault(m.properties.message_id, []).append(m.body)
+    through = sorted(mid for mid in cancelled if mid in got and got[mid] != [b"new"])
+    lost = sorted(expected - set(got))
+    duplicates = sum(len(v) - 1 for v in got.values())
+    report_figures("cancel crash figures", f"cancel-{how} broker={label} cancelled={len(cancelled)} "
+                                           f"cancelled_delivered={len(through)} lost={len(lost)} "
+                                           f"duplicates={duplicates} delivered={len(receiver.messages)}")
+    assert not through, f"cancelled but delivered: {through} ({got})"
+    assert not lost, f"lost: {lost}"
+    assert got["fresh-0"] == [b"new"] and got["held-0"] == [b"new"], got
+
+
+# SIGKILL as soon as the cancels are confirmed (some read, some not), or once the gateway
+# logged them recorded; the connections cut once recorded.
+HOW = ["kill", "kill-recorded", "connection-recorded"]
+
+
+@pytest.mark.parametrize("how", HOW)
+def test_a_confirmed_cancel_wins_through_a_crash_without_the_arrival_stamp(own_node, node_chain, how):
+    chain = node_chain(**CHAIN)
+    try:
+        run_case(own_node.url, chain, how, own_node.runtime.label + " (no stamp)")
+    finally:
+        with connect(own_node.url) as c:
+            cancelling.delete(c.channel(), chain.names)
+
+
+@pytest.mark.parametrize("how", HOW)
+def test_a_confirmed_cancel_wins_through_a_crash_with_the_arrival_stamp(broker, make_chain, how):
+    chain = make_chain(**CHAIN)
+    try:
+        run_case(broker, chain, how, "4.x (stamp)")
+    finally:
+        with connect(broker) as c:
+            cancelling.delete(c.channel(), chain.names)
+
+
+def test_rabbitmq_hands_back_a_dead_consumers_messages_in_their_first_order(own_node):
+    """What check-in's fence relies on (gateway/core/deliveries.py), on this version, for
+    both queue types: a consumer killed holding messages, some acknowledged out of order
+    (and more delivered as acks free its prefetch); the next reader gets what was not
+    acknowledged in the order first published, then the rest."""
+    import os
+    import signal
+    import sys
+    child = (
+        "import sys, time, pika\n"
+        "c = pika.BlockingConnection(pika.URLParameters(sys.argv[1])); ch = c.channel()\n"
+        "ch.basic_qos(prefetch_count=40); got = []\n"
+        "ch.basic_consume(sys.argv[2], lambda ch_, m, p, b: got.append((m.delivery_tag, int(b))))\n"
+        "while len(got) < 40: c.process_data_events(0.1)\n"
+        "tags = {i: t for t, i in got}\n"
+        "ch.basic_ack(tags[4], multiple=True)\n"
+        "for i in list(range(6, 40, 3)) + [23, 22]: ch.basic_ack(tags[i])\n"
+        "c.process_data_events(0.5); print('ready', flush=True); time.sleep(60)\n")
+    for queue_type in ("classic", "quorum"):
+        queue = f"redeliver-{queue_type}-{os.getpid()}"
+        with connect(own_node.url) as c:
+            ch = c.channel()
+            ch.queue_declare(queue, durable=True, arguments={"x-queue-type": queue_type})
+            ch.confirm_delivery()
+            for i in range(60):
+                ch.basic_publish("", queue, str(i).encode(), pika.BasicProperties(delivery_mode=2))
+            proc = subprocess.Popen([sys.executable, "-c", child, own_node.url, queue], stdout=subprocess.PIPE,
+                                    text=True)
+            try:
+                assert proc.stdout.readline().strip() == "ready"
+            finally:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+            order = []
+            deadline = time.monotonic() + 20
+            acked = set(range(5)) | set(range(6, 40, 3)) | {22, 23}
+            # once the broker has noticed the dead connection: all of it ready again
+            while ch.queue_declare(queue, passive=True).method.message_count < 60 - len(acked) \
+                    and time.monotonic() < deadline:
+                c.sleep(0.05)
+            while len(order) < 60 - len(acked) and time.monotonic() < deadline:
+                method, _, body = ch.basic_get(queue, auto_ack=True)
+                if method is None:
+                    c.sleep(0.05)
+                    continue
+                order.append((int(body), method.redelivered))
+            ch.queue_delete(queue)
+        ids = [i for i, _ in order]
+        assert ids == sorted(set(range(60)) - acked), (queue_type, order)
+        redelivered = [r for _, r in order]
+        assert redelivered == sorted(redelivered, reverse=True), (queue_type, order)  # handed back first
