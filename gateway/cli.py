@@ -98,10 +98,9 @@ def cmd_run(args) -> int:
 # -- topology -------------------------------------------------------------------------------
 def cmd_declare(args) -> int:
     chain = chain_from(args)
-    topology = build(chain)
+    topology = build(chain, cancelling.retention_ms(chain, args.cancel_retention))
     with blocking_channel(urls_from(args), tls=tls_from(args)) as channel:
         declare(channel, topology)
-        cancelling.declare(channel, chain.names, cancelling.retention_ms(chain, args.cancel_retention))
         records = read_registry(channel.connection, chain.names)
         upkeep.record_chain(channel.connection, chain.prefix, ChainKey.of(chain),
                             None if records is None else fold(records))
@@ -127,7 +126,6 @@ def cmd_delete(args) -> int:
         for key in sorted(others):
             delete(channel, build(key.settings(chain.prefix)))
         delete(channel, build(chain))
-        cancelling.delete(channel, chain.names)
     print(f"deleted the topology with prefix {args.prefix!r} ({len(others) + 1} chain(s))")
     return 0
 
@@ -144,7 +142,8 @@ def render_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_render(args) -> int:
-    topology = build(chain_from(args))
+    chain = chain_from(args)
+    topology = build(chain, cancelling.retention_ms(chain, args.cancel_retention))
     try:
         text = render(args.format, topology, args)
     except ValueError as exc:  # options the format cannot work with
@@ -433,7 +432,7 @@ COMMANDS = {
     "delete": Command("delete the topology and every message it holds", BROKER + ("chain",), cmd_delete,
                       delete_arguments),
     "render": Command("print the topology as code (a definitions document, a Terraform module) for your "
-                      "infrastructure's own tools", ("chain", "log"), cmd_render, render_arguments),
+                      "infrastructure's own tools", ("chain", "cancel", "log"), cmd_render, render_arguments),
     "status": Command("show how many messages wait where, and when they fall due (plain AMQP, any number "
                       "of messages)", BROKER + ("chain", "lead", "cancel"), cmd_status, status_arguments),
     "migrate": Command("retire chains of other settings that no gateway uses, once they are empty "

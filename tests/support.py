@@ -11,7 +11,7 @@ import pika
 
 from bench import launcher
 from bench.launcher import ROOT, chain_args, free_port  # noqa: F401 (tests import them from here)
-from gateway.broker import cancelling, codec
+from gateway.broker import codec
 from gateway.settings import DEFAULT_URL
 from topology import ChainSettings, build
 from topology.broker.declare import declare, delete
@@ -148,7 +148,6 @@ def remove(chain: ChainSettings, url: Optional[str] = None) -> None:
     try:
         with connect(url) as connection:
             delete(connection.channel(), build(chain))
-            cancelling.delete(connection.channel(), chain.names)  # a gateway run declares them
     except pika.exceptions.AMQPError:
         pass
 

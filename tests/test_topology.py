@@ -42,7 +42,7 @@ def test_classic_chains_carry_no_quorum_arguments_and_have_classic_exits():
         if (t.in_chain(q.name) or q.name in exits) and q.role != "presence":
             assert q.arguments["x-queue-type"] == "classic"
             assert not {"x-dead-letter-strategy", "x-overflow", "x-delivery-limit"} & set(q.arguments)
-        elif q.role != "registry":
+        elif q.role not in ("registry", "cancellations"):  # (streams)
             assert q.arguments["x-queue-type"] == "quorum"
     # a classic queue dead-letters at most once: never into a quorum queue, which is not up
     # yet while the broker starts
@@ -74,7 +74,8 @@ def test_a_chain_with_other_settings_has_other_names_and_max_level_only_adds_lev
     a, b = build(ChainSettings(prefix="d", max_level=3)), build(ChainSettings(prefix="d", max_level=5))
     c = build(ChainSettings(prefix="d", max_level=3, resolution_ms=100))
     fixed = {q.name for q in a.queues if not a.in_chain(q.name)}
-    assert fixed == {"d.check-in", "d.returning", "d.distributor", "d.parking", "d.parked", "d.chains"}
+    assert fixed == {"d.check-in", "d.returning", "d.distributor", "d.parking", "d.parked", "d.chains",
+                     "d.cancellations"}
     assert {q.name for q in a.queues} - {q.name for q in b.queues} == {
         "d.1000ms-quorum-queue.meditation.03", "d.1000ms-quorum-queue.gateways.03"}
     levels = {q.name: dict(q.arguments) for q in b.queues}
@@ -93,12 +94,26 @@ def test_bad_settings_say_what_is_wrong(bad, message):
         ChainSettings(**bad)
 
 
+def test_the_cancel_objects_are_part_of_the_topology():
+    t = build(ChainSettings(prefix="d", max_level=5, resolution_ms=100), cancel_window=7_200_000)
+    assert (t.exchange("d.cancel").type, dict(t.exchange("d.cancel").arguments)) == ("fanout", {})
+    stream = t.queue("d.cancellations")
+    assert dict(stream.arguments) == {"x-queue-type": "stream", "x-max-age": "7200s",
+                                      "x-stream-max-segment-size-bytes": 8_000_000}
+    assert stream.declared_once and not t.in_chain(stream.name)
+    assert {(b.source, b.destination) for b in t.bindings} >= {("d.cancel", "d.check-in"),
+                                                                ("d.cancellations", "d.cancellations")}
+    # the default window: 2^max_level units plus a day
+    assert build(ChainSettings(prefix="d", max_level=5, resolution_ms=100)).queue("d.cancellations") \
+        .arguments["x-max-age"] == f"{(32 * 100 + 86_400_000) // 1000 + 1}s"
+
+
 def test_definitions_list_every_object():
     t = build(ChainSettings(prefix="d", max_level=5))
     doc = json.loads(render(t, vhost="v"))
-    assert len(doc["exchanges"]) == len(t.exchanges) == 8 + 5  # with the registry's
-    assert len(doc["queues"]) == len(t.queues) == 8 + 2 * 5  # with the registry and gateways queues
-    assert len(doc["bindings"]) == len(t.bindings) == 7 + 2 * 5
+    assert len(doc["exchanges"]) == len(t.exchanges) == 8 + 2 + 5  # with the registry's and the cancel ones
+    assert len(doc["queues"]) == len(t.queues) == 8 + 1 + 2 * 5  # the registry, gateways, cancellations queues
+    assert len(doc["bindings"]) == len(t.bindings) == 7 + 2 + 2 * 5
     assert [e["internal"] for e in doc["exchanges"]].count(True) == 1
     assert {o["vhost"] for kind in doc.values() for o in kind} == {"v"}
 

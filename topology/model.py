@@ -1,5 +1,6 @@
 """What the gateway declares: every exchange, queue and binding, computed from settings."""
 
+import math
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Dict, Mapping, Optional, Tuple
@@ -25,7 +26,7 @@ AT_LEAST_ONCE = {"x-dead-letter-strategy": "at-least-once", "x-overflow": "rejec
 
 # What each queue is for: `status` and `migrate` read these, not the names.
 ROLES = ("check-in", "returning", "distributor", "parking", "parked", "meditation", "delay", "pass",
-         "registry", "presence")
+         "registry", "presence", "cancellations")
 # The record of declared chains is a stream: any number of readers can read it from the
 # start at the same time without taking anything away (a queue read with basic.get hides
 # what one reader holds from the others, and on 4.x counts each look against the delivery
@@ -34,6 +35,20 @@ REGISTRY_ARGUMENTS = {"x-queue-type": "stream"}
 # The presence queue never holds messages; quorum, so that it stays available (and its
 # consumers counted) while a node of a cluster is down.
 PRESENCE_ARGUMENTS = {"x-queue-type": "quorum"}
+# Cancels (docs/cancelling.md) are kept for a window: by default the longest a message can go
+# without passing a gateway consumer (a lap of meditation or one pass of the chain, both at
+# most 2^max_level units) plus a day for outages, backlogs and clocks a little off.
+DAY_MS = 86_400_000
+# Segments are the unit a stream's retention removes: small enough that little is kept past
+# the window (the default is 500 MB), large enough to be few.
+CANCEL_SEGMENT_BYTES = 8_000_000
+
+
+def cancel_window_ms(settings: ChainSettings, setting_s: float = 0.0) -> int:
+    """The cancels' retention window: the setting (seconds), or the default above."""
+    if setting_s > 0:
+        return int(setting_s * 1000)
+    return (1 << settings.max_level) * settings.resolution_ms + DAY_MS
 
 
 def _frozen(mapping: Optional[Mapping[str, Any]]) -> Mapping[str, Any]:
@@ -72,6 +87,13 @@ class Queue:
     @property
     def dead_letter_exchange(self) -> Optional[str]:
         return self.arguments.get("x-dead-letter-exchange")
+
+    @property
+    def declared_once(self) -> bool:
+        """Declared with its arguments only when missing: the cancellations stream keeps the
+        window it was first declared with, as a queue's arguments cannot change, while the
+        setting may (the gateways' memory follows the setting)."""
+        return self.role == "cancellations"
 
     @property
     def consumed(self) -> bool:
@@ -129,8 +151,11 @@ class Topology:
         return name.startswith(self.settings.names.chain + ".")
 
 
-def build(settings: ChainSettings) -> Topology:
+def build(settings: ChainSettings, cancel_window: Optional[int] = None) -> Topology:
+    """Everything under the prefix for these settings; `cancel_window` (ms): the cancels'
+    retention window, by default `cancel_window_ms(settings)`."""
     n = settings.names
+    window_ms = cancel_window if cancel_window else cancel_window_ms(settings)
 
     def consumed(name: str, role: str, dlx: str) -> Queue:
         # The gateway's own queues are always quorum queues, whatever the chain's type:
@@ -165,6 +190,11 @@ def build(settings: ChainSettings) -> Topology:
         # privilege (docs/security.md) holds: nothing is published to the default exchange.
         Exchange(n.registry, "fanout"),
         Exchange(settings.meditation, "fanout"),
+        # Cancels: publishers send them to `cancel` (no arguments, like check-in), which is
+        # bound to the check-in queue so that a cancel queues behind the messages published
+        # before it; check-in records them in the `cancellations` stream every gateway follows.
+        Exchange(n.cancel, "fanout"),
+        Exchange(n.cancellations, "fanout"),
     ] + [Exchange(n.level(k), "topic", catch) for k in range(settings.max_level)]
 
     queues = [
@@ -177,6 +207,8 @@ def build(settings: ChainSettings) -> Topology:
         Queue(n.gateways(settings.max_level), PRESENCE_ARGUMENTS, "presence", settings.max_level),
         waiting(settings.meditation, "meditation", settings.meditation_ms, n.exit_returning(settings.queue_type),
                 settings.max_level),
+        Queue(n.cancellations, {"x-queue-type": "stream", "x-max-age": f"{math.ceil(window_ms / 1000)}s",
+                                "x-stream-max-segment-size-bytes": CANCEL_SEGMENT_BYTES}, "cancellations"),
     ]
     bindings = [
         Binding(n.check_in, n.check_in, "#"),
@@ -186,6 +218,8 @@ def build(settings: ChainSettings) -> Topology:
         Binding(n.parked, n.parked),
         Binding(n.registry, n.registry),
         Binding(settings.meditation, settings.meditation),
+        Binding(n.cancel, n.check_in),
+        Binding(n.cancellations, n.cancellations),
     ]
     if settings.queue_type != "quorum":  # the chain's own exits (names.exit_distributor)
         for name, role, internal in ((n.exit_returning(settings.queue_type), "returning", True),

@@ -1,7 +1,7 @@
 """Cancels on the broker: their objects, following the cancellations stream, and the judge
 the consumers ask (the decision itself is gateway/core/cancels.py).
 
-Objects (declared with the topology; none depends on the chain's settings):
+Objects (in the topology model, topology/model.py; none depends on the chain's settings):
 - `<prefix>.cancel`: a durable fanout exchange without arguments, so any client's plain
   declare of it succeeds. Publishers send a cancel there: the id to cancel as the
   message's `message_id`, nothing else needed. It is bound to the check-in *queue*, so a
@@ -20,7 +20,6 @@ before it reads a single message.
 
 import datetime
 import itertools
-import math
 import threading
 import time
 import uuid
@@ -29,6 +28,7 @@ from typing import Callable, List, Optional, Tuple
 import structlog
 from pika.exceptions import AMQPError, ChannelClosedByBroker
 
+from topology.model import cancel_window_ms
 from topology.names import Names
 from topology.settings import ChainSettings
 
@@ -42,13 +42,6 @@ from gateway.core.cancels import Store
 from gateway.metrics import Metrics
 from gateway.settings import Settings, redact
 
-DAY_MS = 86_400_000
-# Added to the longest a message can go without passing a gateway consumer: a broker or
-# gateway outage, a backlog in the distributor queue, a clock a little off.
-MARGIN_MS = DAY_MS
-# Segments are the unit RabbitMQ's retention removes: small enough that little is kept
-# past the window (the default is 500 MB), large enough to be few.
-SEGMENT_BYTES = 8_000_000
 PREFETCH = 2000
 PRUNE_EVERY_S = 1.0
 MISSING_RETRY_S = 0.3
@@ -56,38 +49,8 @@ MISSING_S = 3.0
 
 
 def retention_ms(chain: ChainSettings, setting_s: float = 0.0) -> int:
-    """The retention window: the setting, or by default the longest a message can go without
-    passing a gateway consumer, plus a margin. That is a lap of meditation, or one pass of
-    the chain, whichever is longer: both are at most 2^max_level units."""
-    if setting_s > 0:
-        return int(setting_s * 1000)
-    return 2 ** chain.max_level * chain.resolution_ms + MARGIN_MS
-
-
-def declare(channel, names: Names, window_ms: int) -> None:
-    """Declare the cancel objects (idempotent). The stream is declared with the window only
-    when it does not exist: its arguments cannot change, and the window may."""
-    channel.exchange_declare(names.cancel, "fanout", durable=True)
-    channel.queue_bind(names.check_in, names.cancel)
-    channel.exchange_declare(names.cancellations, "fanout", durable=True)
-    connection = channel.connection
-    probe = connection.channel()
-    try:
-        probe.queue_declare(names.cancellations, passive=True)
-        probe.close()
-    except ChannelClosedByBroker as exc:
-        if exc.reply_code != 404:
-            raise
-        channel.queue_declare(names.cancellations, durable=True, arguments={
-            "x-queue-type": "stream", "x-max-age": f"{math.ceil(window_ms / 1000)}s",
-            "x-stream-max-segment-size-bytes": SEGMENT_BYTES})
-    channel.queue_bind(names.cancellations, names.cancellations)
-
-
-def delete(channel, names: Names) -> None:
-    channel.exchange_delete(names.cancel)
-    channel.exchange_delete(names.cancellations)
-    channel.queue_delete(names.cancellations)
+    """The retention window (topology.model.cancel_window_ms)."""
+    return cancel_window_ms(chain, setting_s)
 
 
 class Judge:

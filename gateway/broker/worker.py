@@ -279,10 +279,8 @@ def run(settings: Settings, stop: threading.Event, metrics: Metrics, health: Hea
         try:
             if not checked:
                 with blocking_channel(url, "delay-gateway declare", settings.tls) as channel:
-                    (declare if settings.declare else verify)(channel, build(settings.chain))
-                    if settings.declare:
-                        cancelling.declare(channel, settings.chain.names,
-                                           cancelling.retention_ms(settings.chain, settings.cancel_retention))
+                    (declare if settings.declare else verify)(channel, build(
+                        settings.chain, cancelling.retention_ms(settings.chain, settings.cancel_retention)))
                 log.info("topology_declared" if settings.declare else "topology_found", prefix=settings.chain.prefix,
                          generation=settings.chain.generation, max_level=settings.chain.max_level)
                 checked = True

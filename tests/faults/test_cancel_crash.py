@@ -17,7 +17,6 @@ from urllib.parse import urlsplit
 import pika
 import pytest
 
-from gateway.broker import cancelling
 from topology import ChainSettings
 
 from ..support import GatewayProcess, Receiver, connect, report_figures
@@ -178,22 +177,12 @@ HOW = ["kill", "kill-recorded", "connection-recorded"]
 
 @pytest.mark.parametrize("how", HOW)
 def test_a_confirmed_cancel_wins_through_a_crash_without_the_arrival_stamp(own_node, node_chain, how):
-    chain = node_chain(**CHAIN)
-    try:
-        run_case(own_node.url, chain, how, own_node.runtime.label + " (no stamp)")
-    finally:
-        with connect(own_node.url) as c:
-            cancelling.delete(c.channel(), chain.names)
+    run_case(own_node.url, node_chain(**CHAIN), how, own_node.runtime.label + " (no stamp)")
 
 
 @pytest.mark.parametrize("how", HOW)
 def test_a_confirmed_cancel_wins_through_a_crash_with_the_arrival_stamp(broker, make_chain, how):
-    chain = make_chain(**CHAIN)
-    try:
-        run_case(broker, chain, how, "4.x (stamp)")
-    finally:
-        with connect(broker) as c:
-            cancelling.delete(c.channel(), chain.names)
+    run_case(broker, make_chain(**CHAIN), how, "4.x (stamp)")
 
 
 def test_rabbitmq_hands_back_a_dead_consumers_messages_in_their_first_order(own_node):

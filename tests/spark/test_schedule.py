@@ -186,36 +186,29 @@ def test_failed_partitions_are_reported_and_published_by_the_next_run(spark, bro
 def test_cancel_table_cancels_every_id_of_a_table_and_rejects_bad_rows_like_schedule(
         spark, broker, make_chain, run_gateway, tmp_path):
     import pika
-    from gateway.broker import cancelling
-    chain = make_chain(max_level=6, resolution_ms=100)
-    try:
-        with connect() as c:  # no gateway yet: messages and then cancels wait in check-in
-            cancelling.declare(c.channel(), chain.names, cancelling.retention_ms(chain))
-        receiver = Receiver(chain)
-        ids = [f"order-{n}" for n in range(40)]
-        with connect() as c:
-            ch = c.channel()
-            ch.confirm_delivery()
-            for mid in ids:
-                ch.basic_publish(chain.names.check_in, "reminder", b"", pika.BasicProperties(
-                    message_id=mid, headers={"x-delay": 3000}), mandatory=True)
-        path = tmp_path / "cancelled.csv"
-        path.write_text("order_id,why\n" + "".join(f"{mid},customer\n" for mid in ids[::2]) + ",no id\n"
-                        + "x" * 256 + ",too long\n")
-        assert main(["cancel-table", str(path), "--url", broker, *chain_args(chain), "--message-id-column",
-                     "order_id", "--errors", str(tmp_path / "errors"), "--summary", str(tmp_path / "summary.json"),
-                     "--rows-per-partition", "7", "--spark-conf", "spark.ui.enabled=false"]) == 0
-        summary = json.loads((tmp_path / "summary.json").read_text())
-        assert (summary["read"], summary["published"], summary["rejected"], summary["not_published"]) == (22, 20, 2, 0)
-        assert summary["rejected_by_reason"] == {"message_id_missing": 1, "message_id_too_long": 1}
-        errors = read_errors(spark, "csv", str(tmp_path / "errors"))
-        assert sorted(r["_reason"] for r in errors) == ["message_id_missing", "message_id_too_long"]
-        assert all(r["_detail"] for r in errors)
-        run_gateway(chain)
-        got = receiver.collect(20, timeout=30)
-        time.sleep(1.0)
-        got = receiver.collect(21, timeout=0.5)
-        assert sorted(m.properties.message_id for m in got) == sorted(ids[1::2])
-    finally:
-        with connect() as c:
-            cancelling.delete(c.channel(), chain.names)
+    chain = make_chain(max_level=6, resolution_ms=100)  # no gateway yet: messages, then cancels, wait in check-in
+    receiver = Receiver(chain)
+    ids = [f"order-{n}" for n in range(40)]
+    with connect() as c:
+        ch = c.channel()
+        ch.confirm_delivery()
+        for mid in ids:
+            ch.basic_publish(chain.names.check_in, "reminder", b"", pika.BasicProperties(
+                message_id=mid, headers={"x-delay": 3000}), mandatory=True)
+    path = tmp_path / "cancelled.csv"
+    path.write_text("order_id,why\n" + "".join(f"{mid},customer\n" for mid in ids[::2]) + ",no id\n"
+                    + "x" * 256 + ",too long\n")
+    assert main(["cancel-table", str(path), "--url", broker, *chain_args(chain), "--message-id-column",
+                 "order_id", "--errors", str(tmp_path / "errors"), "--summary", str(tmp_path / "summary.json"),
+                 "--rows-per-partition", "7", "--spark-conf", "spark.ui.enabled=false"]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (summary["read"], summary["published"], summary["rejected"], summary["not_published"]) == (22, 20, 2, 0)
+    assert summary["rejected_by_reason"] == {"message_id_missing": 1, "message_id_too_long": 1}
+    errors = read_errors(spark, "csv", str(tmp_path / "errors"))
+    assert sorted(r["_reason"] for r in errors) == ["message_id_missing", "message_id_too_long"]
+    assert all(r["_detail"] for r in errors)
+    run_gateway(chain)
+    got = receiver.collect(20, timeout=30)
+    time.sleep(1.0)
+    got = receiver.collect(21, timeout=0.5)
+    assert sorted(m.properties.message_id for m in got) == sorted(ids[1::2])

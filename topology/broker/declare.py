@@ -2,7 +2,7 @@
 
 from pika.exceptions import ChannelClosedByBroker
 
-from topology.model import Topology
+from topology.model import Queue, Topology
 
 
 class TopologyConflict(RuntimeError):
@@ -51,8 +51,11 @@ def _steps(channel, topology: Topology):
         yield "exchange", e.name, lambda e=e: channel.exchange_declare(
             e.name, e.type, durable=True, internal=e.internal, arguments=dict(e.arguments))
     for q in topology.queues:
-        yield "queue", q.name, lambda q=q: channel.queue_declare(
-            q.name, durable=True, arguments=dict(q.arguments))
+        if q.declared_once:
+            yield "queue", q.name, lambda q=q: _declare_once(channel, q)
+        else:
+            yield "queue", q.name, lambda q=q: channel.queue_declare(
+                q.name, durable=True, arguments=dict(q.arguments))
     for b in topology.bindings:
         if b.destination_type == "queue":
             yield "binding", b.destination, lambda b=b: channel.queue_bind(
@@ -60,6 +63,19 @@ def _steps(channel, topology: Topology):
         else:
             yield "binding", b.destination, lambda b=b: channel.exchange_bind(
                 b.destination, b.source, routing_key=b.routing_key)
+
+
+def _declare_once(channel, q: Queue) -> None:
+    """Declare a queue with its arguments only if it does not exist (Queue.declared_once). A
+    passive declare of a missing queue closes its channel: it goes on one of its own."""
+    probe = channel.connection.channel()
+    try:
+        probe.queue_declare(q.name, passive=True)
+        probe.close()
+    except ChannelClosedByBroker as exc:
+        if exc.reply_code != 404:
+            raise
+        channel.queue_declare(q.name, durable=True, arguments=dict(q.arguments))
 
 
 def delete(channel, topology: Topology) -> None:
