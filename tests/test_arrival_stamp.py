@@ -15,8 +15,8 @@ def test_the_receiver_sees_the_stamp_of_the_original_publish(make_chain, run_gat
     chain = make_chain(max_level=3, resolution_ms=100)
     gateway = run_gateway(chain)
     [said] = gateway.events("arrival_stamp")
-    assert said["state"] == "on" and said["x_delay_counts_from"] == "arrival", said
-    assert gateway.events("arrival_stamp_off") == []
+    assert said["state"] == "on" and said["x_delay_counts_from"] == "arrival" and said["cancels"] == "exact", said
+    assert gateway.events("arrival_stamp_off") == gateway.events("cancels_need_one_check_in_consumer") == []
     receiver = Receiver(chain)
     delays = [0, 450, 1200]  # now; the chain; a meditation lap (the chain holds 700 ms)
     window = {}

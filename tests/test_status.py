@@ -267,3 +267,15 @@ def test_carriers_are_counted_as_the_messages_they_carry_when_the_metrics_say_ho
     assert (level.messages, level.carriers) == (60, 4)
     assert rows_by_label(r)["1000ms-quorum-queue meditation.04"].carriers is None  # one each: exact
     assert "≈60" in text(r)
+
+
+def test_what_a_cancel_can_promise_is_said_with_the_fix_where_it_is_limited():
+    from gateway.commands.status import cancel_guarantee
+    found, problem = cancel_guarantee(True, (4, 3), 3)
+    assert found["guarantee"] == "exact" and problem is None
+    found, problem = cancel_guarantee(False, (3, 10), 1)
+    assert found["guarantee"] == "one check-in consumer" and problem is None
+    _, problem = cancel_guarantee(False, (3, 10), 2)
+    assert problem.startswith("2 gateways consume check-in") and "--role distributor" in problem
+    _, problem = cancel_guarantee(False, (4, 3), 2)
+    assert "set_header_timestamp" in problem

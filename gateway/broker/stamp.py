@@ -58,27 +58,57 @@ def probe(channel, prefix: str) -> bool:
             channel.exchange_delete(name)
 
 
+# What a cancel can promise (docs/cancelling.md), by whether the broker stamps arrivals.
+EXACT = "exact"  # the stamp: any number of check-in consumers
+ONE_CONSUMER = "one check-in consumer"  # no stamp: exact while one process consumes check-in
+
+
+def guarantee(stamp_on: Optional[bool]) -> str:
+    return EXACT if stamp_on else ONE_CONSUMER
+
+
+def cancel_fix(version: Optional[Tuple[int, int]]) -> str:
+    """What removes the limit of cancels without the stamp, on this broker."""
+    if version is not None and version >= FIRST_WITH_STAMP:
+        return f"add `{STAMP_CONFIG}` to rabbitmq.conf, or run one gateway that consumes check-in"
+    return ("run one gateway that consumes check-in (the others with --role distributor), or RabbitMQ 3.12+ "
+            f"with `{STAMP_CONFIG}`")
+
+
+def state(channel, prefix: str) -> Tuple[Optional[Tuple[int, int]], Optional[bool]]:
+    """(the broker's version, whether it stamps arrivals: None when that cannot be known)."""
+    # pika keeps the server properties on the connection beneath the blocking one.
+    version = version_of(getattr(channel.connection._impl, "server_properties", None))
+    if version is None or version < FIRST_WITH_STAMP:
+        return version, False
+    return version, probe(channel, prefix)
+
+
 def check(url: str, settings: Settings, log: structlog.stdlib.BoundLogger) -> None:
-    """Log what the broker does about arrival times (only where x-delay is read: check-in).
-    A broker that cannot be reached raises BrokerError: the caller asks again on its next
-    connection. Anything else the probe meets makes the answer "unknown", never a failure."""
+    """Log what the broker does about arrival times (only where x-delay is read: check-in),
+    and once what that means for cancels. A broker that cannot be reached raises
+    BrokerError: the caller asks again on its next connection. Anything else the probe meets
+    makes the answer "unknown", never a failure."""
     if settings.role not in ("all", "check-in"):
         return
     with blocking_channel(url, "delay-gateway arrival stamp probe", settings.tls) as channel:
-        # pika keeps the server properties on the connection beneath the blocking one.
         version = version_of(getattr(channel.connection._impl, "server_properties", None))
-        if version is None or version < FIRST_WITH_STAMP:
-            log.info("arrival_stamp", state="unavailable", broker_version=version and "{}.{}".format(*version),
-                     x_delay_counts_from="check-in")
-            return
         try:
-            stamped = probe(channel, settings.chain.prefix)
+            _, stamped = state(channel, settings.chain.prefix)
         except (AMQPError, TimeoutError) as exc:
             log.info("arrival_stamp", state="unknown", reason=str(exc) or type(exc).__name__)
-            return
-    shown = "{}.{}".format(*version)
+            stamped = None
+    shown = version and "{}.{}".format(*version)
     if stamped:
-        log.info("arrival_stamp", state="on", broker_version=shown, x_delay_counts_from="arrival")
-    else:
+        log.info("arrival_stamp", state="on", broker_version=shown, x_delay_counts_from="arrival",
+                 cancels=EXACT)
+        return
+    if version is None or version < FIRST_WITH_STAMP:
+        log.info("arrival_stamp", state="unavailable", broker_version=shown, x_delay_counts_from="check-in")
+    elif stamped is False:
         log.warning("arrival_stamp_off", broker_version=shown, x_delay_counts_from="check-in",
                     fix=f"add `{STAMP_CONFIG}` to rabbitmq.conf to count x-delay from the broker's arrival time")
+    log.warning("cancels_need_one_check_in_consumer", cancels=ONE_CONSUMER,
+                limit="without the broker's arrival stamp, a cancel is exact only while one gateway process "
+                      "consumes check-in; with several, a message and its cancel read by different ones can be "
+                      "read in either order (docs/cancelling.md, Limits)", fix=cancel_fix(version))

@@ -20,7 +20,9 @@ import threading
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+from pika.exceptions import AMQPError
 
 from topology.broker.inventory import Look, Prober, look_at_generation, read_registry
 from topology.names import Names
@@ -28,7 +30,7 @@ from topology.registry import ChainKey, Registry, chain_queues, fold, level_queu
 from topology.retirement import Observed
 from topology.settings import MAX_LEVELS, QUEUE_TYPES
 
-from gateway.broker import cancelling
+from gateway.broker import cancelling, stamp
 from gateway.settings import default
 
 HORIZONS: Tuple[Tuple[str, int], ...] = (
@@ -83,7 +85,8 @@ class Report:
     distributor_consumers: Optional[int]
     problems: List[str] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
-    cancellations: Optional[Dict[str, int]] = None  # held (ids), window_ms (docs/cancelling.md)
+    # held (ids), window_ms, and what a cancel can promise here (docs/cancelling.md)
+    cancellations: Optional[Dict[str, Any]] = None
 
     @property
     def missing(self) -> bool:
@@ -309,12 +312,22 @@ def text(r: Report) -> str:
         lines.append(f"{w.within:<12} {w.at_least:>9} {w.at_most:>9}")
     if r.cancellations is not None:
         lines += ["", f"cancellations: {r.cancellations['held']} message id(s) cancelled within the retention "
-                      f"window of {human_ms(r.cancellations['window_ms'])}"]
+                      f"window of {human_ms(r.cancellations['window_ms'])}",
+                  f"cancels: {_promise(r.cancellations)}"]
     for note in r.notes:
         lines.append(f"note: {note}")
     for problem in r.problems:
         lines.append(f"problem: {problem}")
     return "\n".join(lines) + "\n"
+
+
+def _promise(c: Dict[str, Any]) -> str:
+    if c.get("arrival_stamp"):
+        return "exact with any number of gateways (the broker stamps arrival times)"
+    consumers = c.get("check_in_consumers")
+    now = "" if consumers is None else f"; {consumers} now"
+    why = "it does not stamp arrival times" if c.get("arrival_stamp") is False else "whether it stamps is unknown"
+    return f"exact while one gateway consumes check-in ({why}{now})"
 
 
 def as_json(r: Report, indent: Optional[int] = 2) -> str:
@@ -394,7 +407,29 @@ def fetch_metrics(urls: Sequence[str], timeout: float = 2.0) -> List[str]:
     return pages
 
 
-def one(connection, args, own: ChainKey, now_ms: int) -> Report:
+def cancel_guarantee(stamp_on: Optional[bool], version: Optional[Tuple[int, int]],
+                     check_in_consumers: Optional[int]) -> Tuple[Dict[str, Any], Optional[str]]:
+    """What a cancel can promise on this broker now, and a problem when it is less than exact."""
+    found = {"guarantee": stamp.guarantee(stamp_on), "arrival_stamp": stamp_on,
+             "check_in_consumers": check_in_consumers}
+    if not stamp_on and (check_in_consumers or 0) > 1:
+        return found, (f"{check_in_consumers} gateways consume check-in and the broker does not stamp arrivals: "
+                       "a cancel read by one of them may not win over a message read by another at the same "
+                       f"moment (docs/cancelling.md, Limits); {stamp.cancel_fix(version)}")
+    return found, None
+
+
+def arrival_stamp(connection, prefix: str) -> Tuple[Optional[Tuple[int, int]], Optional[bool]]:
+    """(the broker's version, whether it stamps arrivals; None: the probe could not tell, e.g.
+    without permission to declare under the prefix)."""
+    try:
+        return stamp.state(connection.channel(), prefix)
+    except (AMQPError, TimeoutError):
+        return stamp.version_of(getattr(connection._impl, "server_properties", None)), None
+
+
+def one(connection, args, own: ChainKey, now_ms: int,
+        stamping: Tuple[Optional[Tuple[int, int]], Optional[bool]] = (None, None)) -> Report:
     registry, chains, observed = observe(connection, args.prefix, own)
     held, source, carried = None, "give --metrics-url with the gateways' metrics ports to see them", None
     urls = [u.strip() for u in (getattr(args, "metrics_url", None) or "").split(",") if u.strip()]
@@ -410,7 +445,11 @@ def one(connection, args, own: ChainKey, now_ms: int) -> Report:
     r = report(args.prefix, own, lead_ms, registry, chains, observed, held, source, now_ms, carried)
     window_ms = cancelling.retention_ms(own.settings(args.prefix), getattr(args, "cancel_retention", 0.0))
     held_ids = {mid for mid, _ in cancelling.read(connection, Names(args.prefix), window_ms)}
-    r.cancellations = {"held": len(held_ids), "window_ms": window_ms}
+    check_in = observed.queues.get(Names(args.prefix).check_in)
+    promise, problem = cancel_guarantee(stamping[1], stamping[0], check_in.consumers if check_in else None)
+    r.cancellations = {"held": len(held_ids), "window_ms": window_ms, **promise}
+    if problem:
+        r.problems.append(problem)
     return r
 
 
@@ -432,8 +471,9 @@ def command(args, open_channel, own: ChainKey, clock) -> int:
 def _reports(args, open_channel, own: ChainKey, clock, stop: threading.Event) -> int:
     with open_channel() as channel:
         connection = channel.connection
+        stamping = arrival_stamp(connection, args.prefix)
         while not stop.is_set():
-            r = one(connection, args, own, clock())
+            r = one(connection, args, own, clock(), stamping)
             if r.missing and not args.watch and not args.json:
                 # Nothing under this prefix: the one useful line, not a table of "missing".
                 print(f"delay-gateway status: {r.problems[0]}", file=sys.stderr)
