@@ -161,7 +161,11 @@ class Pipe:
             return
         # The broker refused a publish of one message (e.g. PRECONDITION_FAILED): find out
         # which one, without sending anything else back to its queue, and park it.
-        self._log.warning("publish_refused_by_broker", reason=str(reason), unconfirmed=self.flow.ledger.unconfirmed)
+        # What was sent before it and not yet confirmed is sent again: what of it the broker
+        # had already taken arrives twice (messages counted; docs/contract.md, Duplicates).
+        inflight = self.flow.ledger.inflight()
+        self._log.warning("publish_refused_by_broker", reason=str(reason), unconfirmed=len(inflight),
+                          may_repeat=sum(len(pub.payload.members) for pub in inflight))
         self._do(self.flow.publishing_closed(str(reason), self._clock()))
         self._connection.channel(on_open_callback=self._on_publish_open)
 

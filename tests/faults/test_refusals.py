@@ -28,7 +28,8 @@ def test_a_message_the_broker_refuses_is_parked_and_touches_no_other(own_node, n
     2 MB message, which the gateway, all of whose channels are newer, cannot publish on: the
     publishing channel closes. The gateway must find that message alone among the 300 sent
     around it, park it (the broker dead-letters what cannot even be parked), and deliver
-    everything else exactly once, on one connection.
+    everything else, on one connection: at least once, and twice at most those it had sent
+    unconfirmed beside the refused one (which it resends, each alone, to find that one).
 
     No step depends on timing: the limit is in effect before the gateway starts and before
     the big message exists, and the test waits for what it checks (every message delivered,
@@ -65,7 +66,12 @@ def test_a_message_the_broker_refuses_is_parked_and_touches_no_other(own_node, n
         sink.close()
         sink.delete()
     figures = fault_report(count("broker-refuses-one-message", sent, sink, 1, parked=listed["count"]))
-    assert delivered and figures.lost == 0 and figures.early == 0 and figures.duplicates == 0
+    # The publishes sent before the refused one and not yet confirmed are sent again, each alone
+    # (to find the refused one); those the broker had already taken arrive twice. The gateway
+    # says how many messages that can be; none other repeats, none is lost.
+    may_repeat = sum(e["may_repeat"] for e in gateway.events("publish_refused_by_broker"))
+    assert delivered and figures.lost == 0 and figures.early == 0 and figures.duplicates <= may_repeat, \
+        (figures, may_repeat)
     assert "big" not in sink.arrivals, whereabouts
     [big] = listed["messages"]
     assert big["message_id"] == "big" and big["bytes"] == 2_000_000
