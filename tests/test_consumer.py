@@ -220,3 +220,37 @@ def test_consecutive_cancels_are_recorded_together_and_a_lost_connection_forgets
     conn.consuming().deliver(b"", Properties.build(message_id="x"), exchange=NAMES.cancel)
     conn.close()  # everything unacknowledged goes back to the queue; nothing is left waiting
     assert pipe.flow._fenced == deque() and not pipe.flow._syncing
+
+
+def test_check_in_says_it_caught_up_once_it_read_its_backlog_and_recorded_the_cancels_in_it():
+    """worker.Session starts the other consumers then, once the gateway follows those records
+    too (a cancel a dead process read but did not record must be in place before a message
+    it cancels is released)."""
+    told = []
+    conn = FakeConnection(backlog=2)
+    handler = CheckIn(CHAIN, 50, lambda: conn.clock(), wait_ms=200)
+    pipe = Pipe(conn, NAMES.check_in, handler, 10, Metrics(), NAMES, clock=conn.clock,
+                batcher=Batcher(100, 100_000, 200), on_caught_up=lambda: told.append(conn.clock()))
+    pipe.open()
+    conn.settle()
+    assert pipe.consuming and told == []
+    in_five_s = Properties.build(message_id="m", headers=Table([wire.long("x-delay", 5000)]))
+    conn.consuming().deliver(b"m1", in_five_s)
+    conn.consuming().deliver(b"", Properties.build(message_id="m"), exchange=NAMES.cancel)
+    assert told == []  # the backlog is read, but its cancel not recorded yet
+    conn.publishing().confirm(conn.published[0].seq)
+    conn.settle()  # the sync answered: the record goes out
+    record = conn.published[-1]
+    assert record.exchange == NAMES.cancellations and told == []
+    conn.publishing().confirm(record.seq)  # confirmed, and the cancel acknowledged
+    conn.advance(5)
+    assert conn.consuming().acks[-1] == (2, True) and len(told) == 1
+    conn.consuming().deliver(b"m3", in_five_s)
+    assert len(told) == 1  # once
+
+    empty = FakeConnection()
+    told.clear()
+    Pipe(empty, NAMES.check_in, CheckIn(CHAIN, 50, lambda: empty.clock()), 10, Metrics(), NAMES,
+         clock=empty.clock, on_caught_up=lambda: told.append(0)).open()
+    empty.settle()
+    assert told == [0]

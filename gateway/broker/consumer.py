@@ -84,8 +84,9 @@ class Pipe:
         self._timer_at: Optional[int] = None
         self._on_stopped: Optional[Callable[[], None]] = None
         self.consuming = False
-        # Told once this consumer has read what its queue held when it started, and has
-        # recorded every cancel among it (worker.Session: check-in, before the distributor).
+        # Told once this consumer has read what its queue held when it started, and the broker
+        # confirmed the record of every cancel among it (worker.Session: check-in, before the
+        # distributor).
         self._on_caught_up = on_caught_up
         self._backlog: Optional[int] = None  # what the queue held as we started consuming
         self._read = 0
@@ -223,7 +224,7 @@ class Pipe:
             self._act(actions)
         self._schedule()
         if self._on_caught_up is not None and self._backlog is not None and self._read >= self._backlog \
-                and not self.flow.fenced:
+                and not self.flow.ledger.fences:
             told, self._on_caught_up = self._on_caught_up, None
             told()
 

@@ -78,6 +78,7 @@ class Session:
         self.blocked = False  # by a resource alarm
         self._stopping = False
         self._opened_all = False
+        self.check_in: Optional[CheckIn] = None
 
     def run(self) -> None:
         """Returns when the connection closes."""
@@ -108,7 +109,9 @@ class Session:
         # by now (at most CATCH_UP_S).
         gate = s.role == "all" and self.judge is not None
         if s.role in ("all", "check-in"):
-            check_in = CheckIn(chain, s.lead_ms, wall_ms, s.carrier_wait_ms, self.judge, self.sequence)
+            check_in = self.check_in = CheckIn(chain, s.lead_ms, wall_ms, s.carrier_wait_ms, self.judge, self.sequence)
+            if gate:
+                check_in.recorded = {}
             pipe(names.check_in, cancelling.recording(check_in, self.metrics), s.prefetch, batched=True,
                  on_caught_up=self._caught_up if gate else None)
             for queue in returning:
@@ -128,7 +131,14 @@ class Session:
     def _caught_up(self, late: bool = False) -> None:
         if self._opened_all or not self.connection.is_open:
             return
+        recorded = self.check_in.recorded if self.check_in is not None else None
+        if not late and recorded and self.judge is not None and not self.judge.store.holds(recorded):
+            # confirmed, but the follower has not read them back yet: in a moment
+            self.connection.ioloop.call_later(0.01, self._caught_up)
+            return
         self._opened_all = True
+        if self.check_in is not None:
+            self.check_in.recorded = None
         if late:
             self.log.warning("check_in_catch_up_slow", waited_s=CATCH_UP_S,
                              cancels="starting the other consumers before check-in read its backlog")

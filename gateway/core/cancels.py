@@ -189,6 +189,11 @@ class Store:
     def get(self, message_id: Optional[bytes]) -> Optional[Held]:
         return None if message_id is None else self._held.get(message_id)
 
+    def holds(self, recorded: Dict[bytes, int]) -> bool:
+        """Whether these cancels (id -> read time) are all held (or newer ones of their ids)."""
+        return all((held := self._held.get(mid)) is not None and held.newest_read_us >= at
+                   for mid, at in recorded.items())
+
     def prune(self, now_ms: int) -> int:
         """Forget cancels older than the window; how many ids were forgotten. Records come in
         about time order; one a little out of order is forgotten a little late."""

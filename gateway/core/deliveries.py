@@ -67,6 +67,11 @@ class Deliveries(Generic[P]):
         return sum(d.holds for d in self._deliveries.values())
 
     @property
+    def fences(self) -> int:
+        """Fences not yet acknowledged."""
+        return self._fences
+
+    @property
     def unconfirmed(self) -> int:
         return self._window.unconfirmed
 

@@ -56,11 +56,6 @@ class Flow:
         self._answers = Answers(self.ledger, names, self._park, self._delivered, observer, self._give_up)
 
     @property
-    def fenced(self) -> int:
-        """Fences (cancels) read and not yet recorded."""
-        return len(self._fenced)
-
-    @property
     def held(self) -> int:
         """Messages held until their time (the held-messages gauge)."""
         return len(self._holds)

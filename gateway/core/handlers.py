@@ -149,6 +149,9 @@ class CheckIn:
         self.cancelled = cancelled
         # read times: one sequence per process, started above every cancel held
         self.sequence = sequence if sequence is not None else cancels.Sequencer()
+        # The cancels this consumer recorded (id -> read time) while someone asks (worker.Session,
+        # until the gateway follows them all): None when nobody does.
+        self.recorded: Optional[Dict[bytes, int]] = None
 
     def __call__(self, d: Delivery) -> List[Action]:
         now = self.clock()
@@ -179,6 +182,8 @@ class CheckIn:
         except cancels.BadCancel as exc:
             return [park(self.chain.names, user, d.routing_key, d.body, str(exc))]
         at = cancels.Time(self.sequence(now), envelope.broker_stamp(user.headers, now))
+        if self.recorded is not None:
+            self.recorded[message_id] = at.read_us
         return [Forward(self.chain.names.cancellations, b"", cancels.record(message_id, at), b"", cancels.RECORDED,
                         mandatory=True, fence=True)]
 
