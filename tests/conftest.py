@@ -82,6 +82,9 @@ ONE_BROKER: Dict[str, Tuple[Sequence[str], dict, str]] = {
     "test_a_confirmed_cancel_wins_through_a_crash_with_the_arrival_stamp":
         (RMQ4, {}, "the session's 4.x nodes stamp arrivals; the same test without the stamp runs on every "
                    "version's private node"),
+    "test_two_replicas_one_killed_with_the_stamp_cancels_right_after_their_messages":
+        (RMQ4, {}, "the session's 4.x nodes stamp arrivals; without the stamp it runs on every version's "
+                   "private node"),
     "test_arrival_stamp_is_added_and_a_publishers_own_is_kept":
         (RMQ4, {}, "message interceptors exist from 3.12 on"),
     "test_the_receiver_sees_the_stamp_of_the_original_publish":

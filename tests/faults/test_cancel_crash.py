@@ -236,3 +236,44 @@ def test_rabbitmq_hands_back_a_dead_consumers_messages_in_their_first_order(own_
         assert ids == sorted(set(range(60)) - acked), (queue_type, order)
         redelivered = [r for _, r in order]
         assert redelivered == sorted(redelivered, reverse=True), (queue_type, order)  # handed back first
+
+
+def run_replicas(url: str, chain: ChainSettings, settle_s: float, label: str) -> None:
+    """Two gateways; one killed right after the cancels are confirmed. `settle_s`: how long
+    the cancels come after their messages (docs/cancelling.md, Limits: without the stamp a
+    cancel must come after check-in forwarded its message)."""
+    args = ("--lead-ms", str(LEAD_MS))
+    receiver = Receiver(chain, url=url)
+    replicas = [GatewayProcess(chain, *args, url=url).wait_ready() for _ in range(2)]
+    try:
+        placed = [(f"{kind}-{n}", delay, b"old") for kind, delay in {**KINDS, "fresh": FRESH_MS}.items()
+                  for n in range(6)]
+        publish(url, chain, placed)
+        time.sleep(settle_s)
+        cancelled = [mid for mid, _, _ in placed if int(mid.rsplit("-", 1)[1]) % 2 == 0]
+        cancel_and_publish(url, chain, [("cancel", mid) for mid in cancelled])
+        replicas[0].kill()
+        expected = {mid for mid, _, _ in placed} - set(cancelled)
+        receiver.collect(len(expected), timeout=25)
+        receiver.collect(10**6, timeout=2)
+    finally:
+        for g in replicas:
+            if g.proc.poll() is None:
+                g.terminate()
+        receiver.close()
+    got: Dict[str, int] = {}
+    for m in receiver.messages:
+        got[m.properties.message_id] = got.get(m.properties.message_id, 0) + 1
+    through, lost = sorted(set(cancelled) & set(got)), sorted(expected - set(got))
+    report_figures("cancel crash figures", f"cancel-two-replicas-one-killed broker={label} cancelled={len(cancelled)} "
+                                           f"cancelled_delivered={len(through)} lost={len(lost)} "
+                                           f"duplicates={sum(got.values()) - len(got)}")
+    assert not through and not lost, (through, lost)
+
+
+def test_two_replicas_one_killed_without_the_stamp_cancels_that_came_after_check_in(own_node, node_chain):
+    run_replicas(own_node.url, node_chain(**CHAIN), 1.5, own_node.runtime.label + " (no stamp)")
+
+
+def test_two_replicas_one_killed_with_the_stamp_cancels_right_after_their_messages(broker, make_chain):
+    run_replicas(broker, make_chain(**CHAIN), 0.0, "4.x (stamp)")
