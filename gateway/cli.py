@@ -427,7 +427,7 @@ BROKER = ("broker", "log")
 BROKER_AND_PREFIX = tuple(o.name for o in OPTIONS if o.group in BROKER) + ("prefix",)
 COMMANDS = {
     "run": Command("run the consumers (check-in, distributor, or both) until SIGTERM",
-                   BROKER + ("chain", "run", "lead", "retire", "cancel"), cmd_run),
+                   BROKER + ("chain", "run", "lead", "retire", "cancel", "retry"), cmd_run),
     "declare": Command("declare the topology (idempotent)", BROKER + ("chain", "cancel"), cmd_declare),
     "delete": Command("delete the topology and every message it holds", BROKER + ("chain",), cmd_delete,
                       delete_arguments),

@@ -41,6 +41,10 @@ class Metrics:
         self.cancellations_held = Gauge(
             "delay_gateway_cancellations_held", "Cancels inside the retention window this process holds",
             registry=self.registry)
+        self.retries = Counter(
+            "delay_gateway_retries", "Failed messages by the queue they came from and what became of them: "
+            "scheduled (a retry waits), delivered (sent back to the queue), gave_up (parked after the last "
+            "attempt)", ["queue", "outcome"], registry=self.registry)
         self.ready = Gauge(
             "delay_gateway_ready", "1 while connected and consuming every queue of the role",
             registry=self.registry)

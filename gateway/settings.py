@@ -14,6 +14,8 @@ from typing import Any, Callable, Collection, Dict, Iterable, Mapping, Optional,
 from urllib.parse import quote, urlsplit, urlunsplit
 
 from topology import ChainSettings
+
+from gateway.core.retries import BadPolicy, Policy, policies
 from topology.settings import QUEUE_TYPES, ZERO_BITS
 
 ENV = "DELAY_GATEWAY_"
@@ -168,6 +170,26 @@ OPTIONS: Tuple[Option, ...] = (
            "how long cancels are kept (the stream's x-max-age when it is first declared, and each gateway's "
            "memory); 0: 2^max_level x resolution (the longest a message goes without passing a gateway) "
            "plus one day", "cancel", metavar="SECONDS"),
+    # retry: failed messages sent back to their queue later (docs/retries.md)
+    Option("retry_base_ms", 1000, integer(1, 315_360_000_000), "the first retry's delay", "retry", "retryBaseMs",
+           metavar="MS"),
+    Option("retry_factor", 2.0, number(1.0), "each retry's delay is the one before times this", "retry",
+           "retryFactor", metavar="X"),
+    Option("retry_cap_ms", 3_600_000, integer(1, 315_360_000_000), "no retry waits longer than this (before jitter)",
+           "retry", "retryCapMs", metavar="MS"),
+    Option("retry_attempts", 10, integer(0, 1000), "retries before a message is parked with the reason", "retry",
+           "retryAttempts", metavar="N"),
+    Option("retry_jitter", 0.2, number(0.0),
+           "each delay grows by a random share of itself up to this (0.2: up to 20 % more; never less)", "retry",
+           "retryJitter", metavar="SHARE"),
+    Option("retry_policies", "", text,
+           'per-queue policies, first match wins: a JSON list like [{"queue": "orders.*", "base_ms": 500, '
+           '"attempts": 5}] (queue: a name or shell-style pattern; base_ms, factor, cap_ms, attempts, jitter '
+           "default to the settings above)", "retry", "retryPolicies", metavar="JSON"),
+    Option("retry_queues", "*", text,
+           "the queues retries may go back to, comma-separated names or shell-style patterns: whoever may publish "
+           "to <prefix>.retry can have the gateway put a message into these", "retry", "retryQueues",
+           metavar="PATTERNS"),
     # log: every command
     Option("log_level", "info", one_of(LOG_LEVELS), "how much to log", "log", "logLevel", choices=LOG_LEVELS),
     Option("log_format", "auto", one_of(LOG_FORMATS), "auto: JSON unless stderr is a terminal", "log",
@@ -176,7 +198,7 @@ OPTIONS: Tuple[Option, ...] = (
 BY_NAME: Dict[str, Option] = {o.name: o for o in OPTIONS}
 GROUP_TITLES = {"broker": "broker", "chain": "topology (the same for every gateway and for declare)",
                 "run": "consumers", "lead": "timing", "retire": "retiring old chains", "log": "logging",
-                "cancel": "cancelling"}
+                "cancel": "cancelling", "retry": "retrying failed messages"}
 
 
 class UsageError(ValueError):
@@ -278,12 +300,29 @@ class Settings:
     retire: bool = default("retire")
     retire_after: float = default("retire_after")
     cancel_retention: float = default("cancel_retention")
+    retry_base_ms: int = default("retry_base_ms")
+    retry_factor: float = default("retry_factor")
+    retry_cap_ms: int = default("retry_cap_ms")
+    retry_attempts: int = default("retry_attempts")
+    retry_jitter: float = default("retry_jitter")
+    retry_policies: str = default("retry_policies")
+    retry_queues: str = default("retry_queues")
     log_level: str = default("log_level")
     log_format: str = default("log_format")
 
     def __post_init__(self) -> None:
         if not self.urls:
             raise UsageError("at least one broker URL is needed")
+        self.retry_rules()  # refused at start, in one line
+
+    def retry_rules(self) -> Tuple[Policy, ...]:
+        """The retry policies: per queue, then the default (retries.py). Raises UsageError."""
+        try:
+            default_policy = Policy(self.retry_base_ms, self.retry_factor, self.retry_cap_ms, self.retry_attempts,
+                                    self.retry_jitter)
+            return policies(default_policy, self.retry_policies)
+        except BadPolicy as exc:
+            raise UsageError(str(exc)) from None
 
 
 def chain_from(args: argparse.Namespace) -> ChainSettings:

@@ -17,6 +17,10 @@ from topology import ChainSettings, build
 from topology.broker.declare import declare, delete
 
 
+# What a gateway says once at start about the broker it runs on (warnings, not troubles):
+# tests that want no warning from a run leave these aside.
+START_NOTICES = ("arrival_stamp_off", "cancels_need_one_check_in_consumer")
+
 # The broker of the test running now (tests/conftest.py sets it from the `broker` fixture,
 # which is parametrized over the broker versions); None means the main one.
 _current_url: Optional[str] = None

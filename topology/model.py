@@ -26,7 +26,7 @@ AT_LEAST_ONCE = {"x-dead-letter-strategy": "at-least-once", "x-overflow": "rejec
 
 # What each queue is for: `status` and `migrate` read these, not the names.
 ROLES = ("check-in", "returning", "distributor", "parking", "parked", "meditation", "delay", "pass",
-         "registry", "presence", "cancellations")
+         "registry", "presence", "cancellations", "retry")
 # The record of declared chains is a stream: any number of readers can read it from the
 # start at the same time without taking anything away (a queue read with basic.get hides
 # what one reader holds from the others, and on 4.x counts each look against the delivery
@@ -98,7 +98,7 @@ class Queue:
     @property
     def consumed(self) -> bool:
         """Read by the gateway (the others only hold messages until their TTL, or for people)."""
-        return self.role in ("check-in", "returning", "distributor", "parking")
+        return self.role in ("check-in", "returning", "distributor", "parking", "retry")
 
 
 @dataclass(frozen=True)
@@ -195,6 +195,9 @@ def build(settings: ChainSettings, cancel_window: Optional[int] = None) -> Topol
         # before it; check-in records them in the `cancellations` stream every gateway follows.
         Exchange(n.cancel, "fanout"),
         Exchange(n.cancellations, "fanout"),
+        # Failed messages to retry later: the dead-letter exchange of the users' queues
+        # (docs/retries.md); no arguments, so a plain declare of it succeeds.
+        Exchange(n.retry, "fanout"),
     ] + [Exchange(n.level(k), "topic", catch) for k in range(settings.max_level)]
 
     queues = [
@@ -202,6 +205,7 @@ def build(settings: ChainSettings, cancel_window: Optional[int] = None) -> Topol
         consumed(n.returning, "returning", n.parking),
         consumed(n.distributor, "distributor", n.parking),
         consumed(n.parking, "parking", n.parked),
+        consumed(n.retry, "retry", n.parking),
         Queue(n.parked, {"x-queue-type": "quorum", "x-delivery-limit": PARKED_DELIVERY_LIMIT}, "parked"),
         Queue(n.registry, REGISTRY_ARGUMENTS, "registry"),
         Queue(n.gateways(settings.max_level), PRESENCE_ARGUMENTS, "presence", settings.max_level),
@@ -219,6 +223,7 @@ def build(settings: ChainSettings, cancel_window: Optional[int] = None) -> Topol
         Binding(n.registry, n.registry),
         Binding(settings.meditation, settings.meditation),
         Binding(n.cancel, n.check_in),
+        Binding(n.retry, n.retry),
         Binding(n.cancellations, n.cancellations),
     ]
     if settings.queue_type != "quorum":  # the chain's own exits (names.exit_distributor)

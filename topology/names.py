@@ -96,6 +96,12 @@ class Names:
         return self._("cancellations")
 
     @property
+    def retry(self) -> str:
+        """Exchange (fanout, no arguments) and queue of failed messages to retry later: the
+        dead-letter exchange of the queues whose consumers want retries."""
+        return self._("retry")
+
+    @property
     def registry(self) -> str:
         """The stream that records each chain declared under this prefix."""
         return self._("chains")

@@ -67,8 +67,10 @@ class Judge:
         held = self.store.get(message_id) if message_id else None
         if held is None:
             return False
-        taken_in = None if entry.accepted_us is None else cancels.Time(
-            entry.accepted_us, envelope.broker_stamp(entry.user.headers, wall_ms()))
+        # (a retry is timed by when the gateway read the rejection: the stamp in its headers is
+        # its first publish's)
+        stamp = envelope.broker_stamp(entry.user.headers, wall_ms()) if entry.exchange is None else None
+        taken_in = None if entry.accepted_us is None else cancels.Time(entry.accepted_us, stamp)
         if not held.cancels(taken_in):
             return False
         self.metrics.cancelled.labels(where).inc()

@@ -47,6 +47,8 @@ class Telemetry:
         if counter is None:
             counter = self._counters[action.outcome] = self._metrics.forwarded.labels(self._queue, action.outcome)
         counter.inc()
+        if action.outcome == "retried" and action.entry is not None:
+            self._metrics.retries.labels(envelope.shown(action.entry.routing_key), "delivered").inc()
         if action.outcome == "parked":
             self._metrics.parked.labels(self._queue).inc()
             self._log.warning("parked", reason=getattr(action, "reason", None),
@@ -155,7 +157,9 @@ class Pipe:
         if self._on_stopped is not None or not self._connection.is_open or self._consume is None \
                 or not self._consume.is_open:
             return self.flow.publishing_gone()
-        if getattr(reason, "reply_code", 0) in NOT_THE_MESSAGE:
+        # (a retry goes back to its queue through the default exchange: a gateway without
+        # permission there refuses that message, not its whole work)
+        if getattr(reason, "reply_code", 0) in NOT_THE_MESSAGE and "amq.default" not in str(reason):
             self.flow.publishing_gone()
             self._on_fatal(reason)
             self._connection.close()

@@ -31,7 +31,8 @@ from gateway.core.cancels import Sequencer
 from gateway.broker import cancelling
 from gateway.broker.cancelling import Judge
 from gateway.broker.consumer import Pipe
-from gateway.core.handlers import CheckIn, Distributor, Parking, Returning
+from gateway.broker.retrying import counting_retries
+from gateway.core.handlers import CheckIn, Distributor, Parking, Retry, Returning
 from gateway.health import Health
 from gateway.metrics import Metrics
 from gateway.settings import Settings, redact
@@ -117,6 +118,9 @@ class Session:
             for queue in returning:
                 pipe(queue, Returning(chain, s.lead_ms, wall_ms, s.carrier_wait_ms, self.judge), s.prefetch,
                      batched=True)
+            retry = Retry(chain, s.lead_ms, wall_ms, s.retry_rules(), random.Random(), s.carrier_wait_ms, self.judge,
+                          self.sequence, s.retry_queues)
+            pipe(names.retry, counting_retries(retry, self.metrics), s.prefetch, batched=True)
         if s.role in ("all", "distributor"):
             for queue in distributors:
                 pipe(queue, Distributor(chain, s.lead_ms, wall_ms, s.stamp_due_at, self.judge),

@@ -13,6 +13,8 @@ Where a replayed message goes:
 - it has none (its delay header could not be read, or the broker dead-lettered it from
   check-in): to check-in, exactly as its publisher sent it. If the header is still
   unreadable it is parked again with the same reason.
+- it is a retry (it gave up after the last attempt, or its queue was gone): back to its
+  queue, with the attempts started afresh (no `x-retry-attempt`).
 """
 
 import argparse
@@ -27,7 +29,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 from pika.exceptions import AMQPError
 
 from gateway.broker import codec
-from gateway.core import envelope
+from gateway.core import envelope, retries
 from gateway.core.envelope import Inside
 from gateway.core.handlers import DEATH_REASONS
 from gateway.core.wire import Properties
@@ -120,6 +122,8 @@ def report(messages: Iterable[Parked]) -> dict:
 def destination(message: Parked, names) -> Tuple[str, bytes, Properties]:
     """Where `replay` sends it, with which routing key and properties (see the module doc)."""
     inside = message.inside
+    if inside.complete and inside.exchange == "" and inside.user is not None and inside.routing_key is not None:
+        return "", inside.routing_key, retries.afresh(inside.user)  # a retry: to its queue, attempts afresh
     if inside.complete and inside.due_ms is not None:
         return names.distributor, b"", inside.again()
     return names.check_in, message.routing_key, message.user

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Generic, List, Optional, Tuple, TypeVar
 
 from gateway.core import wire
-from gateway.core.envelope import ACCEPTED, DUE_AT, PERSISTENT
+from gateway.core.envelope import ACCEPTED, DUE_AT, EXCHANGE, PERSISTENT
 from gateway.core.wire import Properties, Table
 
 MAGIC = b"DGC1"
@@ -36,6 +36,9 @@ class Entry:
     body: bytes
     due_ms: int
     accepted_us: Optional[int] = None  # when the gateway took it in (cancels.py); None: before that was kept
+    # Where it goes when due: None for pick-up (with `routing_key`); "" for the default
+    # exchange, a retry going back to the queue `routing_key` names (retries.py).
+    exchange: Optional[str] = None
 
     @property
     def size(self) -> int:
@@ -54,9 +57,9 @@ class Damaged(ValueError):
     pass
 
 
-def unpack(body: bytes, accepted: Optional[List[Optional[int]]] = None) -> List[Entry]:
+def unpack(body: bytes, accepted: Optional[List[Optional[int]]] = None, exchange: Optional[str] = None) -> List[Entry]:
     """Raises Damaged if `body` is not a carrier's. `accepted`: each entry's time, from the
-    carrier's properties (`accepted_times`)."""
+    carrier's properties (`accepted_times`); `exchange`: where they all go (`destination`)."""
     if not body.startswith(MAGIC):
         raise Damaged("not a carrier")
     out, offset = [], len(MAGIC)
@@ -74,11 +77,11 @@ def unpack(body: bytes, accepted: Optional[List[Optional[int]]] = None) -> List[
             offset += 4 + body_len
             if len(key) != key_len or len(props) != props_len or len(payload) != body_len:
                 raise Damaged("truncated carrier")
-            out.append(Entry(key, Properties.parse(props), payload, due))
+            out.append(Entry(key, Properties.parse(props), payload, due, None, exchange))
     except struct.error:
         raise Damaged("truncated carrier") from None
     if accepted is not None and len(accepted) == len(out):
-        out = [Entry(e.routing_key, e.user, e.body, e.due_ms, t) for e, t in zip(out, accepted)]
+        out = [Entry(e.routing_key, e.user, e.body, e.due_ms, t, exchange) for e, t in zip(out, accepted)]
     return out
 
 
@@ -91,8 +94,10 @@ _NO_TIME = 0
 
 def properties(entries: List[Entry]) -> Properties:
     """A carrier's own properties: persistent, its earliest due time, how many it carries,
-    and when each was accepted."""
+    when each was accepted, and where they go if not to pick-up (one batch: one place)."""
     fields = [wire.long(DUE_AT, min(e.due_ms for e in entries)), wire.long(COUNT, len(entries))]
+    if entries[0].exchange is not None:
+        fields.append(wire.longstr(EXCHANGE, entries[0].exchange.encode()))
     if any(e.accepted_us is not None for e in entries):
         times = b"".join(b"l" + struct.pack(">q", _NO_TIME if e.accepted_us is None else e.accepted_us)
                          for e in entries)
@@ -109,7 +114,8 @@ def accepted_times(props: Properties) -> Optional[List[Optional[int]]]:
 
 
 # -- collecting a batch ---------------------------------------------------------------------
-Route = Tuple[str, bytes, str]  # exchange, routing key, outcome (a metric label)
+# exchange, routing key, outcome (a metric label), and the messages' own destination
+Route = Tuple[str, bytes, str, Optional[str]]
 
 
 @dataclass

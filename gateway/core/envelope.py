@@ -14,6 +14,8 @@ pick-up. In between it travels in the gateway's format:
 - `x-gateway-accepted-us`: when the gateway took the message in (microseconds; see
   cancels.py), to tell whether a cancel came after it; absent on messages that entered
   before this header existed;
+- `x-gateway-exchange`: where it goes when due, when that is not pick-up: "" (the default
+  exchange) for a retry going back to the queue its routing key names (retries.py);
 - the body, unchanged.
 
 Nothing a publisher sends is ever read as one of these: its own headers are inside
@@ -44,6 +46,7 @@ ROUTING_KEY = "x-gateway-routing-key"
 PROPERTIES = "x-gateway-properties"
 ERROR = "x-gateway-error"
 ACCEPTED = "x-gateway-accepted-us"
+EXCHANGE = "x-gateway-exchange"
 
 PERSISTENT = 2
 MS_PER_YEAR = 31_557_600_000
@@ -166,7 +169,7 @@ def publishers(props: Properties) -> Properties:
 
 # -- the gateway's format ---------------------------------------------------------------------
 def inside(user: Properties, routing_key: bytes, due_ms: Optional[int], error: Optional[str] = None,
-           accepted_us: Optional[int] = None) -> Properties:
+           accepted_us: Optional[int] = None, exchange: Optional[str] = None) -> Properties:
     """The gateway's properties for a publisher's message (see the module doc)."""
     entries = [wire.binary(ROUTING_KEY, routing_key), wire.binary(PROPERTIES, user.raw)]
     if due_ms is not None:
@@ -175,7 +178,17 @@ def inside(user: Properties, routing_key: bytes, due_ms: Optional[int], error: O
         entries.append(wire.longstr(ERROR, error))
     if accepted_us is not None:
         entries.append(wire.long(ACCEPTED, accepted_us))
+    if exchange is not None:
+        entries.append(wire.longstr(EXCHANGE, exchange.encode()))
     return Properties.build(delivery_mode=PERSISTENT, headers=Table(entries))
+
+
+def destination(headers: Table) -> Optional[str]:
+    """Where a message in the gateway's format (or a carrier's messages) go when due: None
+    for pick-up."""
+    exchange = headers.get(EXCHANGE)
+    return exchange if isinstance(exchange, str) else exchange.decode("utf-8", "replace") \
+        if isinstance(exchange, bytes) else None
 
 
 class Inside:
@@ -196,6 +209,7 @@ class Inside:
         accepted = headers.get(ACCEPTED)
         self.accepted_us: Optional[int] = accepted if isinstance(accepted, int) \
             and not isinstance(accepted, bool) else None
+        self.exchange = destination(headers)
 
     @property
     def complete(self) -> bool:
@@ -208,7 +222,7 @@ class Inside:
         if self.user is None or self.routing_key is None:
             raise ValueError("not in the gateway's format")
         return inside(self.user, self.routing_key, self.due_ms if due_ms is None else due_ms, error,
-                      self.accepted_us)
+                      self.accepted_us, self.exchange)
 
 
 def stamped(user: Properties, due_ms: int) -> Properties:

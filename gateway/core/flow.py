@@ -88,7 +88,7 @@ class Flow:
         for action in actions:
             self._observer.forwarded(action)
             if isinstance(action, Enqueue):
-                route = (action.exchange, action.routing_key, action.outcome)
+                route = (action.exchange, action.routing_key, action.outcome, action.entry.exchange)
                 for batch in self._batcher.add(route, tag, action.entry, now, action.send_by_ms):
                     self._flush_batch(batch, now, out)
             elif action.fence:
@@ -225,7 +225,7 @@ class Flow:
             self._flush_at = now + ACK_FLUSH_MS
 
     def _flush_batch(self, batch: Batch, now: int, out: Actions) -> None:
-        exchange, key, outcome = batch.key
+        exchange, key, outcome, _ = batch.key
         self._observer.batched(outcome, len(batch.items))
         self._send([tag for tag, _ in batch.items],
                    handlers.carry(exchange, key, outcome, [e for _, e in batch.items]), batch.items, now, out)

@@ -8,6 +8,9 @@ returning:   back from meditation (the gateway's format; only the broker can put
              there): send each message on by its due time, as check-in would.
 distributor: hold each message until due, then publish the publisher's routing key,
              properties and body to pick-up; one that comes back unroutable is parked.
+retry:       a message a consumer rejected from a queue that dead-letters to the retry
+             exchange: back to that queue after its policy's delay, through the chain
+             like any delayed message, or parked after the last attempt.
 parking:     say why a message could not go on, and park it.
 
 Which queue a message came from decides how it is read. Only the check-in queue holds
@@ -16,13 +19,14 @@ publisher's data; the other queues can only be reached through the gateway's own
 and the broker's dead-lettering (with the least-privilege permissions of docs/security.md).
 """
 
-from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
+import random
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from topology import ChainSettings, Enter, Meditate, plan
 from topology.encoding import units_for
 from topology.names import Names
 
-from gateway.core import cancels, carrier, envelope
+from gateway.core import cancels, carrier, envelope, retries
 from gateway.core.actions import Action, Delivery, Enqueue, Forward
 from gateway.core.carrier import Damaged, Entry
 from gateway.core.envelope import Inside, Unreadable
@@ -49,19 +53,19 @@ def park(names: Names, user: Properties, routing_key: bytes, body: bytes, reason
 
 def park_entry(names: Names, entry: Entry, reason: str) -> Forward:
     return Forward(names.parked, entry.routing_key,
-                   envelope.inside(entry.user, entry.routing_key, entry.due_ms, reason, entry.accepted_us), entry.body,
-                   "parked", reason=reason)
+                   envelope.inside(entry.user, entry.routing_key, entry.due_ms, reason, entry.accepted_us,
+                                   entry.exchange), entry.body, "parked", reason=reason)
 
 
 def entries(d: Delivery) -> List[Entry]:
     """The publishers' messages in a delivery in the gateway's format: a carrier's, or the
     one. Raises Damaged for anything else."""
     if d.props.headers.get(carrier.COUNT) is not None:
-        return carrier.unpack(d.body, carrier.accepted_times(d.props))
+        return carrier.unpack(d.body, carrier.accepted_times(d.props), envelope.destination(d.props.headers))
     inside = Inside(d.props)
     if inside.routing_key is None or inside.user is None or inside.due_ms is None:
         raise Damaged("not in the gateway's format (no due time)")
-    return [Entry(inside.routing_key, inside.user, d.body, inside.due_ms, inside.accepted_us)]
+    return [Entry(inside.routing_key, inside.user, d.body, inside.due_ms, inside.accepted_us, inside.exchange)]
 
 
 def park_delivery(names: Names, d: Delivery, reason: str) -> List[Forward]:
@@ -80,21 +84,29 @@ def park_delivery(names: Names, d: Delivery, reason: str) -> List[Forward]:
 def parker(names: Names, queue: str) -> Callable[[Delivery, str], List[Forward]]:
     """How a consumer of this queue parks a whole delivery it cannot handle: as the
     publisher sent it at check-in; each of its messages (in the gateway's format) elsewhere."""
-    if queue == names.check_in:
+    if queue in (names.check_in, names.retry):
         return lambda d, reason: [park(names, d.props, d.routing_key, d.body, reason)]
     return lambda d, reason: park_delivery(names, d, reason)
 
 
 def unroutable(names: Names, e: Entry) -> Forward:
-    """It came back from pick-up: no queue is bound for its routing key."""
+    """It came back from pick-up (no queue is bound for its routing key), or a retry from its
+    queue's default binding (the queue is gone)."""
+    if e.exchange == "":
+        return park_entry(names, e, f"unroutable: the retry's queue {envelope.shown(e.routing_key)!r} does not exist "
+                                    "(deleted while the retry waited?)")
     return park_entry(names, e, f"unroutable: no queue bound to exchange {names.pick_up!r} matches routing key "
                                 f"{envelope.shown(e.routing_key)!r}")
 
 
+def again(e: Entry) -> Properties:
+    """The gateway's properties for a message it sends on within the chain."""
+    return envelope.inside(e.user, e.routing_key, e.due_ms, None, e.accepted_us, e.exchange)
+
+
 def hand_back(names: Names, e: Entry) -> Forward:
     """A held message back into the distributor queue, for another gateway to hold."""
-    return Forward(names.distributor, b"", envelope.inside(e.user, e.routing_key, e.due_ms, None, e.accepted_us),
-                   e.body, "handed back", entry=e)
+    return Forward(names.distributor, b"", again(e), e.body, "handed back", entry=e)
 
 
 def route(chain: ChainSettings, remaining_ms: int, lead_ms: int) -> Tuple[str, bytes, str]:
@@ -132,8 +144,7 @@ def carry(exchange: str, routing_key: bytes, outcome: str, batch: List[Entry]) -
     """One publish for the messages of a batch: alone in the plain format, or a carrier."""
     if len(batch) == 1:
         e = batch[0]
-        return Forward(exchange, routing_key, envelope.inside(e.user, e.routing_key, e.due_ms, None, e.accepted_us),
-                       e.body, outcome, entry=e)
+        return Forward(exchange, routing_key, again(e), e.body, outcome, entry=e)
     return Forward(exchange, routing_key, carrier.properties(batch), carrier.pack(batch), outcome)
 
 
@@ -188,6 +199,44 @@ class CheckIn:
                         mandatory=True, fence=True)]
 
 
+class Retry(CheckIn):
+    """A failed message a consumer rejected (or sent itself): back to its queue after its
+    policy's delay, through the chain like any delayed message, or parked after the last
+    attempt (retries.py)."""
+
+    def __init__(self, chain: ChainSettings, lead_ms: int, clock: Clock, policies: Sequence[retries.Policy],
+                 rng: random.Random, wait_ms: int = 0, cancelled: Optional[Cancelled] = None,
+                 sequence: Optional[cancels.Sequencer] = None, queues: str = "*") -> None:
+        super().__init__(chain, lead_ms, clock, wait_ms, cancelled, sequence)
+        self.policies, self.rng, self.queues = policies, rng, queues
+
+    def __call__(self, d: Delivery) -> List[Action]:
+        now = self.clock()
+        failed = retries.failure(d.props.headers)
+        user = envelope.publishers(d.props)  # as the consumer received it, without the dead-letter history
+        names = self.chain.names
+        if failed.queue is None:
+            return [park(names, user, d.routing_key, d.body, "reached the retry exchange with no way to tell its "
+                         f"queue: not dead-lettered by a queue, and no {retries.QUEUE} header")]
+        if failed.not_retried is not None:
+            return [park(names, user, d.routing_key, d.body, failed.not_retried)]
+        if not retries.allowed(failed.queue, self.queues):
+            return [park(names, user, d.routing_key, d.body, f"retries may not go back to queue {failed.queue!r} "
+                         f"(--retry-queues {self.queues})")]
+        policy = retries.policy_for(failed.queue, self.policies)
+        if failed.attempt > policy.attempts:
+            made = failed.attempt - 1
+            reason = f"{retries.GAVE_UP}{made} retr{'y' if made == 1 else 'ies'} to queue {failed.queue!r}" + (
+                f": {failed.reason}" if failed.reason else "")
+            return [park_entry(names, Entry(failed.queue.encode(), user, d.body, now, None, ""), reason)]
+        due = now + policy.delay_ms(failed.attempt, self.rng)
+        entry = Entry(failed.queue.encode(), retries.attempted(user, failed.attempt), d.body, due,
+                      self.sequence(now), "")
+        if self.cancelled is not None and self.cancelled(entry, "retry"):
+            return []
+        return [self.enqueue(entry, now)]
+
+
 class Returning(CheckIn):
     def __call__(self, d: Delivery) -> List[Action]:
         try:
@@ -226,8 +275,10 @@ class Distributor:
     def release(self, e: Entry, now: int) -> Forward:
         if e.due_ms - now > self.max_hold_ms:
             exchange, key, _ = route(self.chain, e.due_ms - now, self.lead_ms)
-            return Forward(exchange, key, envelope.inside(e.user, e.routing_key, e.due_ms, None, e.accepted_us),
-                           e.body, "recheck", entry=e)
+            return Forward(exchange, key, again(e), e.body, "recheck", entry=e)
+        if e.exchange is not None:  # a retry, back to its queue (no due-time stamp: not scheduled by its publisher)
+            return Forward(e.exchange, e.routing_key, e.user, e.body, "retried", not_before_ms=e.due_ms,
+                           mandatory=True, entry=e)
         user = envelope.stamped(e.user, e.due_ms) if self.stamp else e.user
         return Forward(self.chain.names.pick_up, e.routing_key, user, e.body, "delivered",
                        not_before_ms=e.due_ms, mandatory=True, entry=e)
@@ -259,7 +310,7 @@ class Parking:
         else:
             why = str(death.get("reason", "?"))
             reason = f"dead-lettered from queue {death.get('queue', '?')}: {DEATH_REASONS.get(why, why)}"
-        if d.routing_key == b"check-in":  # as its publisher sent it
+        if d.routing_key in (b"check-in", b"retry"):  # as its publisher sent it
             return [park(self.names, envelope.publishers(d.props), _first_key(death, d), d.body, reason)]
         return list(park_delivery(self.names, d, reason))
 

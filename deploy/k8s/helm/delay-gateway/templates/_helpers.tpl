@@ -81,6 +81,13 @@ DELAY_GATEWAY_LOG_FORMAT: {{ .Values.logFormat | quote }}
 DELAY_GATEWAY_CONFIRM_TIMEOUT: {{ .Values.confirmTimeoutSeconds | toString | quote }}
 DELAY_GATEWAY_RETIRE: {{ .Values.retire | toString | quote }}
 DELAY_GATEWAY_RETIRE_AFTER: {{ .Values.retireAfterSeconds | toString | quote }}
+DELAY_GATEWAY_RETRY_BASE_MS: {{ int64 .Values.retryBaseMs | quote }}
+DELAY_GATEWAY_RETRY_FACTOR: {{ .Values.retryFactor | toString | quote }}
+DELAY_GATEWAY_RETRY_CAP_MS: {{ int64 .Values.retryCapMs | quote }}
+DELAY_GATEWAY_RETRY_ATTEMPTS: {{ int64 .Values.retryAttempts | quote }}
+DELAY_GATEWAY_RETRY_JITTER: {{ .Values.retryJitter | toString | quote }}
+DELAY_GATEWAY_RETRY_QUEUES: {{ .Values.retryQueues | quote }}
+DELAY_GATEWAY_RETRY_POLICIES: {{ if .Values.retryPolicies }}{{ .Values.retryPolicies | toJson | quote }}{{ else }}""{{ end }}
 {{- end -}}
 
 {{/* Where the broker's secrets appear inside the container, then the user's extraEnv */}}

@@ -1,0 +1,218 @@
+"""Retrying failed messages end to end, on every suite broker: a plain consumer rejects a
+message from a queue whose dead-letter exchange is `<prefix>.retry` (as a queue argument, or
+by a RabbitMQ policy on a queue that exists), and the gateway sends it back to that queue
+after the policy's delay, with `x-retry-attempt`; after the last attempt it is parked, and
+`parked replay` starts it over. Gaps are measured from the consumer's reject to the next
+delivery, on the consumer's clock: never shorter than the policy's delay."""
+
+import json
+import subprocess
+import sys
+import time
+from typing import List, Optional, Tuple
+
+import pika
+
+from gateway.core import retries
+
+from .support import ROOT, broker_url, chain_args, connect, now_ms, report_figures
+
+POLICIES = [{"queue": "*.fast", "base_ms": 300, "factor": 2, "jitter": 0.2, "attempts": 4},
+            {"queue": "*.slow", "base_ms": 1500, "factor": 1, "jitter": 0.2, "attempts": 1}]
+
+
+def retrying(chain, queue_type: str = "quorum") -> dict:
+    """A queue's arguments: its dead-letter exchange is the gateway's retry exchange."""
+    return {"x-queue-type": queue_type, "x-dead-letter-exchange": chain.names.retry}
+
+
+def gateway(run_gateway, chain, *extra):
+    return run_gateway(chain, "--retry-policies", json.dumps(POLICIES), *extra)
+
+
+class Consumer:
+    """A plain consumer of one queue (pika, basic.get), rejecting or acknowledging."""
+
+    def __init__(self, queue: str, arguments: Optional[dict] = None, declare: bool = True) -> None:
+        self.queue = queue
+        self.connection = connect()
+        self.channel = self.connection.channel()
+        if declare:
+            self.channel.queue_declare(queue, durable=True, arguments=arguments or {})
+
+    def publish(self, message_id: str, body: bytes = b"job") -> None:
+        self.channel.basic_publish("", self.queue, body, pika.BasicProperties(
+            message_id=message_id, delivery_mode=2, headers={"job": "x"}))
+
+    def next(self, timeout: float) -> Optional[Tuple[int, pika.BasicProperties, bytes, int]]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            method, props, body = self.channel.basic_get(self.queue, auto_ack=False)
+            if method is not None:
+                return method.delivery_tag, props, body, now_ms()
+            self.connection.sleep(0.005)
+        return None
+
+    def reject(self, tag: int) -> int:
+        self.channel.basic_reject(tag, requeue=False)
+        return now_ms()
+
+    def close(self, delete: bool = True) -> None:
+        if delete:
+            self.channel.queue_delete(self.queue)
+        self.connection.close()
+
+
+def attempts_of(props) -> Optional[int]:
+    return (props.headers or {}).get(retries.ATTEMPT)
+
+
+def test_rejected_three_times_then_handled_each_gap_at_least_the_policys(make_chain, run_gateway):
+    chain = make_chain(max_level=6, resolution_ms=100)
+    gateway(run_gateway, chain)
+    work = Consumer(f"{chain.prefix}.work.fast", retrying(chain))
+    try:
+        work.publish("job-1")
+        seen: List[Optional[int]] = []
+        gaps: List[Tuple[int, int]] = []
+        rejected_at = None
+        for n in range(4):
+            got = work.next(timeout=10)
+            assert got is not None, f"attempt {n} never came back"
+            tag, props, body, at = got
+            seen.append(attempts_of(props))
+            assert body == b"job" and props.message_id == "job-1" and props.headers.get("job") == "x"
+            assert "x-death" not in (props.headers or {})
+            if rejected_at is not None:
+                planned = 300 * 2 ** (n - 1)
+                gaps.append((at - rejected_at, planned))
+            if n < 3:
+                rejected_at = work.reject(tag)
+            else:
+                work.channel.basic_ack(tag)
+        assert seen == [None, 1, 2, 3]
+        for actual, planned in gaps:
+            assert actual >= planned, gaps  # never sooner than the policy says
+        report_figures("retry figures", "gaps actual-planned ms: " + ", ".join(
+            f"attempt {i + 1}: {a - p} (planned {p}, jitter up to {p // 5})" for i, (a, p) in enumerate(gaps)))
+        assert work.next(timeout=1.5) is None  # handled: nothing more
+    finally:
+        work.close()
+
+
+def test_rejected_every_time_it_is_parked_after_the_last_attempt_and_replay_starts_it_over(make_chain, run_gateway):
+    chain = make_chain(max_level=6, resolution_ms=100)
+    gateway(run_gateway, chain)
+    work = Consumer(f"{chain.prefix}.work.slow", retrying(chain))
+    try:
+        work.publish("job-2")
+        for expected in (None, 1):  # the policy for *.slow: one retry
+            tag, props, _, _ = work.next(timeout=10)
+            assert attempts_of(props) == expected
+            work.reject(tag)
+        assert work.next(timeout=3) is None
+        parked = wait_parked(chain)
+        assert parked["reason"] == f"gave up after 1 retry to queue '{work.queue}'", parked
+        replay = cli(chain, "parked", "replay")
+        assert replay.returncode == 0, replay.stderr
+        tag, props, body, _ = work.next(timeout=10)
+        assert attempts_of(props) is None and body == b"job" and props.message_id == "job-2"  # afresh
+        work.channel.basic_ack(tag)
+    finally:
+        work.close()
+
+
+def test_a_policy_sets_the_dead_letter_exchange_on_existing_quorum_and_classic_queues(make_chain, run_gateway,
+                                                                                     broker_ctl):
+    chain = make_chain(max_level=6, resolution_ms=100)
+    gateway(run_gateway, chain)
+    queues = [Consumer(f"{chain.prefix}.q{n}.fast", {"x-queue-type": kind}) for n, kind in
+              enumerate(("quorum", "classic"))]
+    name = f"{chain.prefix}-retry"
+    broker_ctl("set_policy", "--apply-to", "queues", name, f"^{chain.prefix}\\.q\\d\\.fast$",
+               json.dumps({"dead-letter-exchange": chain.names.retry}))
+    try:
+        for q in queues:
+            q.publish(q.queue)
+            tag, props, _, _ = q.next(timeout=10)
+            q.reject(tag)
+        for q in queues:
+            got = q.next(timeout=10)
+            assert got is not None and attempts_of(got[1]) == 1, q.queue
+            q.channel.basic_ack(got[0])
+    finally:
+        broker_ctl("clear_policy", name)
+        for q in queues:
+            q.close()
+
+
+def test_a_waiting_retry_is_cancelled_by_id_and_a_deleted_queue_parks_it(make_chain, run_gateway):
+    chain = make_chain(max_level=6, resolution_ms=100)
+    gateway(run_gateway, chain)
+    args = retrying(chain)
+    kept, gone = Consumer(f"{chain.prefix}.a.slow", args), Consumer(f"{chain.prefix}.b.slow", args)
+    try:
+        for q, ids in ((kept, ("cancel-me", "keep-me")), (gone, ("orphan",))):
+            for mid in ids:
+                q.publish(mid)
+            for _ in ids:
+                tag, _, _, _ = q.next(timeout=10)
+                q.reject(tag)
+        with connect() as c:
+            ch = c.channel()
+            ch.confirm_delivery()
+            ch.basic_publish(chain.names.cancel, "", b"", pika.BasicProperties(message_id="cancel-me"), mandatory=True)
+        gone.channel.queue_delete(gone.queue)
+        got = kept.next(timeout=10)
+        assert got is not None and got[1].message_id == "keep-me"
+        kept.channel.basic_ack(got[0])
+        assert kept.next(timeout=2.5) is None  # the cancelled one never comes back
+        parked = wait_parked(chain)
+        assert parked["message_id"] == "orphan" and "does not exist" in parked["reason"], parked
+    finally:
+        kept.close()
+        gone.close(delete=False)
+
+
+def test_hostile_input_on_the_retry_exchange_is_parked_and_touches_nothing_else(make_chain, run_gateway):
+    chain = make_chain(max_level=6, resolution_ms=100)
+    gateway(run_gateway, chain, "--retry-queues", f"{chain.prefix}.*")
+    work = Consumer(f"{chain.prefix}.w.fast", retrying(chain))
+    try:
+        work.publish("real")
+        tag, _, _, _ = work.next(timeout=10)
+        work.reject(tag)
+        with connect() as c:
+            ch = c.channel()
+            ch.confirm_delivery()
+            for headers in ({"x-gateway-due-at": 1, "x-gateway-routing-key": "x", "x-gateway-exchange": ""},
+                            {retries.QUEUE: "someone-elses-queue", "x-death": [{"queue": "forged", "reason": "x"}]},
+                            {retries.QUEUE: "someone-elses-queue"}):
+                ch.basic_publish(chain.names.retry, "k", b"evil", pika.BasicProperties(
+                    message_id="evil", headers=headers), mandatory=True)
+        got = work.next(timeout=10)
+        assert got is not None and got[1].message_id == "real" and attempts_of(got[1]) == 1
+        work.channel.basic_ack(got[0])
+        reasons = sorted(p["reason"] for p in wait_parked(chain, count=3, all_of_them=True))
+        assert len(reasons) == 3, reasons
+        assert any("no way to tell its queue" in r for r in reasons)
+        assert any("not rejected by a consumer" in r for r in reasons)
+        assert any("may not go back to queue 'someone-elses-queue'" in r for r in reasons)
+    finally:
+        work.close()
+
+
+def cli(chain, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gateway", *args, *chain_args(chain), "--url", broker_url()],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+def wait_parked(chain, count: int = 1, all_of_them: bool = False, timeout: float = 15):
+    deadline = time.monotonic() + timeout
+    while True:
+        listed = json.loads(cli(chain, "parked", "list", "--json").stdout)
+        if listed["count"] >= count or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert listed["count"] >= count, listed
+    return listed["messages"] if all_of_them else listed["messages"][0]
