@@ -20,7 +20,10 @@ ENV = {"DELAY_GATEWAY_URL": "amqp://a/,amqp://b/", "DELAY_GATEWAY_PREFIX": "px",
        "DELAY_GATEWAY_RETIRE": "false", "DELAY_GATEWAY_RETIRE_AFTER": "30",
        "DELAY_GATEWAY_CARRIER_MESSAGES": "50", "DELAY_GATEWAY_CARRIER_WAIT_MS": "7",
        "DELAY_GATEWAY_CARRIER_BYTES": "65536", "DELAY_GATEWAY_CONFIRM_TIMEOUT": "9",
-       "DELAY_GATEWAY_CANCEL_RETENTION": "3600"}
+       "DELAY_GATEWAY_CANCEL_RETENTION": "3600", "DELAY_GATEWAY_RETRY_BASE_MS": "250",
+       "DELAY_GATEWAY_RETRY_FACTOR": "3", "DELAY_GATEWAY_RETRY_CAP_MS": "60000", "DELAY_GATEWAY_RETRY_ATTEMPTS": "4",
+       "DELAY_GATEWAY_RETRY_JITTER": "0.5", "DELAY_GATEWAY_RETRY_POLICIES": '[{"queue": "q.*", "attempts": 1}]',
+       "DELAY_GATEWAY_RETRY_QUEUES": "q.*,jobs"}
 
 
 def test_every_setting_reads_its_environment_variable_and_a_flag_beats_it():
@@ -36,6 +39,9 @@ def test_every_setting_reads_its_environment_variable_and_a_flag_beats_it():
     assert (s.log_level, s.log_format, s.retire, s.retire_after) == ("warning", "json", False, 30.0)
     assert (s.carrier_messages, s.carrier_wait_ms, s.carrier_bytes, s.confirm_timeout) == (50, 7, 65536, 9.0)
     assert s.cancel_retention == 3600.0
+    assert (s.retry_base_ms, s.retry_factor, s.retry_cap_ms, s.retry_attempts, s.retry_jitter, s.retry_queues) == \
+        (250, 3.0, 60000, 4, 0.5, "q.*,jobs")
+    assert [(p.queue, p.attempts, p.base_ms) for p in s.retry_rules()] == [("q.*", 1, 250), ("*", 4, 250)]
     flags = settings_from(parser(ENV).parse_args(["run", "--max-level", "9", "--declare", "--lead-ms", "1"]))
     assert (flags.chain.max_level, flags.declare, flags.lead_ms) == (9, True, 1)
 

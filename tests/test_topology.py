@@ -75,7 +75,7 @@ def test_a_chain_with_other_settings_has_other_names_and_max_level_only_adds_lev
     c = build(ChainSettings(prefix="d", max_level=3, resolution_ms=100))
     fixed = {q.name for q in a.queues if not a.in_chain(q.name)}
     assert fixed == {"d.check-in", "d.returning", "d.distributor", "d.parking", "d.parked", "d.chains",
-                     "d.cancellations"}
+                     "d.cancellations", "d.retry"}
     assert {q.name for q in a.queues} - {q.name for q in b.queues} == {
         "d.1000ms-quorum-queue.meditation.03", "d.1000ms-quorum-queue.gateways.03"}
     levels = {q.name: dict(q.arguments) for q in b.queues}
@@ -111,9 +111,9 @@ def test_the_cancel_objects_are_part_of_the_topology():
 def test_definitions_list_every_object():
     t = build(ChainSettings(prefix="d", max_level=5))
     doc = json.loads(render(t, vhost="v"))
-    assert len(doc["exchanges"]) == len(t.exchanges) == 8 + 2 + 5  # with the registry's and the cancel ones
-    assert len(doc["queues"]) == len(t.queues) == 8 + 1 + 2 * 5  # the registry, gateways, cancellations queues
-    assert len(doc["bindings"]) == len(t.bindings) == 7 + 2 + 2 * 5
+    assert len(doc["exchanges"]) == len(t.exchanges) == 8 + 3 + 5  # with the registry's, the cancel and retry ones
+    assert len(doc["queues"]) == len(t.queues) == 8 + 2 + 2 * 5  # the registry, gateways, cancellations, retry
+    assert len(doc["bindings"]) == len(t.bindings) == 7 + 3 + 2 * 5
     assert [e["internal"] for e in doc["exchanges"]].count(True) == 1
     assert {o["vhost"] for kind in doc.values() for o in kind} == {"v"}
 

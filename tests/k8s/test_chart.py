@@ -35,6 +35,7 @@ CASES = [{}] + [{"maxLevel": level, "zeroBits": zero_bits, "topology": topology}
      "nodeSelector": {"kubernetes.io/os": "linux"}, "imagePullSecrets": [{"name": "registry"}]}]
 # Settings whose chart default differs from the gateway's, and why
 CHART_DEFAULTS = {"metricsPort": 9090,  # the probes need the health endpoints
+                  "retryPolicies": [],  # a list in the chart, its JSON for the gateway
                   "logFormat": "json"}  # explicit: no terminal in a pod
 
 
@@ -180,6 +181,8 @@ def test_settings_are_the_gateways_options_and_its_parser_reads_them(tmp_path):
               "leadMs": 120, "prefetch": 5, "distributorPrefetch": 600, "stampDueAt": True, "metricsPort": 9100,
               "logLevel": "debug", "logFormat": "console", "retire": False, "retireAfterSeconds": 30,
               "carrierMessages": 50, "carrierWaitMs": 7, "carrierBytes": 65536, "confirmTimeoutSeconds": 9,
+              "retryBaseMs": 250, "retryFactor": 2.5, "retryCapMs": 60000, "retryAttempts": 4, "retryJitter": 0.5,
+              "retryPolicies": [{"queue": "q.*", "attempts": 1}], "retryQueues": "q.*,jobs",
               "tls": {"caSecret": "rabbit-ca", "clientSecret": "gateway-cert"}}
     docs = render(values)
     [config_map] = by_kind(docs, "ConfigMap").values()
@@ -188,8 +191,9 @@ def test_settings_are_the_gateways_options_and_its_parser_reads_them(tmp_path):
     defaults = chart_defaults()
     for o in helm_options:
         assert defaults[o.helm] == CHART_DEFAULTS.get(o.helm, o.default), o.helm
-        assert config_map["data"][o.env] == str(values[o.helm]).lower() if isinstance(values[o.helm], bool) \
-            else str(values[o.helm])
+        value = values[o.helm]
+        assert config_map["data"][o.env] == (str(value).lower() if isinstance(value, bool) else json.dumps(
+            value, separators=(",", ":"), sort_keys=True) if isinstance(value, list) else str(value))
     password = tmp_path / "password"
     password.write_text("s3cret\n")
     pods = [d for d in docs if d["kind"] in ("Deployment", "Job", "Pod")]
