@@ -69,7 +69,7 @@ def attempts_of(props) -> Optional[int]:
 
 def test_rejected_three_times_then_handled_each_gap_at_least_the_policys(make_chain, run_gateway):
     chain = make_chain(max_level=6, resolution_ms=100)
-    gateway(run_gateway, chain)
+    running = gateway(run_gateway, chain)
     work = Consumer(f"{chain.prefix}.work.fast", retrying(chain))
     try:
         work.publish("job-1")
@@ -96,6 +96,9 @@ def test_rejected_three_times_then_handled_each_gap_at_least_the_policys(make_ch
         report_figures("retry figures", "gaps actual-planned ms: " + ", ".join(
             f"attempt {i + 1}: {a - p} (planned {p}, jitter up to {p // 5})" for i, (a, p) in enumerate(gaps)))
         assert work.next(timeout=1.5) is None  # handled: nothing more
+        status = cli(chain, "status", "--metrics-url", f"http://127.0.0.1:{running.port}")
+        assert f"  {work.queue}: 3 scheduled, 3 delivered back, 0 gave up (parked)" in status.stdout, status.stdout
+        assert "\nretry " in status.stdout  # the retry queue's own row
     finally:
         work.close()
 

@@ -279,3 +279,13 @@ def test_what_a_cancel_can_promise_is_said_with_the_fix_where_it_is_limited():
     assert problem.startswith("2 gateways consume check-in") and "--role distributor" in problem
     _, problem = cancel_guarantee(False, (4, 3), 2)
     assert "set_header_timestamp" in problem
+
+
+def test_retries_per_source_queue_are_summed_from_the_gateways_metrics():
+    from gateway.commands.status import retries_from_metrics
+    page = ('# TYPE delay_gateway_retries_total counter\n'
+            'delay_gateway_retries_total{queue="orders",outcome="scheduled"} 5.0\n'
+            'delay_gateway_retries_total{queue="orders",outcome="delivered"} 3.0\n'
+            'delay_gateway_retries_total{queue="jobs",outcome="gave_up"} 1.0\n')
+    assert retries_from_metrics([page, page]) == {"orders": {"scheduled": 10, "delivered": 6, "gave_up": 0},
+                                                   "jobs": {"scheduled": 0, "delivered": 0, "gave_up": 2}}

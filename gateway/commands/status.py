@@ -87,6 +87,8 @@ class Report:
     notes: List[str] = field(default_factory=list)
     # held (ids), window_ms, and what a cancel can promise here (docs/cancelling.md)
     cancellations: Optional[Dict[str, Any]] = None
+    # per source queue: scheduled, delivered, gave_up (from --metrics-url; docs/retries.md)
+    retries: Optional[Dict[str, Dict[str, int]]] = None
 
     @property
     def missing(self) -> bool:
@@ -130,6 +132,7 @@ def report(prefix: str, own: ChainKey, lead_ms: int, registry: Optional[Registry
         rows.append(Row(name, label, role, messages, exists, lo, hi, chain, level, note, carriers))
 
     add(fixed.check_in, "check-in", "check-in", 0, None, "any time: not read yet")
+    add(fixed.retry, "retry", "retry", 0, None, "any time: failed messages, not read yet")
     add(fixed.returning, "returning", "returning", 0, None, "any time: back from meditation, planned again next")
 
     chain_rows, resolutions = _chains(prefix, own, lead_ms, registry, chains, observed, add)
@@ -314,6 +317,11 @@ def text(r: Report) -> str:
         lines += ["", f"cancellations: {r.cancellations['held']} message id(s) cancelled within the retention "
                       f"window of {human_ms(r.cancellations['window_ms'])}",
                   f"cancels: {_promise(r.cancellations)}"]
+    if r.retries:
+        lines += ["", "retries by queue (the gateways' counts since they started): waiting ≈ scheduled - delivered"]
+        for queue, counts in sorted(r.retries.items()):
+            lines.append(f"  {queue}: {counts['scheduled']} scheduled, {counts['delivered']} delivered back, "
+                         f"{counts['gave_up']} gave up (parked)")
     for note in r.notes:
         lines.append(f"note: {note}")
     for problem in r.problems:
@@ -342,7 +350,7 @@ def as_json(r: Report, indent: Optional[int] = 2) -> str:
            "chains": [chain(c) for c in r.chains], "queues": [asdict(row) for row in r.rows],
            "due_within": [asdict(w) for w in r.due_within], "held_source": r.held_source,
            "distributor_consumers": r.distributor_consumers, "problems": r.problems, "notes": r.notes,
-           "cancellations": r.cancellations}
+           "cancellations": r.cancellations, "retries": r.retries}
     return json.dumps(doc, indent=indent) + "\n"
 
 
@@ -367,6 +375,17 @@ def carried_from_metrics(texts: Iterable[str]) -> Optional[Dict[str, float]]:
             pair[0 if name == "delay_gateway_batched_messages_total" else 1] += value
     ratios = {outcome: m / p for outcome, (m, p) in sums.items() if p}
     return ratios or None
+
+
+def retries_from_metrics(texts: Iterable[str]) -> Dict[str, Dict[str, int]]:
+    """Failed messages per source queue and what became of them (scheduled, delivered,
+    gave_up), summed over the gateways' /metrics pages (since each gateway started)."""
+    out: Dict[str, Dict[str, int]] = {}
+    for name, labels, value in _samples(texts):
+        if name == "delay_gateway_retries_total":
+            counts = out.setdefault(labels.get("queue", ""), {"scheduled": 0, "delivered": 0, "gave_up": 0})
+            counts[labels.get("outcome", "")] = counts.get(labels.get("outcome", ""), 0) + int(value)
+    return out
 
 
 def _samples(texts: Iterable[str]):
@@ -432,12 +451,14 @@ def one(connection, args, own: ChainKey, now_ms: int,
         stamping: Tuple[Optional[Tuple[int, int]], Optional[bool]] = (None, None)) -> Report:
     registry, chains, observed = observe(connection, args.prefix, own)
     held, source, carried = None, "give --metrics-url with the gateways' metrics ports to see them", None
+    retried: Optional[Dict[str, Dict[str, int]]] = None
     urls = [u.strip() for u in (getattr(args, "metrics_url", None) or "").split(",") if u.strip()]
     if urls:
         try:
             pages = fetch_metrics(urls)
             held = held_from_metrics(pages, Names(args.prefix).distributor)
             carried = carried_from_metrics(pages) or {}
+            retried = retries_from_metrics(pages)
             source = "metrics"
         except (OSError, ValueError) as exc:
             source = f"--metrics-url failed: {exc}"
@@ -448,6 +469,7 @@ def one(connection, args, own: ChainKey, now_ms: int,
     check_in = observed.queues.get(Names(args.prefix).check_in)
     promise, problem = cancel_guarantee(stamping[1], stamping[0], check_in.consumers if check_in else None)
     r.cancellations = {"held": len(held_ids), "window_ms": window_ms, **promise}
+    r.retries = retried
     if problem:
         r.problems.append(problem)
     return r
