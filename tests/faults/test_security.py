@@ -1,6 +1,7 @@
 """Credentials never in output, TLS with a CA and a client certificate, and a
 least-privilege user whose permissions cover only the prefix: all on the private node."""
 
+import json
 import os
 import shlex
 import subprocess
@@ -211,3 +212,61 @@ def test_a_least_privileged_publisher_reaches_check_in_and_pick_up_only(own_node
             gateway.terminate()
         gateway_cli("delete", *chain_args(chain), "--yes", "--url", own_node.url)
         own_node.ctl("delete_user", "app", check=False)
+
+
+def retries_permissions_line() -> str:
+    with open(os.path.join(ROOT, "docs", "retries.md"), encoding="utf-8") as f:
+        [line] = [x.strip() for x in f if x.startswith("rabbitmqctl set_permissions -p / delay-gateway ")]
+    return line
+
+
+def test_retries_need_write_on_amq_default_and_without_it_are_parked_alone(own_node):
+    """The least-privileged gateway (its prefix only) parks a retry the broker refuses to take
+    through the default exchange, and stays up; with the retries guide's permission line the
+    retry goes back to its queue."""
+    password = uuid.uuid4().hex
+    own_node.ctl("add_user", "delay-gateway", password)
+    own_node.ctl(*shlex.split(readme_permissions_line())[1:])
+    chain = ChainSettings(prefix="delay", max_level=3, resolution_ms=100)
+    url = f"amqp://delay-gateway:{password}@127.0.0.1:{own_node.amqp_port}/%2F"
+    gateway = None
+    try:
+        assert gateway_cli("declare", *chain_args(chain), "--url", url).returncode == 0
+        gateway = GatewayProcess(chain, "--retry-base-ms", "200", url=url).wait_ready()
+        with pika.BlockingConnection(pika.URLParameters(url)) as connection:
+            channel = connection.channel()
+            channel.queue_declare("delay.test-work", durable=True, arguments={
+                "x-queue-type": "quorum", "x-dead-letter-exchange": "delay.retry"})
+
+            def reject_one(mid: str) -> None:
+                channel.basic_publish("delay.retry", "", b"job", pika.BasicProperties(
+                    message_id=mid, headers={"x-retry-queue": "delay.test-work"}))
+
+            reject_one("refused")
+            listed = wait_listed(chain, own_node.url)
+            assert "ACCESS_REFUSED" in listed["messages"][0]["reason"], listed
+            assert gateway.proc.poll() is None and gateway.metric("delay_gateway_connections_total") == 1
+            own_node.ctl(*shlex.split(retries_permissions_line())[1:])
+            reject_one("allowed")
+            deadline, method = time.monotonic() + 10, None
+            while method is None and time.monotonic() < deadline:
+                method, properties, _ = channel.basic_get("delay.test-work", auto_ack=True)
+                connection.sleep(0.05)
+            assert method is not None and properties.message_id == "allowed"
+            assert properties.headers["x-retry-attempt"] == 1
+            channel.queue_delete("delay.test-work")
+    finally:
+        if gateway is not None:
+            gateway.kill()
+        gateway_cli("delete", *chain_args(chain), "--yes", "--url", own_node.url)
+        own_node.ctl("delete_user", "delay-gateway", check=False)
+
+
+def wait_listed(chain, url: str, timeout: float = 15) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        r = gateway_cli("parked", "list", "--json", *chain_args(chain), "--url", url)
+        listed = json.loads(r.stdout)
+        if listed["count"] or time.monotonic() > deadline:
+            return listed
+        time.sleep(0.2)
