@@ -125,24 +125,32 @@ def test_rejected_every_time_it_is_parked_after_the_last_attempt_and_replay_star
         work.close()
 
 
-def test_a_policy_sets_the_dead_letter_exchange_on_existing_quorum_and_classic_queues(make_chain, run_gateway,
-                                                                                     broker_ctl):
+def test_a_policy_sets_the_dead_letter_exchange_on_existing_queues_each_with_its_own_retry_policy(
+        make_chain, run_gateway, broker_ctl):
+    """A quorum queue with the fast policy (300 ms) and a classic one with the slow (1.5 s),
+    both declared without a dead-letter exchange: a RabbitMQ policy gives them the retry
+    exchange; each retry waits its own queue's delay."""
     chain = make_chain(max_level=6, resolution_ms=100)
     gateway(run_gateway, chain)
-    queues = [Consumer(f"{chain.prefix}.q{n}.fast", {"x-queue-type": kind}) for n, kind in
-              enumerate(("quorum", "classic"))]
+    queues = [Consumer(f"{chain.prefix}.q0.fast", {"x-queue-type": "quorum"}),
+              Consumer(f"{chain.prefix}.q1.slow", {"x-queue-type": "classic"})]
     name = f"{chain.prefix}-retry"
-    broker_ctl("set_policy", "--apply-to", "queues", name, f"^{chain.prefix}\\.q\\d\\.fast$",
+    broker_ctl("set_policy", "--apply-to", "queues", name, f"^{chain.prefix}\\.q\\d\\.",
                json.dumps({"dead-letter-exchange": chain.names.retry}))
     try:
+        rejected = {}
         for q in queues:
             q.publish(q.queue)
             tag, props, _, _ = q.next(timeout=10)
-            q.reject(tag)
+            rejected[q.queue] = q.reject(tag)
+        back = {}
         for q in queues:
             got = q.next(timeout=10)
             assert got is not None and attempts_of(got[1]) == 1, q.queue
+            back[q.queue] = got[3] - rejected[q.queue]
             q.channel.basic_ack(got[0])
+        fast, slow = (back[q.queue] for q in queues)
+        assert fast >= 300 and slow >= 1500, back
     finally:
         broker_ctl("clear_policy", name)
         for q in queues:
