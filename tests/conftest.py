@@ -101,6 +101,8 @@ ONE_BROKER_IN_MODULE: Dict[str, List[Tuple[Sequence[str], dict]]] = {
     # the private 4.3 node: it must have no delayed-message plugin (and 4.3 cannot run it),
     # and its node-wide write counters are then this test's alone.
     "test_bench": [(("rmq4.3",), {})],
+    # AMQP 1.0 is RabbitMQ 4's own protocol (3.x speaks it only through a plugin)
+    "test_amqp10": [(RMQ4, {})],
     # quorum/queue (the default) and classic/exchange use every broker feature the four
     # modes use (quorum and classic v2 queues, pass queues, exchange-to-exchange bindings);
     # the other two run on 3.10. Saves about 30 s.

@@ -11,7 +11,7 @@ from pika import BasicProperties
 from gateway.broker import codec
 from gateway.core import envelope
 from gateway.core.envelope import Inside, Unreadable, due_at
-from gateway.core.wire import Properties, Table
+from gateway.core.wire import Entry, Properties, Table, long
 
 NOW = 1_800_000_000_000
 
@@ -119,3 +119,24 @@ def test_the_due_time_stamp_is_added_last_and_replaces_a_publishers_own():
     assert stamped.headers.find("x-gateway-due-at").kind == b"l"
     assert stamped.headers.without(lambda n: n == "x-gateway-due-at") == user.headers.without(
         lambda n: n == "x-gateway-due-at")
+
+
+def test_the_vocabulary_of_other_schedulers_is_read_the_same_way():
+    """Tanzu's delayed queue and AMQP 1.0 clients (x-opt-delivery-delay, x-opt-delivery-time)
+    and Azure Service Bus (x-opt-scheduled-enqueue-time): RabbitMQ 4 hands their annotations to
+    the gateway as headers."""
+    now = 1_800_000_000_000
+    assert due_at(Table([long("x-opt-delivery-delay", 1500)]), now) == now + 1500
+    assert due_at(Table([long("x-opt-delivery-delay", 1500), long("timestamp_in_ms", now - 200)]), now) == now + 1300
+    assert due_at(Table([long("x-opt-delivery-time", now + 5000)]), now) == now + 5000
+    assert due_at(Table([long("x-opt-scheduled-enqueue-time", now + 5000)]), now) == now + 5000
+    # an AMQP timestamp is whole seconds in 0.9.1: to the end of its second, never early
+    second = Entry(b"x-opt-scheduled-enqueue-time", b"T", (now // 1000 + 5).to_bytes(8, "big"))
+    assert due_at(Table([second]), now) == now + 5999
+    assert isinstance(Table([second]).get("x-opt-scheduled-enqueue-time"), datetime.datetime)
+    # several that agree (within a minute): the latest; that disagree: parked, naming both
+    assert due_at(Table([long("x-delay", 1000), long("x-opt-delivery-time", now + 1500)]), now) == now + 1500
+    with pytest.raises(Unreadable, match="x-delay and x-opt-delivery-time disagree by"):
+        due_at(Table([long("x-delay", 1000), long("x-opt-delivery-time", now + 3_600_000)]), now)
+    with pytest.raises(Unreadable, match="x-opt-delivery-delay is a boolean"):
+        due_at(Table([Entry(b"x-opt-delivery-delay", b"t", b"\x01")]), now)

@@ -25,6 +25,7 @@ that came through the gateway's own queues are read in this format (see handlers
 Pure: no I/O, the clock passed in.
 """
 
+import datetime
 import math
 from decimal import Decimal, InvalidOperation
 from typing import Any, Dict, Optional
@@ -36,6 +37,12 @@ Json = Dict[str, Any]  # a JSON object
 
 DELAY = "x-delay"
 DELIVER_AT = "x-deliver-at"
+# The same, in the vocabulary of other schedulers (Tanzu RabbitMQ's delayed queue, AMQP 1.0
+# clients, Azure Service Bus), so their publishers switch without code changes. RabbitMQ 4
+# hands an AMQP 1.0 message's `x-opt-*` annotations (and its application properties) to a
+# 0.9.1 consumer as headers, so one rule serves both protocols.
+DELAYS = (DELAY, "x-opt-delivery-delay")  # milliseconds from arrival
+DUE_TIMES = (DELIVER_AT, "x-opt-delivery-time", "x-opt-scheduled-enqueue-time")  # epoch milliseconds
 # Set by the broker when a message arrives (RabbitMQ 3.12+, message interceptor
 # set_header_timestamp): x-delay counts from it when present and plausible.
 ARRIVED = "timestamp_in_ms"
@@ -101,19 +108,22 @@ def _show(value: str) -> str:
 def due_at(headers: Table, now_ms: int) -> int:
     """When a publisher's message is due (epoch ms). Raises Unreadable."""
     due = []
-    delay = headers.get(DELAY)
-    if delay is not None:
-        delay_ms = _as_ms(DELAY, delay)
-        if delay_ms > MAX_AHEAD_MS:
-            raise Unreadable(f"{DELAY} {delay_ms} ms is out of range (at most {MAX_AHEAD_MS} ms, 1000 years)")
-        due.append(arrived_at(headers, now_ms) + max(delay_ms, 0))
-    deliver_at = headers.get(DELIVER_AT)
-    if deliver_at is not None:
-        due.append(_absolute(DELIVER_AT, deliver_at, now_ms))
-    if len(due) == 2 and abs(due[0] - due[1]) > AGREEMENT_MS:
-        raise Unreadable(
-            f"{DELAY} and {DELIVER_AT} disagree by {abs(due[0] - due[1])} ms (more than {AGREEMENT_MS} ms)")
-    return max(due, default=now_ms)
+    for name in DELAYS:
+        delay = headers.get(name)
+        if delay is not None:
+            delay_ms = _as_ms(name, delay)
+            if delay_ms > MAX_AHEAD_MS:
+                raise Unreadable(f"{name} {delay_ms} ms is out of range (at most {MAX_AHEAD_MS} ms, 1000 years)")
+            due.append((name, arrived_at(headers, now_ms) + max(delay_ms, 0)))
+    for name in DUE_TIMES:
+        at = headers.get(name)
+        if at is not None:
+            due.append((name, _absolute(name, at, now_ms)))
+    if due:
+        (first, earliest), (last, latest) = min(due, key=lambda d: d[1]), max(due, key=lambda d: d[1])
+        if latest - earliest > AGREEMENT_MS:
+            raise Unreadable(f"{first} and {last} disagree by {latest - earliest} ms (more than {AGREEMENT_MS} ms)")
+    return max((at for _, at in due), default=now_ms)
 
 
 def broker_stamp(headers: Table, now_ms: int) -> Optional[int]:
@@ -139,7 +149,11 @@ def arrived_at(headers: Table, now_ms: int) -> int:
 
 
 def _absolute(name: str, value: Any, now_ms: int) -> int:
-    """An epoch-milliseconds header, range-checked."""
+    """An epoch-milliseconds header, range-checked. An AMQP timestamp (0.9.1's whole seconds:
+    what an AMQP 1.0 timestamp becomes for a 0.9.1 consumer) counts to the end of its second,
+    never earlier than it was meant."""
+    if isinstance(value, datetime.datetime):
+        value = int(value.timestamp()) * 1000 + 999
     at = _as_ms(name, value)
     if at < SMALLEST_DELIVER_AT:
         raise Unreadable(f"{name} {at} is out of range: before 1973 as epoch milliseconds "
