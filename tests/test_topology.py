@@ -177,6 +177,8 @@ def test_imported_definitions_equal_what_declare_makes(broker):
                         break
                     except pika.exceptions.ChannelClosedByBroker:
                         c.sleep(0.1)
+                else:
+                    raise AssertionError(f"the import never showed {topology.queues[-1].name} (10 s)")
                 declare(c.channel(), topology)
         finally:
             remove(chain)

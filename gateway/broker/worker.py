@@ -24,7 +24,8 @@ from topology.settings import QUEUE_TYPES
 
 from gateway import health as health_http
 from gateway.broker import codec, stamp
-from gateway.broker.amqp import BrokerError, Trouble, blocking_channel, classify, parameters
+from gateway.broker.amqp import (EXIT_NO_BROKER, EXIT_REFUSED, BrokerError, Trouble, blocking_channel, classify,
+                                 parameters)
 from gateway.clock import wall_ms
 from gateway.core.carrier import Batcher
 from gateway.core.cancels import Sequencer
@@ -43,7 +44,6 @@ BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.2, 10.0
 STABLE_S = 30.0  # a connection up this long (and consuming) resets the backoff
 CATCH_UP_S = 60.0  # the other consumers wait at most this long for check-in's backlog
 FATAL_ATTEMPTS = 3  # errors that do not heal: give up after this many
-EXIT_NO_BROKER, EXIT_REFUSED = 1, 3
 
 
 class Backoff:
