@@ -19,6 +19,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 from urllib.parse import urlsplit
 
 import pytest
+from hypothesis import settings as hypothesis_settings
 
 from . import support
 from .faults.nodes import (ARRIVAL_STAMP, BROKER_LABELS, CTL, HOST_RUNTIME, Cluster, Node, NodeError, Runtime,
@@ -26,6 +27,13 @@ from .faults.nodes import (ARRIVAL_STAMP, BROKER_LABELS, CTL, HOST_RUNTIME, Clus
 from .support import GatewayProcess, chains, main_broker_url
 
 DEFAULT_BROKERS = "3.10,4.3"
+
+# Property tests: a quick budget while developing, the full one in the test command
+# (scripts/test exports HYPOTHESIS_PROFILE=full); each test scales its own with
+# support.examples.
+hypothesis_settings.register_profile("full", deadline=None)
+hypothesis_settings.register_profile("quick", max_examples=10, deadline=None)
+hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "quick"))
 RMQ4 = ("rmq4.3", "rmq4.0")  # the 4.x brokers: 3.12+ features (the arrival stamp), Khepri
 
 

@@ -40,6 +40,12 @@ def use_broker(url: Optional[str]) -> None:
     _current_url = url
 
 
+def examples(full: int) -> int:
+    """A property test's budget: `full` examples in the test command (HYPOTHESIS_PROFILE=full,
+    scripts/test), a tenth (at least 10) in the quick profile a developer runs by default."""
+    return full if os.environ.get("HYPOTHESIS_PROFILE", "quick") == "full" else max(10, full // 10)
+
+
 def now_ms() -> int:
     return time.time_ns() // 1_000_000
 

@@ -17,6 +17,8 @@ from gateway.core.carrier import Entry
 from gateway.core.envelope import Inside
 from gateway.core.wire import Properties, Table, long
 
+from .support import examples
+
 CHAIN = ChainSettings(prefix="t", max_level=4, resolution_ms=100)
 NAMES = CHAIN.names
 NOW = 1_800_000_000_000
@@ -137,7 +139,7 @@ def test_the_store_keeps_the_latest_cancel_of_an_id_and_forgets_past_the_window(
     assert store.prune(NOW + 1001) == 1 and store.get(b"a") is None and len(store) == 0
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200))
 @given(st.lists(st.tuples(st.sampled_from([b"a", b"b", b"c", b"d"]), st.integers(0, 5000)), max_size=60),
        st.integers(0, 6000))
 def test_the_store_answers_as_the_latest_record_inside_the_window(records, prune_at):

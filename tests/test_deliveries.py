@@ -20,6 +20,8 @@ from gateway.core.wire import Properties
 from gateway.metrics import Metrics
 from topology.names import Names
 
+from .support import examples
+
 
 def opened() -> Deliveries:
     d = Deliveries()
@@ -359,5 +361,5 @@ class Driver(RuleBasedStateMachine):
         self.quiet.__exit__(None, None, None)
 
 
-Driver.TestCase.settings = settings(max_examples=1000, stateful_step_count=40, deadline=None)
+Driver.TestCase.settings = settings(max_examples=examples(1000), stateful_step_count=40)
 TestDeliveries = Driver.TestCase

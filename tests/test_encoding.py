@@ -9,6 +9,8 @@ from topology.encoding import level_pattern
 from topology.routing import route, topic_matches, trace
 from topology.settings import MAX_TTL_MS, max_level_for
 
+from .support import examples
+
 YEAR_MS = 31_557_600_000
 
 
@@ -92,7 +94,7 @@ def simulate(chain: ChainSettings, delay_ms: int, lead_ms: int):
     return waited + sum(h.wait_ms for h in hops), hops, cycles
 
 
-@hsettings(max_examples=400, deadline=None)
+@hsettings(max_examples=examples(400))
 @given(chain=chains(), delay_ms=st.integers(0, 100 * YEAR_MS), lead_ms=st.integers(0, 200))
 def test_every_delay_reaches_the_distributor_in_time(chain, delay_ms, lead_ms):
     # The 1 ms pass-through hops are the chain's own latency; the lead must cover them.
@@ -111,7 +113,7 @@ def test_every_delay_reaches_the_distributor_in_time(chain, delay_ms, lead_ms):
     assert len(hops) <= chain.max_level
 
 
-@hsettings(max_examples=300, deadline=None)
+@hsettings(max_examples=examples(300))
 @given(chain=chains(), data=st.data())
 def test_each_level_routes_every_possible_key_to_exactly_one_queue(chain, data):
     k = data.draw(st.integers(0, chain.max_level - 1))

@@ -26,6 +26,8 @@ from gateway.core.carrier import Batcher
 from gateway.core.flow import Flow
 from gateway.core.wire import Properties, Table, long
 
+from .support import examples
+
 CHAIN = ChainSettings(prefix="fence", max_level=4, resolution_ms=1000)
 NAMES = CHAIN.names
 START = 1_800_000_000_000
@@ -167,7 +169,7 @@ def run(items: List[Tuple[str, str]], seed: int, crashes: int, prefetch: int) ->
     return broker
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300))
 @given(st.lists(st.tuples(st.sampled_from("mmc"), st.sampled_from("xyz")), min_size=1, max_size=40),
        st.integers(0, 2**32), st.integers(0, 4), st.sampled_from([1, 3, 10]))
 def test_no_crash_undoes_a_cancel_nor_cancels_what_came_after_it(items, seed, crashes, prefetch):

@@ -13,6 +13,8 @@ from gateway.broker import codec
 from gateway.core import wire
 from gateway.core.wire import Opaque, Properties, Table
 
+from .support import examples
+
 
 def entry(name: bytes, kind: bytes, raw: bytes) -> bytes:
     return bytes([len(name)]) + name + kind + raw
@@ -97,7 +99,7 @@ pika_values = st.recursive(
 header_tables = st.dictionaries(st.text(min_size=1, max_size=12), pika_values, max_size=6)
 
 
-@settings(max_examples=200)
+@settings(max_examples=examples(200))
 @given(header_tables)
 def test_tables_from_pika_and_pamqp_round_trip_byte_for_byte(headers):
     pieces = []

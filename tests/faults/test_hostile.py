@@ -30,7 +30,7 @@ from gateway.core import envelope
 from gateway.core.envelope import Inside
 from gateway.core.wire import Properties, Table
 
-from ..support import START_NOTICES, GatewayProcess, broker_url, connect, drain, now_ms, same_entries
+from ..support import START_NOTICES, GatewayProcess, broker_url, connect, drain, examples, now_ms, same_entries
 from .load import Figures
 
 DELIVER_WITHIN_MS = 3000
@@ -184,7 +184,7 @@ def test_hostile_publishers_beside_ordinary_traffic(make_chain, fault_report):
     pamqp_batch = []
     raw = Publisher()
 
-    @settings(max_examples=120, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=examples(120), database=None, suppress_health_check=list(HealthCheck))
     @given(pamqp_message() | raw_message(), st.integers(0, 1500))
     @example(EVERY_TYPE_PAMQP, 100)
     @example(EVERY_TYPE_RAW, 100)

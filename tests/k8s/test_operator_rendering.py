@@ -25,7 +25,7 @@ from topology.broker.declare import declare
 from topology.operator import ClusterReference, k8s_name, left_out, resources
 from topology.render import render
 
-from ..support import chain_args, connect, remove, unique_prefix
+from ..support import chain_args, connect, examples, remove, unique_prefix
 from ..test_cli import cli
 from .manifests import check_operator_resource
 
@@ -200,7 +200,7 @@ def test_the_cli_needs_a_cluster_and_says_so():
     assert "Not included: the internal exchange 'delay.returning'" in r.stdout
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200))
 @given(st.text(min_size=1, max_size=300))
 def test_every_amqp_name_gets_a_valid_distinct_kubernetes_name(name):
     n = k8s_name(name)

@@ -17,7 +17,7 @@ from gateway.spark import example, progress, record, report
 from gateway.spark import rows as R
 from gateway.spark.publisher import PartitionPublisher, PublishError, Target
 
-from ..support import ROOT, connect, drain
+from ..support import ROOT, connect, drain, examples
 
 NOW = 1_800_000_000_000
 LIMITS = R.Limits(NOW, max_overdue_ms=60_000, max_payload_bytes=100)
@@ -88,7 +88,7 @@ def test_headers_travel_with_the_due_time():
 text = st.one_of(st.none(), st.text(max_size=30), st.integers().map(str), st.floats().map(str))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300))
 @given(rk=st.one_of(st.none(), st.text(max_size=300)), size=st.integers(0, 200), delay=text, at=text,
        at_ts=st.one_of(st.none(), st.integers(-2**62, 2**62)), mid=st.one_of(st.none(), st.text(max_size=300)),
        headers=st.one_of(st.none(), st.text(max_size=20), st.dictionaries(st.text(max_size=5), st.one_of(
