@@ -160,3 +160,14 @@ def test_retries_go_back_only_to_the_queues_allowed():
     assert isinstance(handler(rejected("jobs"))[0], Enqueue)
     [parked] = handler(rejected("billing"))
     assert parked.outcome == "parked" and "may not go back to queue 'billing'" in parked.reason
+
+
+def test_run_refuses_a_policy_that_cannot_be_in_one_line_with_exit_2():
+    import subprocess
+    import sys
+
+    from .support import ROOT
+    r = subprocess.run([sys.executable, "-m", "gateway", "run", "--retry-policies", '[{"queue": "a", "cap_ms": 1}]'],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "the retry policy for 'a': cap_ms 1 must be at least base_ms" in r.stderr
