@@ -180,42 +180,42 @@ def test_memory_per_100000_cancellations_is_bounded_and_measured(record_property
 
 # -- handlers ----------------------------------------------------------------------------------
 def test_check_in_records_a_cancel_with_its_time():
-    check_in = handlers.CheckIn(CHAIN, 0, lambda: NOW)
-    [record] = check_in(cancel("order-1"))
+    check_in = handlers.CheckIn(CHAIN, 0)
+    [record] = check_in(cancel("order-1"), NOW)
     assert isinstance(record, Forward) and record.exchange == NAMES.cancellations and record.mandatory
     assert record.outcome == cancels.RECORDED and record.fence
     mid, at = cancels.read_record(record.props.headers)
     assert mid == b"order-1" and at.read_us // 1000 == NOW and at.arrived_ms is None
-    [stamped] = check_in(cancel("order-1", timestamp_in_ms=NOW - 7))
+    [stamped] = check_in(cancel("order-1", timestamp_in_ms=NOW - 7), NOW)
     _, at2 = cancels.read_record(stamped.props.headers)
     assert at2.arrived_ms == NOW - 7 and at2.read_us > at.read_us
 
 
 @pytest.mark.parametrize("mid, why", [(None, "needs the id"), ("", "empty")])
 def test_a_cancel_without_an_id_is_parked_with_the_reason(mid, why):
-    [parked] = handlers.CheckIn(CHAIN, 0, lambda: NOW)(cancel(mid))
+    [parked] = handlers.CheckIn(CHAIN, 0)(cancel(mid), NOW)
     assert parked.outcome == "parked" and why in parked.reason
 
 
 def test_a_message_on_check_in_is_timed_and_a_cancel_read_later_wins_over_it():
     judge = Judge()
-    check_in = handlers.CheckIn(CHAIN, 0, lambda: NOW, cancelled=judge)
-    [sent] = check_in(message("m1"))
-    [rec] = check_in(cancel("m1"))
+    check_in = handlers.CheckIn(CHAIN, 0, cancelled=judge)
+    [sent] = check_in(message("m1"), NOW)
+    [rec] = check_in(cancel("m1"), NOW)
     mid, at = cancels.read_record(rec.props.headers)
     assert isinstance(sent, Enqueue) and sent.entry.accepted_us < at.read_us
     judge.held[mid] = held(at)
-    assert check_in(message("m1")) != []  # published again after the cancel: a reschedule
+    assert check_in(message("m1"), NOW) != []  # published again after the cancel: a reschedule
     assert judge.held[mid].cancels(taken_in(sent.entry))  # the first one is cancelled wherever it is
 
 
 def test_check_in_drops_a_message_whose_cancel_is_held_and_stamped_later():
     judge = Judge({b"m1": held(Time(1, NOW + 5))})  # read long ago by another replica
-    check_in = handlers.CheckIn(CHAIN, 0, lambda: NOW + 10, cancelled=judge)
-    assert check_in(message("m1", timestamp_in_ms=NOW)) == []
+    check_in = handlers.CheckIn(CHAIN, 0, cancelled=judge)
+    assert check_in(message("m1", timestamp_in_ms=NOW), NOW + 10) == []
     assert judge.dropped == [(b"m1", "check-in")]
-    assert check_in(message("m2", timestamp_in_ms=NOW)) != []
-    assert check_in(message("m1", timestamp_in_ms=NOW + 6)) != []
+    assert check_in(message("m2", timestamp_in_ms=NOW), NOW + 10) != []
+    assert check_in(message("m1", timestamp_in_ms=NOW + 6), NOW + 10) != []
 
 
 def test_the_time_travels_alone_and_in_carriers_and_old_formats_still_read():
@@ -240,18 +240,18 @@ def test_returning_and_the_distributor_drop_cancelled_messages_of_a_carrier():
     both = handlers.carry("ex", b"", "chain", [cut, kept, later])
     judge = Judge({b"cut": held(Time(200))})
     d = Delivery("ex", b"", both.props, both.body)
-    back = handlers.Returning(CHAIN, 0, lambda: NOW, cancelled=judge)(d)
+    back = handlers.Returning(CHAIN, 0, cancelled=judge)(d, NOW)
     assert [a.entry for a in back] == [kept, later]
-    out = handlers.Distributor(CHAIN, 0, lambda: NOW, cancelled=judge)(d)
+    out = handlers.Distributor(CHAIN, 0, cancelled=judge)(d, NOW)
     assert [a.entry for a in out] == [kept, later]
     assert judge.dropped == [(b"cut", "returning"), (b"cut", "distributor")]
 
 
 def test_the_distributor_asks_again_at_release():
     judge = Judge()
-    dist = handlers.Distributor(CHAIN, 0, lambda: NOW, cancelled=judge)
+    dist = handlers.Distributor(CHAIN, 0, cancelled=judge)
     e = Entry(b"k", Properties.build(message_id=b"m"), b"x", NOW + 50, 100)
-    [kept] = dist(Delivery("ex", b"", handlers.carry("ex", b"", "d", [e]).props, b"x"))
+    [kept] = dist(Delivery("ex", b"", handlers.carry("ex", b"", "d", [e]).props, b"x"), NOW)
     assert dist.keep(kept)
     judge.held[b"m"] = held(Time(150))
     assert not dist.keep(kept)

@@ -39,7 +39,7 @@ def in_gateway_format(conn: FakeConnection, due_in_ms: int, key: bytes = b"order
 
 
 def test_a_held_message_goes_to_pick_up_at_its_time_and_is_acknowledged_after_its_confirm():
-    conn, pipe, metrics = started(NAMES.distributor, Distributor(CHAIN, 50, lambda: conn.clock()))
+    conn, pipe, metrics = started(NAMES.distributor, Distributor(CHAIN, 50))
     conn.consuming().deliver(b"hello", in_gateway_format(conn, 300))
     assert conn.published == [] and held_gauge(metrics, NAMES.distributor) == 1
     conn.advance(299)
@@ -54,7 +54,7 @@ def test_a_held_message_goes_to_pick_up_at_its_time_and_is_acknowledged_after_it
 
 
 def test_a_message_nobody_is_bound_for_comes_back_and_is_parked_instead():
-    conn, pipe, _ = started(NAMES.distributor, Distributor(CHAIN, 50, lambda: conn.clock()))
+    conn, pipe, _ = started(NAMES.distributor, Distributor(CHAIN, 50))
     conn.consuming().deliver(b"lost?", in_gateway_format(conn, 0))
     [pub] = conn.published
     conn.publishing().give_back(pub)
@@ -68,7 +68,7 @@ def test_a_message_nobody_is_bound_for_comes_back_and_is_parked_instead():
 
 
 def test_check_in_sends_a_carrier_when_the_batch_is_full_or_old_enough():
-    handler = CheckIn(CHAIN, 50, lambda: conn.clock(), wait_ms=20)
+    handler = CheckIn(CHAIN, 50, wait_ms=20)
     conn, pipe, _ = started(NAMES.check_in, handler, Batcher(3, 100_000, 20))
     in_five_s = Properties.build(headers=Table([wire.long("x-delay", 5000)]))
     for i in range(4):
@@ -84,7 +84,7 @@ def test_check_in_sends_a_carrier_when_the_batch_is_full_or_old_enough():
 
 
 def test_a_message_due_within_the_carrier_wait_reaches_the_distributor_by_its_lead():
-    handler = CheckIn(CHAIN, 50, lambda: conn.clock(), wait_ms=200)
+    handler = CheckIn(CHAIN, 50, wait_ms=200)
     conn, pipe, _ = started(NAMES.check_in, handler, Batcher(1000, 1_000_000, 200))
     conn.consuming().deliver(b"soon", Properties.build(headers=Table([wire.long("x-delay", 120)])))
     conn.advance(69)
@@ -100,7 +100,7 @@ def test_a_message_due_within_the_carrier_wait_reaches_the_distributor_by_its_le
 def test_check_in_does_not_wait_for_company_that_cannot_come():
     # All its prefetch (10) outstanding, the broker sends nothing more until acks: the open
     # batches (two routes here, neither full) go at once instead of after their wait.
-    handler = CheckIn(CHAIN, 50, lambda: conn.clock(), wait_ms=200)
+    handler = CheckIn(CHAIN, 50, wait_ms=200)
     conn, pipe, _ = started(NAMES.check_in, handler, Batcher(1000, 1_000_000, 200))
     for i in range(9):
         delay = 5000 if i % 2 else 9000
@@ -111,7 +111,7 @@ def test_check_in_does_not_wait_for_company_that_cannot_come():
 
 
 def test_a_message_the_broker_refuses_is_found_and_parked_without_touching_the_others():
-    conn, pipe, _ = started(NAMES.distributor, Distributor(CHAIN, 50, lambda: conn.clock()))
+    conn, pipe, _ = started(NAMES.distributor, Distributor(CHAIN, 50))
     for body in (b"a", b"poison", b"c"):
         conn.consuming().deliver(body, in_gateway_format(conn, 0))
     first = conn.publishing()
@@ -139,7 +139,7 @@ def test_a_message_the_broker_refuses_is_found_and_parked_without_touching_the_o
 
 
 def test_stopping_hands_held_messages_back_to_the_distributor_queue():
-    conn, pipe, metrics = started(NAMES.distributor, Distributor(CHAIN, 50, lambda: conn.clock()))
+    conn, pipe, metrics = started(NAMES.distributor, Distributor(CHAIN, 50))
     conn.consuming().deliver(b"later", in_gateway_format(conn, 10_000))
     stopped = []
     pipe.stop(lambda: stopped.append(True))
@@ -152,7 +152,7 @@ def test_stopping_hands_held_messages_back_to_the_distributor_queue():
 
 
 def test_a_refused_publish_is_retried_a_second_later_and_then_the_connection_starts_over():
-    conn, pipe, _ = started(NAMES.distributor, Distributor(CHAIN, 50, lambda: conn.clock()))
+    conn, pipe, _ = started(NAMES.distributor, Distributor(CHAIN, 50))
     conn.consuming().deliver(b"x", in_gateway_format(conn, 0))
     for attempt in range(3):
         conn.publishing().confirm(conn.published[-1].seq, ack=False)
@@ -166,7 +166,7 @@ def test_a_refused_publish_is_retried_a_second_later_and_then_the_connection_sta
 
 
 def test_handler_failures_park_the_delivery_whole():
-    def broken(_d):
+    def broken(_d, _now):
         raise RuntimeError("a bug")
     conn, pipe, _ = started(NAMES.check_in, broken)
     conn.consuming().deliver(b"body", Properties.build(message_id="m"), routing_key="k.1")
@@ -178,7 +178,7 @@ def test_a_cancel_is_a_fence_its_record_waits_for_every_ack_before_it_and_holds_
     """Check-in's fence (flow.Flow): the cancel closes the open carriers at once, its record
     goes out only after the acks of every delivery before it and a basic.qos round trip,
     and nothing read after it is acknowledged before it."""
-    handler = CheckIn(CHAIN, 50, lambda: conn.clock(), wait_ms=200)
+    handler = CheckIn(CHAIN, 50, wait_ms=200)
     conn, pipe, _ = started(NAMES.check_in, handler, Batcher(100, 100_000, 200))
     in_five_s = Properties.build(message_id="m", headers=Table([wire.long("x-delay", 5000)]))
     conn.consuming().deliver(b"m1", in_five_s)
@@ -209,7 +209,7 @@ def test_a_cancel_is_a_fence_its_record_waits_for_every_ack_before_it_and_holds_
 
 
 def test_consecutive_cancels_are_recorded_together_and_a_lost_connection_forgets_the_fences():
-    handler = CheckIn(CHAIN, 50, lambda: conn.clock(), wait_ms=200)
+    handler = CheckIn(CHAIN, 50, wait_ms=200)
     conn, pipe, _ = started(NAMES.check_in, handler, Batcher(100, 100_000, 200))
     for mid in ("a", "b", "c"):
         conn.consuming().deliver(b"", Properties.build(message_id=mid), exchange=NAMES.cancel)
@@ -228,7 +228,7 @@ def test_check_in_says_it_caught_up_once_it_read_its_backlog_and_recorded_the_ca
     it cancels is released)."""
     told = []
     conn = FakeConnection(backlog=2)
-    handler = CheckIn(CHAIN, 50, lambda: conn.clock(), wait_ms=200)
+    handler = CheckIn(CHAIN, 50, wait_ms=200)
     pipe = Pipe(conn, NAMES.check_in, handler, 10, Metrics(), NAMES, clock=conn.clock,
                 batcher=Batcher(100, 100_000, 200), on_caught_up=lambda: told.append(conn.clock()))
     pipe.open()
@@ -250,7 +250,7 @@ def test_check_in_says_it_caught_up_once_it_read_its_backlog_and_recorded_the_ca
 
     empty = FakeConnection()
     told.clear()
-    Pipe(empty, NAMES.check_in, CheckIn(CHAIN, 50, lambda: empty.clock()), 10, Metrics(), NAMES,
+    Pipe(empty, NAMES.check_in, CheckIn(CHAIN, 50), 10, Metrics(), NAMES,
          clock=empty.clock, on_caught_up=lambda: told.append(0)).open()
     empty.settle()
     assert told == [0]

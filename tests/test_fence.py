@@ -91,7 +91,7 @@ class Process:
     def __init__(self, broker: Broker, prefetch: int) -> None:
         self.broker, self.prefetch = broker, prefetch
         judge = Judge(broker.store)
-        check_in = handlers.CheckIn(CHAIN, 50, lambda: broker.now, wait_ms=200, cancelled=judge,
+        check_in = handlers.CheckIn(CHAIN, 50, wait_ms=200, cancelled=judge,
                                     sequence=cancels.Sequencer().above(broker.store.newest_read_us))
         self.flow = Flow(NAMES.check_in, NAMES, check_in, Quiet(), Batcher(4, 10**6, 200), prefetch=prefetch)
         self.flow.publishing_opened(broker.now)
@@ -206,8 +206,8 @@ def test_the_model_finds_the_bug_without_the_fence(monkeypatch):
 def test_a_message_read_again_after_a_crash_gets_a_time_above_every_cancel_held():
     store = cancels.Store(window_ms=10**9)
     store.add(b"x", cancels.Time((START + 5000) * 1000), START)  # recorded by a process whose clock was ahead
-    check_in = handlers.CheckIn(CHAIN, 50, lambda: START, cancelled=Judge(store),
+    check_in = handlers.CheckIn(CHAIN, 50, cancelled=Judge(store),
                                 sequence=cancels.Sequencer().above(store.newest_read_us))
-    [sent] = check_in(published([("m", "x")])[0])  # a reschedule read after the restart
+    [sent] = check_in(published([("m", "x")])[0], START)  # a reschedule read after the restart
     assert sent.entry.accepted_us > (START + 5000) * 1000
     assert envelope.broker_stamp(Table(), START) is None

@@ -28,7 +28,7 @@ def published(headers=None, key=b"user.key", **properties) -> Delivery:
 
 
 def check_in(headers=None, wait_ms=0, **kw):
-    [action] = CheckIn(CHAIN, lead_ms=50, clock=lambda: NOW, wait_ms=wait_ms)(published(headers, **kw))
+    [action] = CheckIn(CHAIN, lead_ms=50, wait_ms=wait_ms)(published(headers, **kw), NOW)
     return action
 
 
@@ -70,21 +70,21 @@ def test_forged_internal_headers_are_only_the_publishers_data():
 
 def test_returning_from_meditation_goes_on_by_its_due_time():
     meditating = sent(check_in({"x-delay": 60_000}))
-    [later] = Returning(CHAIN, 50, lambda: NOW + 15_000)(meditating)
+    [later] = Returning(CHAIN, 50)(meditating, NOW + 15_000)
     assert later.exchange == MEDITATION  # 45 s to go: another lap
-    [last] = Returning(CHAIN, 50, lambda: NOW + 52_000)(meditating)
+    [last] = Returning(CHAIN, 50)(meditating, NOW + 52_000)
     assert (last.exchange, last.routing_key) == (LEVEL + "02", b"1.1.1")
     assert last.entry.due_ms == NOW + 60_000
 
 
 def test_returning_parks_what_is_not_in_the_gateways_format():
-    [f] = Returning(CHAIN, 50, lambda: NOW)(published({"x-gateway-due-at": NOW}))
+    [f] = Returning(CHAIN, 50)(published({"x-gateway-due-at": NOW}), NOW)
     assert f.outcome == "parked" and "not in the gateway's format" in Inside(f.props).error
 
 
 def test_distributor_holds_until_due_and_restores_key_and_properties_exactly():
     user = dict(headers={"x-delay": 3000, "n": 1.5}, expiration="10", delivery_mode=1, message_id="m")
-    [out] = Distributor(CHAIN, 50, lambda: NOW + 2500)(sent(check_in(**user)))
+    [out] = Distributor(CHAIN, 50)(sent(check_in(**user)), NOW + 2500)
     assert (out.exchange, out.routing_key, out.not_before_ms, out.mandatory) == (
         "d.pick-up", b"user.key", NOW + 3000, True)
     assert out.props.raw == props(**user).raw
@@ -96,7 +96,7 @@ def test_a_carrier_takes_every_message_exactly_and_the_distributor_releases_each
     batch.append(Entry(big.routing_key, big.user, b"\x00" * 70_000, big.due_ms))
     c = carry(LEVEL + "01", b"1.1", "chain", batch)
     assert Inside(c.props).due_ms == NOW + 3000 and c.props.headers.get(carrier.COUNT) == 4
-    out = Distributor(CHAIN, 50, lambda: NOW + 2000)(Delivery("d.distributor", b"", c.props, c.body))
+    out = Distributor(CHAIN, 50)(Delivery("d.distributor", b"", c.props, c.body), NOW + 2000)
     assert [(f.routing_key, f.not_before_ms, f.body) for f in out] == [(e.routing_key, e.due_ms, e.body) for e in batch]
     assert [f.props.raw for f in out] == [e.user.raw for e in batch]
 
@@ -104,25 +104,25 @@ def test_a_carrier_takes_every_message_exactly_and_the_distributor_releases_each
 def test_returning_sends_each_message_of_a_carrier_on_by_its_own_time():
     batch = [check_in({"x-delay": 20_000}).entry, check_in({"x-delay": 60_000}).entry]
     c = carry(MEDITATION, b"", "meditation", batch)
-    out = Returning(CHAIN, 50, lambda: NOW + 15_000)(Delivery("d.returning", b"", c.props, c.body))
+    out = Returning(CHAIN, 50)(Delivery("d.returning", b"", c.props, c.body), NOW + 15_000)
     assert [(a.exchange, a.entry.due_ms) for a in out] == [(LEVEL + "02", NOW + 20_000), (MEDITATION, NOW + 60_000)]
 
 
 def test_distributor_stamps_the_due_time_only_when_asked():
-    [out] = Distributor(CHAIN, 50, lambda: NOW, stamp_due_at=True)(sent(check_in({"x-delay": 3000})))
+    [out] = Distributor(CHAIN, 50, stamp_due_at=True)(sent(check_in({"x-delay": 3000})), NOW)
     assert out.props.headers.get("x-gateway-due-at") == NOW + 3000
-    [plain] = Distributor(CHAIN, 50, lambda: NOW)(sent(check_in({"x-delay": 3000})))
+    [plain] = Distributor(CHAIN, 50)(sent(check_in({"x-delay": 3000})), NOW)
     assert "x-gateway-due-at" not in plain.props.headers
 
 
 def test_distributor_sends_a_far_early_message_back_into_the_chain():
-    [out] = Distributor(CHAIN, 50, lambda: NOW)(sent(check_in({"x-deliver-at": NOW + 3_600_000})))
+    [out] = Distributor(CHAIN, 50)(sent(check_in({"x-deliver-at": NOW + 3_600_000})), NOW)
     assert out.outcome == "recheck" and out.exchange == MEDITATION
 
 
 def test_distributor_parks_an_unroutable_message_keeping_its_due_time():
     e = check_in({"x-delay": 300}, key=b"nobody.home").entry
-    parked = Distributor(CHAIN, 50, lambda: NOW).unroutable(e)
+    parked = Distributor(CHAIN, 50).unroutable(e)
     got = Inside(parked.props)
     assert (parked.exchange, parked.routing_key) == ("d.parked", b"nobody.home")
     assert got.due_ms == NOW + 300 and "no queue bound to exchange 'd.pick-up'" in got.error
@@ -133,7 +133,7 @@ def test_parking_explains_dead_letters_and_unroutable_messages():
     # a publisher's message the broker dead-lettered from check-in (routing key: the queue's role)
     dead = Delivery("d.parking", b"check-in", props(headers={"x-delay": 5, "x-death": [
         {"queue": "d.check-in", "reason": "expired", "routing-keys": ["orders.eu"]}]}), b"b")
-    [f] = park(dead)
+    [f] = park(dead, NOW)
     got = Inside(f.props)
     assert got.error == "dead-lettered from queue d.check-in: its own expiration ran out before the gateway read it"
     assert f.routing_key == b"orders.eu" and got.user.headers.to_dict() == {"x-delay": 5}
@@ -142,17 +142,17 @@ def test_parking_explains_dead_letters_and_unroutable_messages():
     c = carry("d.distributor", b"", "distributor", batch)
     death = props(headers={"x-death": [{"queue": "d.distributor", "reason": "delivery_limit"}]}).headers.entries[0]
     out = park(Delivery("d.parking", b"distributor", c.props.replace(headers=c.props.headers.with_entry(death)),
-                        c.body))
+                        c.body), NOW)
     assert [(f.routing_key, Inside(f.props).due_ms) for f in out] == [(b"a", NOW + 5), (b"b", NOW + 6)]
     assert all("redelivered too often" in Inside(f.props).error for f in out)
     # a chain exchange had no binding for the key
-    [stray] = park(Delivery(LEVEL + "01", b"1.7", sent(check_in({"x-delay": 5})).props, b"body"))
+    [stray] = park(Delivery(LEVEL + "01", b"1.7", sent(check_in({"x-delay": 5})).props, b"body"), NOW)
     assert "unroutable in the chain" in Inside(stray.props).error
 
 
 def test_a_parked_message_keeps_the_publishers_properties_for_replay():
     original = props(headers={"x-delay": "soon", "t": "x"}, message_id="m-1", expiration="5")
-    [f] = CheckIn(CHAIN, 50, lambda: NOW)(Delivery("d.check-in", b"k", original, b"b"))
+    [f] = CheckIn(CHAIN, 50)(Delivery("d.check-in", b"k", original, b"b"), NOW)
     assert Inside(f.props).user.raw == envelope.publishers(original).raw
 
 

@@ -36,7 +36,7 @@ def rejected(queue: str = "orders", attempt=None, reason=None, death_reason="rej
 
 
 def retry_handler(*found: Policy, seed: int = 1) -> handlers.Retry:
-    return handlers.Retry(CHAIN, 50, lambda: NOW, found or (Policy(),), random.Random(seed))
+    return handlers.Retry(CHAIN, 50, found or (Policy(),), random.Random(seed))
 
 
 # -- policies ------------------------------------------------------------------------------------
@@ -95,7 +95,7 @@ def test_a_consumer_that_publishes_itself_names_the_queue():
 
 # -- the retry consumer --------------------------------------------------------------------------
 def test_a_rejected_message_goes_back_to_its_queue_after_the_policys_delay_with_the_attempt():
-    [sent] = retry_handler(Policy(base_ms=1000, jitter=0.0))(rejected("orders", attempt=1))
+    [sent] = retry_handler(Policy(base_ms=1000, jitter=0.0))(rejected("orders", attempt=1), NOW)
     assert isinstance(sent, Enqueue)
     e = sent.entry
     assert (e.exchange, e.routing_key, e.due_ms) == ("", b"orders", NOW + 2000)  # attempt 2: 2 s
@@ -105,7 +105,7 @@ def test_a_rejected_message_goes_back_to_its_queue_after_the_policys_delay_with_
 
 
 def test_after_the_last_attempt_it_is_parked_with_the_reason_and_replay_sends_it_back_afresh():
-    [parked] = retry_handler(Policy(attempts=3))(rejected("orders", attempt=3, reason="db down"))
+    [parked] = retry_handler(Policy(attempts=3))(rejected("orders", attempt=3, reason="db down"), NOW)
     assert parked.exchange == NAMES.parked and parked.outcome == "parked"
     assert parked.reason == "gave up after 3 retries to queue 'orders': db down"
     message = Parked(1, parked.props, parked.body, parked.routing_key)
@@ -121,7 +121,7 @@ def test_after_the_last_attempt_it_is_parked_with_the_reason_and_replay_sends_it
         longstr(envelope.DUE_AT, "soon"), long(envelope.ROUTING_KEY, 5)])), b"x"), "no way to tell its queue"),
 ])
 def test_hostile_or_unexplained_input_on_the_retry_exchange_is_parked_with_a_reason(delivery, why):
-    [parked] = retry_handler()(delivery)
+    [parked] = retry_handler()(delivery, NOW)
     assert parked.outcome == "parked" and why in parked.reason
 
 
@@ -133,7 +133,7 @@ def test_a_retry_travels_in_carriers_of_its_own_and_the_distributor_sends_it_to_
     assert back == [e1, e2]
     alone = handlers.carry("ex", b"", "chain", [e1])
     assert handlers.entries(Delivery("ex", b"", alone.props, alone.body)) == [e1]
-    [out] = handlers.Distributor(CHAIN, 50, lambda: NOW)(Delivery("ex", b"", both.props, both.body))[:1]
+    [out] = handlers.Distributor(CHAIN, 50)(Delivery("ex", b"", both.props, both.body), NOW)[:1]
     assert (out.exchange, out.routing_key, out.outcome, out.mandatory) == ("", b"orders", "retried", True)
     gone = handlers.unroutable(NAMES, e1)
     assert "queue 'orders' does not exist" in gone.reason
@@ -146,19 +146,19 @@ def test_a_waiting_retry_can_be_cancelled():
     def judge(entry, where):
         dropped.append(where)
         return entry.user.text("message_id") == "m1"
-    handler = handlers.Retry(CHAIN, 50, lambda: NOW, (Policy(),), random.Random(1), cancelled=judge)
-    assert handler(rejected("orders")) == [] and dropped == ["retry"]
+    handler = handlers.Retry(CHAIN, 50, (Policy(),), random.Random(1), cancelled=judge)
+    assert handler(rejected("orders"), NOW) == [] and dropped == ["retry"]
 
 
 def test_forwarded_retries_keep_a_forward_shape():
-    assert isinstance(retry_handler()(rejected("orders"))[0], (Enqueue, Forward))
+    assert isinstance(retry_handler()(rejected("orders"), NOW)[0], (Enqueue, Forward))
 
 
 def test_retries_go_back_only_to_the_queues_allowed():
-    handler = handlers.Retry(CHAIN, 50, lambda: NOW, (Policy(),), random.Random(1), queues="orders.*, jobs")
-    assert isinstance(handler(rejected("orders.eu"))[0], Enqueue)
-    assert isinstance(handler(rejected("jobs"))[0], Enqueue)
-    [parked] = handler(rejected("billing"))
+    handler = handlers.Retry(CHAIN, 50, (Policy(),), random.Random(1), queues="orders.*, jobs")
+    assert isinstance(handler(rejected("orders.eu"), NOW)[0], Enqueue)
+    assert isinstance(handler(rejected("jobs"), NOW)[0], Enqueue)
+    [parked] = handler(rejected("billing"), NOW)
     assert parked.outcome == "parked" and "may not go back to queue 'billing'" in parked.reason
 
 

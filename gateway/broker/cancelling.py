@@ -23,7 +23,7 @@ import itertools
 import threading
 import time
 import uuid
-from typing import Callable, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import structlog
 from pika.exceptions import AMQPError, ChannelClosedByBroker
@@ -37,6 +37,7 @@ from gateway.broker.amqp import Trouble, classify, parameters
 from gateway.clock import wall_ms
 from gateway.core import cancels, envelope
 from gateway.core.actions import Action, Delivery, Forward
+from gateway.core.answers import Handler
 from gateway.core.carrier import Entry
 from gateway.core.cancels import Store
 from gateway.metrics import Metrics
@@ -80,12 +81,12 @@ class Judge:
         return True
 
 
-def recording(check_in: Callable[[Delivery], List[Action]], metrics: Metrics) -> Callable[[Delivery], List[Action]]:
+def recording(check_in: Handler, metrics: Metrics) -> Handler:
     """The check-in handler, counting and logging each cancel it records."""
     log = structlog.get_logger("gateway")
 
-    def handle(d: Delivery) -> List[Action]:
-        actions = check_in(d)
+    def handle(d: Delivery, now: int) -> List[Action]:
+        actions = check_in(d, now)
         for action in actions:
             if isinstance(action, Forward) and action.outcome == cancels.RECORDED:
                 metrics.cancels.inc()

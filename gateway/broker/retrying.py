@@ -1,22 +1,23 @@
 """Retries on the broker: the retry consumer's metrics and logs (the decisions are
 gateway/core/retries.py's and handlers.Retry's)."""
 
-from typing import Callable, List
+from typing import List
 
 import structlog
 
 from gateway.core import envelope, retries
 from gateway.core.actions import Action, Delivery, Enqueue, Forward
+from gateway.core.answers import Handler
 from gateway.metrics import Metrics
 
 
-def counting_retries(retry: Callable[[Delivery], List[Action]], metrics: Metrics) -> Callable[[Delivery], List[Action]]:
+def counting_retries(retry: Handler, metrics: Metrics) -> Handler:
     """The retry handler, counting what becomes of each failed message per source queue, and
     logging each one given up."""
     log = structlog.get_logger("gateway")
 
-    def handle(d: Delivery) -> List[Action]:
-        actions = retry(d)
+    def handle(d: Delivery, now: int) -> List[Action]:
+        actions = retry(d, now)
         for action in actions:
             if isinstance(action, Enqueue):
                 queue = envelope.shown(action.entry.routing_key)

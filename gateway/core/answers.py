@@ -30,7 +30,7 @@ RETRY_REFUSED_MS = 1000
 REFUSED_RECONNECT = 3
 
 Member = Tuple[int, Optional[Entry]]  # a delivery tag, and the publisher's message if it is one
-Handler = Callable[[Delivery], List[Action]]
+Handler = Callable[[Delivery, int], List[Action]]  # a delivery, and the time it came (epoch ms)
 
 
 @dataclass

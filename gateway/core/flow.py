@@ -74,7 +74,7 @@ class Flow:
         self._release_due(now, out)  # a stream of deliveries must not keep due messages waiting
         self._delivered[tag] = d
         try:
-            actions = self._handler(d)
+            actions = self._handler(d, now)
         except Exception as exc:  # a bug must not stop the gateway, nor lose the message
             self._observer.note("exception", "handler_failed", routing_key=envelope.shown(d.routing_key))
             actions = list(self._park(d, f"the gateway failed on it: {exc!r}"))

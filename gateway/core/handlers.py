@@ -34,8 +34,6 @@ from gateway.core.wire import Properties
 
 Json = Dict[str, Any]  # a JSON object
 
-Clock = Callable[[], int]
-
 
 class Cancelled(Protocol):
     """Whether a publisher's message was cancelled (and, if so, counts and logs its drop):
@@ -149,12 +147,12 @@ def carry(exchange: str, routing_key: bytes, outcome: str, batch: List[Entry]) -
 
 
 class CheckIn:
-    def __init__(self, chain: ChainSettings, lead_ms: int, clock: Clock, wait_ms: int = 0,
+    def __init__(self, chain: ChainSettings, lead_ms: int, wait_ms: int = 0,
                  cancelled: Optional[Cancelled] = None, sequence: Optional[cancels.Sequencer] = None) -> None:
         # A message may wait up to wait_ms for others going the same way: the chain leaves
         # that much more to the distributor, so waiting never makes it late (one going to
         # the distributor directly may wait only until its lead: `enqueue`).
-        self.chain, self.lead_ms, self.clock = chain, lead_ms + wait_ms, clock
+        self.chain, self.lead_ms = chain, lead_ms + wait_ms
         self.hand_over_ms = lead_ms  # the distributor's lead: what a message direct to it may not wait into
         self.route = Routes(chain, self.lead_ms)
         self.cancelled = cancelled
@@ -164,8 +162,7 @@ class CheckIn:
         # until the gateway follows them all): None when nobody does.
         self.recorded: Optional[Dict[bytes, int]] = None
 
-    def __call__(self, d: Delivery) -> List[Action]:
-        now = self.clock()
+    def __call__(self, d: Delivery, now: int) -> List[Action]:
         user = envelope.publishers(d.props)
         if d.exchange == self.chain.names.cancel:
             return self.record(d, user, now)
@@ -204,14 +201,13 @@ class Retry(CheckIn):
     policy's delay, through the chain like any delayed message, or parked after the last
     attempt (retries.py)."""
 
-    def __init__(self, chain: ChainSettings, lead_ms: int, clock: Clock, policies: Sequence[retries.Policy],
+    def __init__(self, chain: ChainSettings, lead_ms: int, policies: Sequence[retries.Policy],
                  rng: random.Random, wait_ms: int = 0, cancelled: Optional[Cancelled] = None,
                  sequence: Optional[cancels.Sequencer] = None, queues: str = "*") -> None:
-        super().__init__(chain, lead_ms, clock, wait_ms, cancelled, sequence)
+        super().__init__(chain, lead_ms, wait_ms, cancelled, sequence)
         self.policies, self.rng, self.queues = policies, rng, queues
 
-    def __call__(self, d: Delivery) -> List[Action]:
-        now = self.clock()
+    def __call__(self, d: Delivery, now: int) -> List[Action]:
         failed = retries.failure(d.props.headers)
         user = envelope.publishers(d.props)  # as the consumer received it, without the dead-letter history
         names = self.chain.names
@@ -238,32 +234,30 @@ class Retry(CheckIn):
 
 
 class Returning(CheckIn):
-    def __call__(self, d: Delivery) -> List[Action]:
+    def __call__(self, d: Delivery, now: int) -> List[Action]:
         try:
             back = entries(d)
         except Damaged as exc:
             return [park(self.chain.names, d.props, d.routing_key, d.body,
                          f"came back from meditation not in the gateway's format ({exc})")]
-        now = self.clock()
         return [self.enqueue(e, now) for e in back if self.cancelled is None or not self.cancelled(e, "returning")]
 
 
 class Distributor:
-    def __init__(self, chain: ChainSettings, lead_ms: int, clock: Clock, stamp_due_at: bool = False,
+    def __init__(self, chain: ChainSettings, lead_ms: int, stamp_due_at: bool = False,
                  cancelled: Optional[Cancelled] = None) -> None:
-        self.chain, self.lead_ms, self.clock, self.stamp = chain, lead_ms, clock, stamp_due_at
+        self.chain, self.lead_ms, self.stamp = chain, lead_ms, stamp_due_at
         self.cancelled = cancelled
         # A message should reach us at most one unit (plus the lead) before it is due. One
         # much earlier (clocks far apart, or published here by hand) goes back into the
         # chain instead of sitting in our memory.
         self.max_hold_ms = max(10 * (chain.resolution_ms + lead_ms), 60_000)
 
-    def __call__(self, d: Delivery) -> List[Action]:
+    def __call__(self, d: Delivery, now: int) -> List[Action]:
         try:
             arrived = entries(d)
         except Damaged as exc:
             return list(park_delivery(self.chain.names, d, f"reached the distributor {exc}"))
-        now = self.clock()
         return [self.release(e, now) for e in arrived
                 if self.cancelled is None or not self.cancelled(e, "distributor")]
 
@@ -302,7 +296,7 @@ class Parking:
     def __init__(self, names: Names) -> None:
         self.names = names
 
-    def __call__(self, d: Delivery) -> List[Action]:
+    def __call__(self, d: Delivery, now: int) -> List[Action]:
         death = envelope.death(d.props.headers)
         if death is None:
             reason = (f"unroutable in the chain: no queue bound to exchange {d.exchange!r} "
