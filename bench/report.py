@@ -206,7 +206,7 @@ def charts(out_dir: str, results: Dict[str, List[dict]]) -> List[str]:
         pts = [(row["t"], row["checked_in"]) for row in s.get("sampler", []) if "checked_in" in row]
         if len(pts) > 1:
             xs = [b[0] for b in pts[1:]]
-            ys = [(b[1] - a[1]) / max(1e-6, b[0] - a[0]) for a, b in zip(pts, pts[1:])]
+            ys = [(b[1] - a[1]) / max(1e-6, b[0] - a[0]) for a, b in zip(pts, pts[1:], strict=False)]
             ax.plot(xs, ys, label="checked in / s (gateway metrics)", alpha=0.7)
         ax.set_xlabel("seconds")
         ax.set_ylabel("messages / s")

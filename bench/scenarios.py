@@ -273,7 +273,8 @@ def delayed_run(ctx: Context, load: Load, target: Target, round_: int = 1) -> di
         "gateway_args": list(ctx.gateway_args) if target.system == "gateway" else [],
         "split_roles": ctx.split_roles if target.system == "gateway" else None,
         "series": {"published_per_s": per_second(pub.confirm_times), "delivered_per_s": per_second(recv_rel),
-                   "sampler": series, "lateness_ms": thin([r - d for r, d in zip(data["recv"], data["due"])])},
+                   "sampler": series,
+                   "lateness_ms": thin([r - d for r, d in zip(data["recv"], data["due"], strict=False)])},
     }
     if target.system == "gateway":
         chain = system.chain
@@ -596,7 +597,7 @@ def naive(ctx: Context) -> List[dict]:
     return [{"scenario": "naive", "queue_type": "classic", "messages": n, "delay_ms": [lo, hi],
              "target_rate": rate, "publish_rate": round(pub.rate_achieved, 1), **stats,
              "series": {"published_per_s": per_second(pub.confirm_times), "delivered_per_s": per_second(recv_rel),
-                        "lateness_ms": thin([r - d for r, d in zip(data["recv"], data["due"])])}}]
+                        "lateness_ms": thin([r - d for r, d in zip(data["recv"], data["due"], strict=False)])}}]
 
 
 SCENARIOS = {"paced": paced, "burst": burst, "at-once": at_once, "pending": pending, "steady": steady,

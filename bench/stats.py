@@ -14,7 +14,7 @@ def percentile(sorted_values: Sequence[float], p: float) -> float:
 def lateness_stats(data: Dict[str, list], published: int) -> dict:
     """From receiver data (`id`, `due` and `recv`, epoch ms on the publisher's host): lateness
     percentiles (ms), and how many were early, lost or duplicated."""
-    late = sorted(r - d for r, d in zip(data["recv"], data["due"]))
+    late = sorted(r - d for r, d in zip(data["recv"], data["due"], strict=False))
     unique = len(set(data["id"]))
     out = {"published": published, "received": len(data["id"]), "unique": unique,
            "duplicates": len(data["id"]) - unique, "lost": published - unique,

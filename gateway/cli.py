@@ -47,12 +47,22 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def version() -> str:
+    """The installed distribution's version: pyproject.toml is its one source."""
+    from importlib.metadata import PackageNotFoundError, version as installed
+    try:
+        return installed("rabbitmq-delay-gateway")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
 def parser(environ) -> argparse.ArgumentParser:
     p = Parser(prog="delay-gateway", description=(
         "Per-message delays of any length for RabbitMQ, from TTLs and dead-lettering alone. "
         "Publishers send to <prefix>.check-in with an x-delay (ms) or x-deliver-at (epoch ms) "
         "header; consumers bind to <prefix>.pick-up. Every option also reads an environment "
         "variable, shown in brackets."))
+    p.add_argument("--version", action="version", version=f"delay-gateway {version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
     for name, command in COMMANDS.items():
         c = sub.add_parser(name, help=command.help, description=command.help)

@@ -2,13 +2,15 @@
 
 import logging
 import sys
+from typing import List
 
 import structlog
+from structlog.typing import Processor
 
 
 def configure(level: str = "info", fmt: str = "auto") -> None:
     json = fmt == "json" or (fmt == "auto" and not sys.stderr.isatty())
-    shared = [
+    shared: List[Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.stdlib.add_log_level,
         structlog.stdlib.add_logger_name,

@@ -73,7 +73,7 @@ def test_parked_list_groups_by_the_kind_of_reason(capsys):
     keys = (b"orders.1", b"orders.2", b"audit.7")  # as CheckIn.unroutable words it
     unroutable = [f"unroutable: no queue bound to exchange 'delay.pick-up' matches routing key {k.decode()!r}"
                   for k in keys]
-    messages = [parked_message(k, r) for k, r in zip(keys, unroutable)]
+    messages = [parked_message(k, r) for k, r in zip(keys, unroutable, strict=False)]
     messages += [parked_message(b"x", "x-delay is 'soon', not a number"),
                  parked_message(b"y", "x-delay is 'later', not a number"),
                  parked_message(b"z", "x-delay 99999999999999999999 ms is out of range (at most 31557600000000 "

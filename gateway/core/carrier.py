@@ -81,7 +81,7 @@ def unpack(body: bytes, accepted: Optional[List[Optional[int]]] = None, exchange
     except struct.error:
         raise Damaged("truncated carrier") from None
     if accepted is not None and len(accepted) == len(out):
-        out = [Entry(e.routing_key, e.user, e.body, e.due_ms, t, exchange) for e, t in zip(out, accepted)]
+        out = [Entry(e.routing_key, e.user, e.body, e.due_ms, t, exchange) for e, t in zip(out, accepted, strict=True)]
     return out
 
 

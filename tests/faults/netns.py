@@ -57,7 +57,7 @@ class Lan:
         self._made.append(self.switch)
         ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
         ip("-n", self.switch, "link", "set", "br0", "up")
-        for i, (ns, address) in enumerate(zip(self.namespaces, self.addresses), start=1):
+        for i, (ns, address) in enumerate(zip(self.namespaces, self.addresses, strict=False), start=1):
             ip("netns", "add", ns)
             self._made.append(ns)
             ip("-n", ns, "link", "set", "lo", "up")
