@@ -1,11 +1,14 @@
 """Helpers for tests that talk to a real broker and run the real gateway process."""
 
 import contextlib
+import json
 import os
+import subprocess
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple, TypeVar
 
 import pika
 
@@ -44,6 +47,35 @@ def examples(full: int) -> int:
     """A property test's budget: `full` examples in the test command (HYPOTHESIS_PROFILE=full,
     scripts/test), a tenth (at least 10) in the quick profile a developer runs by default."""
     return full if os.environ.get("HYPOTHESIS_PROFILE", "quick") == "full" else max(10, full // 10)
+
+
+T = TypeVar("T")
+
+
+def wait_until(condition: Callable[[], T], timeout: float, interval: float = 0.05, what: str = "",
+               fail: bool = True) -> T:
+    """The first truthy value of `condition()`, asked every `interval` s. When none came
+    within `timeout` s: a test failure naming `what`, or (fail=False) the last value, for a
+    caller that checks it itself. The one way tests wait for something."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value or time.monotonic() > deadline:
+            if not value and fail:
+                raise AssertionError(f"{what or 'the condition'}: not within {timeout:g} s (last: {value!r})")
+            return value
+        time.sleep(interval)
+
+
+def parked_report(chain: ChainSettings, count: int = 1, url: Optional[str] = None, timeout: float = 15) -> dict:
+    """`delay-gateway parked list --json` once at least `count` messages are parked."""
+    def enough() -> Optional[dict]:
+        out = subprocess.run([sys.executable, "-m", "gateway", "parked", "list", "--json", *chain_args(chain),
+                              "--url", url or broker_url()], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        report = json.loads(out.stdout)
+        return report if report["count"] >= count else None
+    return wait_until(enough, timeout, interval=0.2, what=f"{count} parked message(s)")
 
 
 def now_ms() -> int:

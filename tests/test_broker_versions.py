@@ -29,7 +29,7 @@ from topology import ChainSettings, build
 from topology.broker.declare import declare
 from topology.definitions import render
 
-from .support import connect, now_ms, remove, unique_prefix
+from .support import connect, now_ms, remove, unique_prefix, wait_until
 
 @pytest.fixture
 def names(broker, request):
@@ -62,13 +62,11 @@ def declare_exchange(channel, made, name, kind="fanout", **arguments):
 
 
 def wait_for_message(channel, queue, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    """(properties, body) of the next message in `queue`, or None if none came in time."""
+    def taken():
         method, properties, body = channel.basic_get(queue, auto_ack=True)
-        if method is not None:
-            return properties, body
-        time.sleep(0.02)
-    return None
+        return (properties, body) if method is not None else None
+    return wait_until(taken, timeout, interval=0.02, fail=False)
 
 
 def messages_in(channel, queue) -> int:

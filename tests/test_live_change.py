@@ -21,7 +21,7 @@ from topology.broker.inventory import Prober, read_registry
 from topology.registry import ChainKey, chain_queues, fold
 
 from .conftest import broker_label
-from .support import connect, declared, now_ms, remove, report_figures, unique_prefix
+from .support import connect, declared, now_ms, remove, report_figures, unique_prefix, wait_until
 
 LEAD_MS = 50
 RETIRE = ("--retire-after", "1")
@@ -96,9 +96,7 @@ class Arrivals(threading.Thread):
         self.connection.close()
 
     def wait_for(self, count: int, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while len({b for b, _ in self.got}) < count and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: len({b for b, _ in self.got}) >= count, timeout, fail=False)
 
     def stop(self) -> None:
         self._halt.set()

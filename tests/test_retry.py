@@ -15,7 +15,7 @@ import pika
 
 from gateway.core import retries
 
-from .support import ROOT, broker_url, chain_args, connect, now_ms, report_figures
+from .support import ROOT, broker_url, chain_args, connect, now_ms, parked_report, report_figures
 
 POLICIES = [{"queue": "*.fast", "base_ms": 300, "factor": 2, "jitter": 0.2, "attempts": 4},
             {"queue": "*.slow", "base_ms": 1500, "factor": 1, "jitter": 0.2, "attempts": 1}]
@@ -114,7 +114,7 @@ def test_rejected_every_time_it_is_parked_after_the_last_attempt_and_replay_star
             assert attempts_of(props) == expected
             work.reject(tag)
         assert work.next(timeout=3) is None
-        parked = wait_parked(chain)
+        parked = parked_report(chain)["messages"][0]
         assert parked["reason"] == f"gave up after 1 retry to queue '{work.queue}'", parked
         replay = cli(chain, "parked", "replay")
         assert replay.returncode == 0, replay.stderr
@@ -178,7 +178,7 @@ def test_a_waiting_retry_is_cancelled_by_id_and_a_deleted_queue_parks_it(make_ch
         assert got is not None and got[1].message_id == "keep-me"
         kept.channel.basic_ack(got[0])
         assert kept.next(timeout=2.5) is None  # the cancelled one never comes back
-        parked = wait_parked(chain)
+        parked = parked_report(chain)["messages"][0]
         assert parked["message_id"] == "orphan" and "does not exist" in parked["reason"], parked
     finally:
         kept.close()
@@ -204,7 +204,7 @@ def test_hostile_input_on_the_retry_exchange_is_parked_and_touches_nothing_else(
         got = work.next(timeout=10)
         assert got is not None and got[1].message_id == "real" and attempts_of(got[1]) == 1
         work.channel.basic_ack(got[0])
-        reasons = sorted(p["reason"] for p in wait_parked(chain, count=3, all_of_them=True))
+        reasons = sorted(p["reason"] for p in parked_report(chain, 3)["messages"])
         assert len(reasons) == 3, reasons
         assert any("no way to tell its queue" in r for r in reasons)
         assert any("not rejected by a consumer" in r for r in reasons)
@@ -216,14 +216,3 @@ def test_hostile_input_on_the_retry_exchange_is_parked_and_touches_nothing_else(
 def cli(chain, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "gateway", *args, *chain_args(chain), "--url", broker_url()],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
-
-
-def wait_parked(chain, count: int = 1, all_of_them: bool = False, timeout: float = 15):
-    deadline = time.monotonic() + timeout
-    while True:
-        listed = json.loads(cli(chain, "parked", "list", "--json").stdout)
-        if listed["count"] >= count or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert listed["count"] >= count, listed
-    return listed["messages"] if all_of_them else listed["messages"][0]

@@ -17,7 +17,7 @@ from pika.exceptions import AMQPError
 
 from topology import ChainSettings
 
-from ..support import now_ms
+from ..support import now_ms, wait_until
 
 SENT_AT = "x-test-sent-at"
 
@@ -122,14 +122,12 @@ class Sink:
         channel.basic_ack(method.delivery_tag)
 
     def wait_for(self, ids: Sequence[str], timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
         wanted = set(ids)
-        while time.monotonic() < deadline:
+
+        def arrived() -> bool:
             with self._lock:
-                if wanted <= self.arrivals.keys():
-                    return True
-            time.sleep(0.1)
-        return False
+                return wanted <= self.arrivals.keys()
+        return wait_until(arrived, timeout, interval=0.1, fail=False)
 
     def close(self) -> None:
         self._stop.set()

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from ..support import GatewayProcess, now_ms
+from ..support import GatewayProcess, now_ms, wait_until
 from .load import Sink, count, mixed_delays, publish, where_are_they
 
 
@@ -20,14 +20,6 @@ def queue_depths(node, prefix: str) -> dict:
         if name.startswith(prefix + "."):
             depths[name] = int(messages)
     return depths
-
-
-def wait_until(condition, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"not true after {timeout}s")
-        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("queue_type", ["quorum", "classic"])

@@ -7,7 +7,7 @@ import time
 
 import pika
 
-from ..support import ROOT, Receiver, broker_url, chain_args, connect, now_ms, sent_headers
+from ..support import ROOT, Receiver, broker_url, chain_args, connect, now_ms, parked_report, sent_headers
 
 
 def cli(chain, *args) -> subprocess.CompletedProcess:
@@ -19,15 +19,6 @@ def cli(chain, *args) -> subprocess.CompletedProcess:
 
 def listed(chain) -> dict:
     return json.loads(cli(chain, "list", "--json").stdout)
-
-
-def wait_parked(chain, count: int, timeout: float = 15) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        report = listed(chain)
-        if report["count"] >= count or time.monotonic() > deadline:
-            return report
-        time.sleep(0.2)
 
 
 # Long enough that a replayed message with its delay applied again could not pass for one
@@ -46,7 +37,7 @@ def test_list_then_replay_after_the_cause_is_fixed(make_chain, run_gateway):
                 message_id=f"late-{i}", headers={"x-delay": DELAY_MS, "keep": i}), mandatory=True)
         channel.basic_publish(chain.names.check_in, "bad.header", b"bad", pika.BasicProperties(
             message_id="bad", headers={"x-delay": "tomorrow"}), mandatory=True)
-    report = wait_parked(chain, 4)
+    report = parked_report(chain, 4)
     assert report["count"] == 4
     assert sum(n for r, n in report["reasons"].items() if r.startswith("unroutable")) == 3
     assert report["reasons"]["x-delay is 'tomorrow', not a number"] == 1
@@ -74,7 +65,7 @@ def test_list_then_replay_after_the_cause_is_fixed(make_chain, run_gateway):
     assert all(sent_headers(m.properties) == {"x-delay": DELAY_MS, "keep": int(m.routing_key[-1])} for m in got)
     # The unreadable header was not fixed: replaying it parks it again, with its reason.
     assert json.loads(cli(chain, "replay").stdout)["replayed"] == 1
-    again = wait_parked(chain, 1)
+    again = parked_report(chain, 1)
     assert again["count"] == 1 and again["messages"][0]["message_id"] == "bad"
     assert again["messages"][0]["reason"] == "x-delay is 'tomorrow', not a number"
 
@@ -91,7 +82,7 @@ def test_listing_parked_messages_never_removes_them(make_chain, run_gateway):
         channel.confirm_delivery()
         channel.basic_publish(chain.names.check_in, "bad", b"x", pika.BasicProperties(
             message_id="kept", headers={"x-delay": "never"}), mandatory=True)
-    assert wait_parked(chain, 1)["count"] == 1
+    assert parked_report(chain, 1)["count"] == 1
     with connect() as connection:  # 25 looks, as `parked list` takes them
         for _ in range(25):
             channel = connection.channel()

@@ -12,9 +12,8 @@ import uuid
 
 import pika
 
-from ..support import ROOT, GatewayProcess, chain_args, connect
+from ..support import ROOT, GatewayProcess, chain_args, connect, wait_until
 from .load import Sink, count, mixed_delays, publish, where_are_they
-from .test_broker import wait_until
 
 
 def gateway_cli(*args, url, timeout=60) -> subprocess.CompletedProcess:

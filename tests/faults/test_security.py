@@ -1,7 +1,6 @@
 """Credentials never in output, TLS with a CA and a client certificate, and a
 least-privilege user whose permissions cover only the prefix: all on the private node."""
 
-import json
 import os
 import shlex
 import subprocess
@@ -15,7 +14,7 @@ import pytest
 
 from topology import ChainSettings
 
-from ..support import ROOT, GatewayProcess, chain_args, connect, now_ms
+from ..support import ROOT, GatewayProcess, chain_args, connect, now_ms, parked_report
 
 
 def gateway_cli(*args, env=None, timeout=60) -> subprocess.CompletedProcess:
@@ -243,7 +242,7 @@ def test_retries_need_write_on_amq_default_and_without_it_are_parked_alone(own_n
                     message_id=mid, headers={"x-retry-queue": "delay.test-work"}))
 
             reject_one("refused")
-            listed = wait_listed(chain, own_node.url)
+            listed = parked_report(chain, url=own_node.url)
             assert "ACCESS_REFUSED" in listed["messages"][0]["reason"], listed
             assert gateway.proc.poll() is None and gateway.metric("delay_gateway_connections_total") == 1
             own_node.ctl(*shlex.split(retries_permissions_line())[1:])
@@ -260,13 +259,3 @@ def test_retries_need_write_on_amq_default_and_without_it_are_parked_alone(own_n
             gateway.kill()
         gateway_cli("delete", *chain_args(chain), "--yes", "--url", own_node.url)
         own_node.ctl("delete_user", "delay-gateway", check=False)
-
-
-def wait_listed(chain, url: str, timeout: float = 15) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        r = gateway_cli("parked", "list", "--json", *chain_args(chain), "--url", url)
-        listed = json.loads(r.stdout)
-        if listed["count"] or time.monotonic() > deadline:
-            return listed
-        time.sleep(0.2)

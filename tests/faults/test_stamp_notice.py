@@ -8,9 +8,8 @@ have it). About 5 s."""
 
 from gateway.broker.stamp import STAMP_CONFIG
 
-from ..support import GatewayProcess
+from ..support import GatewayProcess, wait_until
 from .nodes import HAS_ARRIVAL_STAMP
-from .test_broker import wait_until
 
 
 def test_a_gateway_says_once_that_x_delay_counts_from_check_in(own_node, node_chain, request):
