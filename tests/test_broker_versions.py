@@ -61,6 +61,12 @@ def declare_exchange(channel, made, name, kind="fanout", **arguments):
     return name
 
 
+def look(channel, queue: str, timeout: float = 1.0):
+    """basic.get's method for the next message, not acknowledged; None if none came in time
+    (a message just handed back may take a moment to be there again)."""
+    return wait_until(lambda: channel.basic_get(queue)[0], timeout, interval=0.02, fail=False)
+
+
 def wait_for_message(channel, queue, timeout=5.0):
     """(properties, body) of the next message in `queue`, or None if none came in time."""
     def taken():
@@ -129,8 +135,8 @@ def test_two_ttl_queues_dead_lettering_into_each_other_lose_the_message(request,
         channel.queue_bind(b, b_ex)
         channel.confirm_delivery()
         channel.basic_publish(a_ex, "", b"loop", pika.BasicProperties(delivery_mode=2), mandatory=True)
-        time.sleep(1)
-        assert messages_in(channel, a) + messages_in(channel, b) == 0
+        wait_until(lambda: messages_in(channel, a) + messages_in(channel, b) == 0, 10,
+                   what="the looping message dropped")
 
 
 # How many times a quorum queue without x-delivery-limit lets a message be returned
@@ -156,20 +162,19 @@ def test_quorum_default_delivery_limit(request, names):
         channel.confirm_delivery()
         queue = declare_queue(channel, made, f"{prefix}.qq", **{"x-queue-type": "quorum"})
         channel.basic_publish("", queue, b"again", pika.BasicProperties(delivery_mode=2), mandatory=True)
+        limit = DEFAULT_DELIVERY_LIMIT[version_of(request)]
         returns = 0
         for _ in range(25):
-            # "Looking" at a message is a delivery: basic.get then nack with requeue.
-            method, properties, _ = channel.basic_get(queue)
+            # "Looking" at a message is a delivery: basic.get then nack with requeue. Until
+            # the return is back in the queue, or (dropped) a second has passed.
+            method = look(channel, queue)
             if method is None:
-                time.sleep(0.2)  # the return may still be on its way
-                method, properties, _ = channel.basic_get(queue)
-                if method is None:
-                    break
+                break
             channel.basic_reject(method.delivery_tag, requeue=True)
             returns += 1
-        time.sleep(0.3)  # the last return reaches the queue
+        expected_left = 1 if limit is None else 0
+        wait_until(lambda: messages_in(channel, queue) == expected_left, 5, fail=False)  # the last return back
         left = messages_in(channel, queue)
-    limit = DEFAULT_DELIVERY_LIMIT[version_of(request)]
     if limit is None:
         assert returns == 25 and left == 1, (returns, left)
     else:
@@ -196,12 +201,9 @@ def test_explicit_delivery_limit_dead_letters(request, names, how):
         returns = 0
         while returns < 10:
             reader = connection.channel() if how == "consumer-gone" else channel
-            method, _, _ = reader.basic_get(queue)
+            method = look(reader, queue)
             if method is None:
-                time.sleep(0.2)
-                method, _, _ = reader.basic_get(queue)
-                if method is None:
-                    break
+                break
             if how == "consumer-gone":
                 reader.close()  # unacked: back to the queue
             else:
@@ -241,15 +243,12 @@ def test_at_least_once_keeps_an_unroutable_dead_letter(request, names, broker_ct
             "x-queue-type": "quorum", "x-message-ttl": 50, "x-dead-letter-exchange": nowhere,
             "x-dead-letter-strategy": "at-least-once", "x-overflow": overflow})
         channel.basic_publish("", source, b"stuck?", pika.BasicProperties(delivery_mode=2), mandatory=True)
-        time.sleep(1)
+        # expired within 50 ms: not ready for consumers, whatever the dead-lettering does
+        wait_until(lambda: messages_in(channel, source) == 0, 5, fail=False)
         ready = messages_in(channel, source)
     # The dead-letter worker holds it for a moment before it is counted as back in the
     # queue: watch for a few seconds.
-    deadline = time.monotonic() + 5
-    held = held_by(broker_ctl, source)
-    while held == 0 and time.monotonic() < deadline:
-        time.sleep(0.5)
-        held = held_by(broker_ctl, source)
+    held = wait_until(lambda: held_by(broker_ctl, source), 5, interval=0.5, fail=False)
     assert ready == 0  # expired: not for consumers either way
     assert held == (1 if overflow == "reject-publish" else 0), f"{overflow}: {held} held"
 

@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from typing import Dict, Iterable, Iterator, List, Optional
 
 import pika
@@ -19,7 +18,8 @@ import pytest
 
 from topology import ChainSettings
 
-from .support import ROOT, GatewayProcess, Receiver, broker_url, connect, drain, main_broker_url, now_ms
+from .support import (ROOT, GatewayProcess, Receiver, broker_url, connect, drain, main_broker_url, now_ms,
+                      wait_until)
 
 SMALL = dict(max_level=3, resolution_ms=100)
 
@@ -91,7 +91,11 @@ def test_a_cancel_wins_in_meditation_the_chain_a_carrier_and_the_distributors_ho
     # waits in the chain (in a carrier with its twin); 5000 ms laps meditation first.
     delays = {"held": 1700, "chain": 2600, "meditating": 5000}
     publish(c, [(f"{kind}-{n}", delay, kind.encode()) for kind, delay in delays.items() for n in range(3)])
-    time.sleep(0.5)
+    # all nine out of check-in, where each kind waits (the held ones in the distributor's hands)
+    wait_until(lambda: sum(v for labels, v in gateway.samples("delay_gateway_messages_total")
+                           if labels["queue"] == c.names.check_in) >= 9
+               and gateway.metric("delay_gateway_held_messages", queue=c.names.distributor) >= 3, 10,
+               what="the messages out of check-in and the held ones held")
     cancel(c, [f"{kind}-0" for kind in delays] + [f"{kind}-1" for kind in delays])
     got = collect_until(receiver, 10, expect=3)
     assert sorted(got) == sorted(f"{kind}-2" for kind in delays), got
