@@ -15,7 +15,7 @@ import os
 import socket
 import subprocess
 import tempfile
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List
 from urllib.parse import urlsplit
 
 import pytest
@@ -34,7 +34,6 @@ DEFAULT_BROKERS = "3.10,4.3"
 hypothesis_settings.register_profile("full", deadline=None)
 hypothesis_settings.register_profile("quick", max_examples=10, deadline=None)
 hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "quick"))
-RMQ4 = ("rmq4.3", "rmq4.0")  # the 4.x brokers: 3.12+ features (the arrival stamp), Khepri
 
 
 def brokers_wanted(environ=os.environ) -> List[str]:
@@ -51,72 +50,13 @@ def brokers_wanted(environ=os.environ) -> List[str]:
     return wanted
 
 
-# Tests that run on some brokers only, and why; every other broker-facing test runs on each
-# broker of the run (docs/reliability.md, "Tested on", says what each version changes).
-# Keyed by test function name: (the labels it runs on, the parameters a rule is limited to,
-# why). The gateway-only checks run on 3.10, where the figures in the docs come from, to
-# keep the suite within its 15 minutes.
-ONE_BROKER: Dict[str, Tuple[Sequence[str], dict, str]] = {
-    "test_imported_definitions_equal_what_declare_makes":
-        (("rmq3.10",), {}, "imports with the host's rabbitmqctl into the local node; "
-                           "test_broker_versions.py imports the definitions on each version"),
-    "test_password_never_in_logs_or_errors":
-        (("rmq3.10",), {}, "scans the gateway's own output; the broker only refuses a login; 10-15 s"),
-    "test_broker_down_at_start_and_connections_closed":
-        (("rmq3.10",), {}, "the gateway's retries and reconnects; restarts and connection loss on 4.x "
-                           "are covered by the broker restart and cluster tests; 25-40 s"),
-    "test_resource_alarm_blocks_then_resumes":
-        (("rmq3.10",), {"alarm": "disk"}, "the same connection.blocked as the memory alarm, which runs on "
-                                          "every version; 11-17 s"),
-    "test_the_broker_then_holds_exactly_the_definitions_rendering":
-        (("rmq3.10",), {}, "reads back with the host's rabbitmqctl; the operator rendering is compared with "
-                           "declare over AMQP on every version by test_render.py"),
-    "test_a_message_the_broker_refuses_is_parked_and_touches_no_other":
-        (("rmq3.10",), {}, "lowers max_message_size at run time, which 4.x reads once at boot; how the gateway "
-                           "isolates a refused publish does not depend on the version"),
-    "test_helm_upgrade_changes_the_chain_without_losing_or_delaying_a_message":
-        (("rmq3.10", "rmq4.3"), {}, "runs the chart's containers as processes; the chain change itself is "
-                                    "test_live_change.py's, on every version; 20 s"),
-    "test_a_re_run_makes_the_same_message_ids_and_a_finished_run_publishes_nothing_again":
-        (("rmq3.10",), {}, "Spark's bookkeeping of what it published; `schedule` itself runs on 4.3 too"),
-    "test_a_run_killed_half_way_resumes_where_it_stopped":
-        (("rmq3.10",), {}, "Spark's resume record; `schedule` itself runs on 4.3 too"),
-    "test_failed_partitions_are_reported_and_published_by_the_next_run":
-        (("rmq3.10",), {}, "Spark's retry of failed partitions; `schedule` itself runs on 4.3 too"),
-    "test_cancel_table_cancels_every_id_of_a_table_and_rejects_bad_rows_like_schedule":
-        (("rmq3.10",), {}, "Spark's side of cancel-table (formats, rejections, counts); cancels on every "
-                           "version are test_cancel.py's. On 4.x x-delay counts from the broker's arrival, "
-                           "so its messages fall due while Spark starts, before the cancels are sent"),
-    "test_a_confirmed_cancel_wins_through_a_crash_with_the_arrival_stamp":
-        (RMQ4, {}, "the session's 4.x nodes stamp arrivals; the same test without the stamp runs on every "
-                   "version's private node"),
-    "test_two_replicas_one_killed_with_the_stamp_cancels_right_after_their_messages":
-        (RMQ4, {}, "the session's 4.x nodes stamp arrivals; without the stamp it runs on every version's "
-                   "private node"),
-    "test_arrival_stamp_is_added_and_a_publishers_own_is_kept":
-        (RMQ4, {}, "message interceptors exist from 3.12 on"),
-    "test_the_receiver_sees_the_stamp_of_the_original_publish":
-        (RMQ4, {}, "message interceptors exist from 3.12 on"),
-}
-# Whole modules whose parameter combinations run on some brokers only.
-ONE_BROKER_IN_MODULE: Dict[str, List[Tuple[Sequence[str], dict]]] = {
-    # the Spark jobs are publishers and consumers like any other: what they test is Spark's
-    # side (formats, rejections, resuming, the report), not the broker's. On 4.3 `schedule`
-    # from CSV, `record` with the report, and the publisher's confirms; the other formats
-    # and the resuming cases on 3.10 only (ONE_BROKER), about 90 s each
-    "test_schedule": [(("rmq3.10",), {"fmt": "json"}), (("rmq3.10",), {"fmt": "parquet"})],
-    # the benchmark's own output and bookkeeping, not the broker's behaviour; about 40 s. On
-    # the private 4.3 node: it must have no delayed-message plugin (and 4.3 cannot run it),
-    # and its node-wide write counters are then this test's alone.
-    "test_bench": [(("rmq4.3",), {})],
-    # AMQP 1.0 is RabbitMQ 4's own protocol (3.x speaks it only through a plugin)
-    "test_amqp10": [(RMQ4, {})],
-    # quorum/queue (the default) and classic/exchange use every broker feature the four
-    # modes use (quorum and classic v2 queues, pass queues, exchange-to-exchange bindings);
-    # the other two run on 3.10. Saves about 30 s.
-    "test_delivery": [(("rmq3.10",), {"chain": ("quorum", "exchange")}),
-                      (("rmq3.10",), {"chain": ("classic", "queue")})],
-}
+# Tests that run on some brokers only say so, and why, with a marker (every other
+# broker-facing test runs on each broker of the run; docs/reliability.md, "Tested on", says
+# what each version changes):
+#     @pytest.mark.brokers("rmq3.10", reason="...")          (a test)
+#     pytestmark = [pytest.mark.brokers("rmq3.10", when={"fmt": "json"})]   (a module)
+# `when` limits a rule to the parameter combinations it names. The gateway-only checks run
+# on 3.10, where the figures in the docs come from, to keep the suite within its 15 minutes.
 
 def broker_label(item) -> str:
     """The broker version a test item runs on: its `broker`, (fault tests) `own_cluster`, or
@@ -157,10 +97,9 @@ def pytest_collection_modifyitems(config, items):
         if label and label not in config.delay_gateway_brokers:
             drop.append(item)
             continue
-        rules = [ONE_BROKER[name] for name in [getattr(item, "originalname", item.name)] if name in ONE_BROKER]
-        rules += ONE_BROKER_IN_MODULE.get(getattr(getattr(item, "module", None), "__name__", "").rpartition(".")[2], [])
-        if label and any(label not in rule[0] and all(item.callspec.params.get(k) == v for k, v in rule[1].items())
-                         for rule in rules):
+        rules = [(m.args, m.kwargs.get("when", {})) for m in item.iter_markers("brokers")]
+        if label and any(label not in labels and all(item.callspec.params.get(k) == v for k, v in when.items())
+                         for labels, when in rules):
             drop.append(item)
             continue
         keep.append(item)

@@ -20,6 +20,8 @@ from topology import ChainSettings, build
 from topology.broker.declare import declare, delete
 
 
+RMQ4 = ("rmq4.3", "rmq4.0")  # the 4.x brokers: 3.12+ features (the arrival stamp), Khepri, AMQP 1.0
+
 # What a gateway says once at start about the broker it runs on (warnings, not troubles):
 # tests that want no warning from a run leave these aside.
 START_NOTICES = ("arrival_stamp_off", "cancels_need_one_check_in_consumer")

@@ -6,6 +6,7 @@ application-properties (`x-delay`) or as annotations (`x-opt-delivery-delay`,
 What arrives is what was sent, but for the differences docs/contract.md lists (RabbitMQ's
 own mapping between the protocols: the gateway works in 0.9.1). On the 4.x brokers only."""
 
+import pytest
 import threading
 import time
 from typing import List, Tuple
@@ -15,6 +16,10 @@ from rabbitmq_amqp_python_client.qpid.proton import timestamp
 from rabbitmq_amqp_python_client import AddressHelper, AMQPMessagingHandler, Delivery, Environment, Message
 
 from .support import connect, now_ms
+from .support import RMQ4
+
+# AMQP 1.0 is RabbitMQ 4's own protocol (3.x speaks it only through a plugin).
+pytestmark = [pytest.mark.brokers(*RMQ4)]
 
 
 def amqp10_url(url: str) -> str:

@@ -6,11 +6,14 @@ the receiver sees, and nothing may arrive before that stamp plus its delay. The 
 says at start that x-delay counts from arrival (and gives no warning). About 2 s.
 """
 
+import pytest
 import pika
 
 from .support import Receiver, connect, now_ms
+from .support import RMQ4
 
 
+@pytest.mark.brokers(*RMQ4, reason='message interceptors exist from 3.12 on')
 def test_the_receiver_sees_the_stamp_of_the_original_publish(make_chain, run_gateway):
     chain = make_chain(max_level=3, resolution_ms=100)
     gateway = run_gateway(chain)

@@ -30,6 +30,7 @@ from topology.broker.declare import declare
 from topology.definitions import render
 
 from .support import connect, now_ms, remove, unique_prefix, wait_until
+from .support import RMQ4
 
 @pytest.fixture
 def names(broker, request):
@@ -301,6 +302,7 @@ def test_gateway_definitions_import_on_each_version(names, broker_ctl):
 
 # The broker's arrival stamp (3.12+, `message_interceptors.incoming.set_header_timestamp`):
 # the RabbitMQ 4.x nodes of these tests have it on; 3.10 has no interceptors.
+@pytest.mark.brokers(*RMQ4, reason='message interceptors exist from 3.12 on')
 def test_arrival_stamp_is_added_and_a_publishers_own_is_kept(names):
     prefix, made = names
     with connect() as connection:

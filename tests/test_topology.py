@@ -157,6 +157,8 @@ def test_chains_with_other_settings_are_declared_beside_each_other(broker):
             remove(settings)
 
 
+@pytest.mark.brokers("rmq3.10", reason="imports with the host's rabbitmqctl into the local node; "
+                                       "test_broker_versions.py imports the definitions on each version")
 def test_imported_definitions_equal_what_declare_makes(broker):
     """rabbitmqctl import_definitions, then declare: any difference would be a 406."""
     chain = ChainSettings(prefix=unique_prefix(), max_level=4)

@@ -66,6 +66,8 @@ def test_broker_restart_with_messages_everywhere(own_node, node_chain, fault_rep
             [(s.message_id, s.not_before_ms - stopping_at) for s in lost], whereabouts)
 
 
+@pytest.mark.brokers("rmq3.10", reason="the gateway's retries and reconnects; restarts and connection loss on 4.x are "
+                                       "covered by the broker restart and cluster tests; 25-40 s")
 def test_broker_down_at_start_and_connections_closed(own_node, node_chain, fault_report):
     chain = node_chain(max_level=4, resolution_ms=100)
     own_node.stop()
@@ -110,6 +112,8 @@ ALARMS = {
 
 
 @pytest.mark.parametrize("alarm", sorted(ALARMS))
+@pytest.mark.brokers("rmq3.10", when={"alarm": "disk"}, reason='the same connection.blocked as the memory alarm, which '
+                                                               'runs on every version; 11-17 s')
 def test_resource_alarm_blocks_then_resumes(own_node, node_chain, fault_report, alarm):
     raise_alarm, clear_alarm = ALARMS[alarm]
     chain = node_chain(max_level=4, resolution_ms=100)

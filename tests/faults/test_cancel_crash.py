@@ -20,6 +20,7 @@ import pytest
 from topology import ChainSettings
 
 from ..support import GatewayProcess, Receiver, connect, report_figures
+from ..support import RMQ4
 
 # 4 levels of 200 ms: the chain holds up to 3 s; longer delays lap meditation first.
 CHAIN = dict(max_level=4, resolution_ms=200)
@@ -181,6 +182,8 @@ def test_a_confirmed_cancel_wins_through_a_crash_without_the_arrival_stamp(own_n
 
 
 @pytest.mark.parametrize("how", HOW)
+@pytest.mark.brokers(*RMQ4, reason="the session's 4.x nodes stamp arrivals; the same test without the stamp runs on "
+                                   "every version's private node")
 def test_a_confirmed_cancel_wins_through_a_crash_with_the_arrival_stamp(broker, make_chain, how):
     run_case(broker, make_chain(**CHAIN), how, "4.x (stamp)")
 
@@ -275,5 +278,7 @@ def test_two_replicas_one_killed_without_the_stamp_cancels_that_came_after_check
     run_replicas(own_node.url, node_chain(**CHAIN), 1.5, own_node.runtime.label + " (no stamp)")
 
 
+@pytest.mark.brokers(*RMQ4, reason="the session's 4.x nodes stamp arrivals; without the stamp it runs on every "
+                                   "version's private node")
 def test_two_replicas_one_killed_with_the_stamp_cancels_right_after_their_messages(broker, make_chain):
     run_replicas(broker, make_chain(**CHAIN), 0.0, "4.x (stamp)")

@@ -97,6 +97,8 @@ def roll(kubelet: Kubelet, old_pods: list, deployment: dict, docs: list) -> list
 
 
 @pytest.mark.parametrize("old,new", SCENARIOS.values(), ids=SCENARIOS.keys())
+@pytest.mark.brokers("rmq3.10", "rmq4.3", reason="runs the chart's containers as processes; the chain change itself is "
+                                                 "test_live_change.py's, on every version; 20 s")
 def test_helm_upgrade_changes_the_chain_without_losing_or_delaying_a_message(broker, tmp_path, old, new):
     prefix = unique_prefix()
     common = {"prefix": prefix, "checkIn": {"replicas": 2}, "distributor": {"replicas": 2},
