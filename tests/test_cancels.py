@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 from topology import ChainSettings
 
 from gateway.core import cancels, carrier, envelope, handlers
-from gateway.core.actions import Delivery, Enqueue, Forward
+from gateway.core.actions import Delivery, Enqueue, Forward, Way
 from gateway.core.cancels import BadCancel, Held, Sequencer, Store, Time, after, checked_id
 from gateway.core.carrier import Entry
 from gateway.core.envelope import Inside
@@ -183,7 +183,7 @@ def test_check_in_records_a_cancel_with_its_time():
     check_in = handlers.CheckIn(CHAIN, 0)
     [record] = check_in(cancel("order-1"), NOW)
     assert isinstance(record, Forward) and record.exchange == NAMES.cancellations and record.mandatory
-    assert record.outcome == cancels.RECORDED and record.fence
+    assert record.outcome is Way.CANCEL and record.fence
     mid, at = cancels.read_record(record.props.headers)
     assert mid == b"order-1" and at.read_us // 1000 == NOW and at.arrived_ms is None
     [stamped] = check_in(cancel("order-1", timestamp_in_ms=NOW - 7), NOW)
@@ -221,9 +221,9 @@ def test_check_in_drops_a_message_whose_cancel_is_held_and_stamped_later():
 def test_the_time_travels_alone_and_in_carriers_and_old_formats_still_read():
     e1 = Entry(b"k1", Properties.build(message_id=b"a"), b"x", NOW, 111)
     e2 = Entry(b"k2", Properties.build(message_id=b"b"), b"y", NOW, None)
-    alone = handlers.carry("ex", b"", "chain", [e1])
+    alone = handlers.carry("ex", b"", Way.CHAIN, [e1])
     assert handlers.entries(Delivery("ex", b"", alone.props, alone.body)) == [e1]
-    both = handlers.carry("ex", b"", "chain", [e1, e2])
+    both = handlers.carry("ex", b"", Way.CHAIN, [e1, e2])
     assert handlers.entries(Delivery("ex", b"", both.props, both.body)) == [e1, e2]
     # a carrier and a message from before the time was kept: delivered as they are, untimed
     old = Properties.build(headers=Table([long(envelope.DUE_AT, NOW), long(carrier.COUNT, 2)]))
@@ -237,7 +237,7 @@ def test_returning_and_the_distributor_drop_cancelled_messages_of_a_carrier():
     cut = Entry(b"k", Properties.build(message_id=b"cut"), b"x", NOW + 50, 100)
     kept = Entry(b"k", Properties.build(message_id=b"kept"), b"y", NOW + 50, 100)
     later = Entry(b"k", Properties.build(message_id=b"cut"), b"z", NOW + 50, 300)  # rescheduled
-    both = handlers.carry("ex", b"", "chain", [cut, kept, later])
+    both = handlers.carry("ex", b"", Way.CHAIN, [cut, kept, later])
     judge = Judge({b"cut": held(Time(200))})
     d = Delivery("ex", b"", both.props, both.body)
     back = handlers.Returning(CHAIN, 0, cancelled=judge)(d, NOW)
@@ -251,7 +251,7 @@ def test_the_distributor_asks_again_at_release():
     judge = Judge()
     dist = handlers.Distributor(CHAIN, 0, cancelled=judge)
     e = Entry(b"k", Properties.build(message_id=b"m"), b"x", NOW + 50, 100)
-    [kept] = dist(Delivery("ex", b"", handlers.carry("ex", b"", "d", [e]).props, b"x"), NOW)
+    [kept] = dist(Delivery("ex", b"", handlers.carry("ex", b"", Way.DISTRIBUTOR, [e]).props, b"x"), NOW)
     assert dist.keep(kept)
     judge.held[b"m"] = held(Time(150))
     assert not dist.keep(kept)

@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from .fake_broker import FakeConnection, Published
 from gateway.broker.consumer import Pipe
 from gateway.core import carrier
-from gateway.core.actions import Action, Delivery, Enqueue, Forward
+from gateway.core.actions import Action, Delivery, Enqueue, Forward, Way
 from gateway.core.carrier import Batcher, Entry
 from gateway.core.deliveries import Deliveries
 from gateway.core.wire import Properties
@@ -183,9 +183,9 @@ class Plans:
             due = now + (100 * int(letter) if letter.isdigit() else 0)
             e = Entry(b"k", Properties.build(message_id=f"{i}"), ident + b"." + str(i).encode(), due)
             if letter == "e":
-                out.append(Enqueue("t.chain", b"0.1", "chain", e))
+                out.append(Enqueue("t.chain", b"0.1", Way.CHAIN, e))
             else:
-                out.append(Forward(NAMES.pick_up, b"k", e.user, e.body, "delivered",
+                out.append(Forward(NAMES.pick_up, b"k", e.user, e.body, Way.DELIVERED,
                                    not_before_ms=due if letter.isdigit() else None, mandatory=True, entry=e))
         return out
 

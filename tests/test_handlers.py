@@ -6,7 +6,7 @@ from pika import BasicProperties
 
 from gateway.core import carrier, envelope
 from gateway.broker import codec
-from gateway.core.actions import Delivery, Enqueue, Forward
+from gateway.core.actions import Delivery, Enqueue, Forward, Way
 from gateway.core.carrier import Entry
 from gateway.core.envelope import Inside
 from gateway.core.handlers import CheckIn, Distributor, Parking, Returning, Routes, carry, route
@@ -94,7 +94,7 @@ def test_a_carrier_takes_every_message_exactly_and_the_distributor_releases_each
     batch = [check_in({"x-delay": 3000 + i}, key=f"k.{i}".encode(), message_id=f"m{i}").entry for i in range(3)]
     big = check_in({"x-delay": 3000}, key=b"\xff", message_id="\x00" * 255).entry
     batch.append(Entry(big.routing_key, big.user, b"\x00" * 70_000, big.due_ms))
-    c = carry(LEVEL + "01", b"1.1", "chain", batch)
+    c = carry(LEVEL + "01", b"1.1", Way.CHAIN, batch)
     assert Inside(c.props).due_ms == NOW + 3000 and c.props.headers.get(carrier.COUNT) == 4
     out = Distributor(CHAIN, 50)(Delivery("d.distributor", b"", c.props, c.body), NOW + 2000)
     assert [(f.routing_key, f.not_before_ms, f.body) for f in out] == [(e.routing_key, e.due_ms, e.body) for e in batch]
@@ -139,7 +139,7 @@ def test_parking_explains_dead_letters_and_unroutable_messages():
     assert f.routing_key == b"orders.eu" and got.user.headers.to_dict() == {"x-delay": 5}
     # a carrier of two, from the distributor: each parked on its own, with its due time
     batch = [check_in({"x-delay": 5}, key=b"a").entry, check_in({"x-delay": 6}, key=b"b").entry]
-    c = carry("d.distributor", b"", "distributor", batch)
+    c = carry("d.distributor", b"", Way.DISTRIBUTOR, batch)
     death = props(headers={"x-death": [{"queue": "d.distributor", "reason": "delivery_limit"}]}).headers.entries[0]
     out = park(Delivery("d.parking", b"distributor", c.props.replace(headers=c.props.headers.with_entry(death)),
                         c.body), NOW)

@@ -12,7 +12,7 @@ from topology import ChainSettings
 from gateway.broker import codec
 from gateway.commands.parked import Parked, destination
 from gateway.core import carrier, envelope, handlers, retries
-from gateway.core.actions import Delivery, Enqueue, Forward
+from gateway.core.actions import Delivery, Enqueue, Forward, Way
 from gateway.core.carrier import Entry
 from gateway.core.retries import BadPolicy, Policy, failure, policies, policy_for
 from gateway.core.wire import Properties, Table, long, longstr
@@ -128,10 +128,10 @@ def test_hostile_or_unexplained_input_on_the_retry_exchange_is_parked_with_a_rea
 def test_a_retry_travels_in_carriers_of_its_own_and_the_distributor_sends_it_to_its_queue():
     e1 = Entry(b"orders", Properties.build(message_id="a"), b"1", NOW + 50, 7, "")
     e2 = Entry(b"orders", Properties.build(message_id="b"), b"2", NOW + 60, 8, "")
-    both = handlers.carry("ex", b"", "chain", [e1, e2])
+    both = handlers.carry("ex", b"", Way.CHAIN, [e1, e2])
     back = handlers.entries(Delivery("ex", b"", both.props, both.body))
     assert back == [e1, e2]
-    alone = handlers.carry("ex", b"", "chain", [e1])
+    alone = handlers.carry("ex", b"", Way.CHAIN, [e1])
     assert handlers.entries(Delivery("ex", b"", alone.props, alone.body)) == [e1]
     [out] = handlers.Distributor(CHAIN, 50)(Delivery("ex", b"", both.props, both.body), NOW)[:1]
     assert (out.exchange, out.routing_key, out.outcome, out.mandatory) == ("", b"orders", "retried", True)

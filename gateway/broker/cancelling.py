@@ -36,7 +36,7 @@ from gateway.broker import codec
 from gateway.broker.amqp import Trouble, classify, parameters
 from gateway.clock import wall_ms
 from gateway.core import cancels, envelope
-from gateway.core.actions import Action, Delivery, Forward
+from gateway.core.actions import Action, Delivery, Forward, Way
 from gateway.core.answers import Handler
 from gateway.core.carrier import Entry
 from gateway.core.cancels import Store
@@ -88,7 +88,7 @@ def recording(check_in: Handler, metrics: Metrics) -> Handler:
     def handle(d: Delivery, now: int) -> List[Action]:
         actions = check_in(d, now)
         for action in actions:
-            if isinstance(action, Forward) and action.outcome == cancels.RECORDED:
+            if isinstance(action, Forward) and action.outcome is Way.CANCEL:
                 metrics.cancels.inc()
                 found = cancels.read_record(action.props.headers)
                 if found is not None:

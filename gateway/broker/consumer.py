@@ -23,7 +23,7 @@ from topology.names import Names
 from gateway.broker import codec
 from gateway.clock import wall_ms
 from gateway.core import envelope
-from gateway.core.actions import Action, Delivery, Forward
+from gateway.core.actions import Action, Delivery, Forward, Way
 from gateway.core.carrier import Batcher
 from gateway.core.answers import Actions, Handler
 from gateway.core.flow import Flow
@@ -40,23 +40,24 @@ class Telemetry:
     def __init__(self, queue: str, metrics: Metrics, log: Any) -> None:
         self._queue, self._metrics, self._log = queue, metrics, log
         # Per-message hot path: .labels() costs a lock and a lookup; look each one up once.
-        self._counters: Dict[str, Count] = {}
+        self._counters: Dict[Way, Count] = {}
 
     def forwarded(self, action: Action) -> None:
         counter = self._counters.get(action.outcome)
         if counter is None:
-            counter = self._counters[action.outcome] = self._metrics.forwarded.labels(self._queue, action.outcome)
+            counter = self._counters[action.outcome] = self._metrics.forwarded.labels(self._queue,
+                                                                                      action.outcome.value)
         counter.inc()
-        if action.outcome == "retried" and action.entry is not None:
+        if action.outcome is Way.RETRIED and action.entry is not None:
             self._metrics.retries.labels(envelope.shown(action.entry.routing_key), "delivered").inc()
-        if action.outcome == "parked":
+        if action.outcome is Way.PARKED:
             self._metrics.parked.labels(self._queue).inc()
             self._log.warning("parked", reason=getattr(action, "reason", None),
                               routing_key=envelope.shown(action.routing_key))
 
-    def batched(self, outcome: str, messages: int) -> None:
-        self._metrics.batch_publishes.labels(self._queue, outcome).inc()
-        self._metrics.batched_messages.labels(self._queue, outcome).inc(messages)
+    def batched(self, way: Way, messages: int) -> None:
+        self._metrics.batch_publishes.labels(self._queue, way.value).inc()
+        self._metrics.batched_messages.labels(self._queue, way.value).inc(messages)
 
     def late(self, ms: int) -> None:
         self._metrics.lateness.observe(ms / 1000)
@@ -257,7 +258,7 @@ class Pipe:
                 self._log.warning("publish_failed", error=str(exc))
                 return
             if self._debug:
-                self._log.debug(f.outcome, exchange=f.exchange, routing_key=envelope.shown(f.routing_key))
+                self._log.debug(f.outcome.value, exchange=f.exchange, routing_key=envelope.shown(f.routing_key))
 
     def _schedule(self) -> None:
         at = self.flow.next_wake()

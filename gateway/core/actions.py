@@ -1,10 +1,26 @@
 """The values that pass between a consumer and its handler (pure)."""
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Optional, Union
 
 from gateway.core.carrier import Entry
 from gateway.core.wire import Properties
+
+
+class Way(str, Enum):
+    """Which way a publish takes a message: what the core decides on, and (its value) the
+    `outcome` label of the metrics."""
+
+    CHAIN = "chain"  # into a level of the chain
+    MEDITATION = "meditation"  # round the meditation queue (longer than the chain)
+    DISTRIBUTOR = "distributor"  # to the distributor, which holds it until due
+    DELIVERED = "delivered"  # to pick-up
+    RETRIED = "retried"  # a retry, back to its queue
+    PARKED = "parked"  # set aside with its reason
+    RECHECK = "recheck"  # reached the distributor far too early: back into the chain
+    HANDED_BACK = "handed back"  # held when the gateway stopped: back to the distributor queue
+    CANCEL = "cancel"  # a cancel's record, into the cancellations stream
 
 
 @dataclass(frozen=True)
@@ -24,7 +40,7 @@ class Forward:
     routing_key: bytes
     props: Properties
     body: bytes
-    outcome: str  # metric label: chain, meditation, distributor, delivered, parked, recheck
+    outcome: Way
     not_before_ms: Optional[int] = None  # hold until then (epoch ms)
     reason: Optional[str] = None  # why it is parked
     mandatory: bool = False  # pick-up: a message nobody is bound for comes back, to be parked
@@ -41,7 +57,7 @@ class Enqueue:
 
     exchange: str
     routing_key: bytes
-    outcome: str  # chain, meditation, distributor
+    outcome: Way  # CHAIN, MEDITATION or DISTRIBUTOR
     entry: Entry
     # To the distributor, due within the carrier wait: it may not wait for company past the
     # distributor's lead (chain routes plan the wait in, and have no limit).

@@ -13,7 +13,7 @@ from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 from topology.names import Names
 
 from gateway.core import handlers
-from gateway.core.actions import Action, Delivery, Forward
+from gateway.core.actions import Action, Delivery, Forward, Way
 from gateway.core.carrier import Entry
 from gateway.core.deliveries import Deliveries, Outcome, Publication
 
@@ -63,7 +63,7 @@ class Observer(Protocol):
 
     def forwarded(self, action: Action) -> None: ...
 
-    def batched(self, outcome: str, messages: int) -> None: ...
+    def batched(self, way: Way, messages: int) -> None: ...
 
     def late(self, ms: int) -> None: ...
 

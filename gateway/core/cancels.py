@@ -39,8 +39,6 @@ RECORD_AT = "x-gateway-cancelled-us"
 RECORD_ARRIVED = "x-gateway-cancel-arrived-ms"
 # On a record a gateway appends to find the stream's end (see broker/cancelling.py).
 RECORD_MARK = "x-gateway-mark"
-# Outcome label of the publish that records a cancel (metrics).
-RECORDED = "cancel"
 
 
 class BadCancel(ValueError):

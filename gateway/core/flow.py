@@ -25,7 +25,7 @@ from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 from topology.names import Names
 
 from gateway.core import envelope, handlers
-from gateway.core.actions import Delivery, Enqueue, Forward
+from gateway.core.actions import Delivery, Enqueue, Forward, Way
 from gateway.core.answers import ACK_BATCH, ACK_FLUSH_MS, Actions, Answers, Handler, Member, Observer, Out
 from gateway.core.carrier import Batch, Batcher, Holds
 from gateway.core.deliveries import Deliveries
@@ -243,7 +243,7 @@ class Flow:
             else:
                 self._left[tag] = left
         outcome = self.ledger.publish(tuple(dict.fromkeys(tags)), Out(forward, members), finishing,
-                                      parking=forward.outcome == "parked")
+                                      parking=forward.outcome is Way.PARKED)
         self._answers.apply(outcome, now, out)
 
     def _give_up(self, tag: int) -> None:

@@ -27,7 +27,7 @@ from topology.encoding import units_for
 from topology.names import Names
 
 from gateway.core import cancels, carrier, envelope, retries
-from gateway.core.actions import Action, Delivery, Enqueue, Forward
+from gateway.core.actions import Action, Delivery, Enqueue, Forward, Way
 from gateway.core.carrier import Damaged, Entry
 from gateway.core.envelope import Inside, Unreadable
 from gateway.core.wire import Properties
@@ -46,13 +46,13 @@ def park(names: Names, user: Properties, routing_key: bytes, body: bytes, reason
          due_ms: Optional[int] = None) -> Forward:
     """Park a message: to the parked queue, keyed by the publisher's routing key."""
     return Forward(names.parked, routing_key, envelope.inside(user, routing_key, due_ms, reason), body,
-                   "parked", reason=reason)
+                   Way.PARKED, reason=reason)
 
 
 def park_entry(names: Names, entry: Entry, reason: str) -> Forward:
     return Forward(names.parked, entry.routing_key,
                    envelope.inside(entry.user, entry.routing_key, entry.due_ms, reason, entry.accepted_us,
-                                   entry.exchange), entry.body, "parked", reason=reason)
+                                   entry.exchange), entry.body, Way.PARKED, reason=reason)
 
 
 def entries(d: Delivery) -> List[Entry]:
@@ -104,17 +104,17 @@ def again(e: Entry) -> Properties:
 
 def hand_back(names: Names, e: Entry) -> Forward:
     """A held message back into the distributor queue, for another gateway to hold."""
-    return Forward(names.distributor, b"", again(e), e.body, "handed back", entry=e)
+    return Forward(names.distributor, b"", again(e), e.body, Way.HANDED_BACK, entry=e)
 
 
-def route(chain: ChainSettings, remaining_ms: int, lead_ms: int) -> Tuple[str, bytes, str]:
-    """Where a message with this much time to go goes next: (exchange, routing key, outcome)."""
+def route(chain: ChainSettings, remaining_ms: int, lead_ms: int) -> Tuple[str, bytes, Way]:
+    """Where a message with this much time to go goes next: (exchange, routing key, way)."""
     step = plan(remaining_ms, chain, lead_ms)
     if isinstance(step, Meditate):
-        return chain.meditation, b"", "meditation"
+        return chain.meditation, b"", Way.MEDITATION
     if isinstance(step, Enter):
-        return chain.names.level(step.level), step.key.encode(), "chain"
-    return chain.names.distributor, b"", "distributor"
+        return chain.names.level(step.level), step.key.encode(), Way.CHAIN
+    return chain.names.distributor, b"", Way.DISTRIBUTOR
 
 
 class Routes:
@@ -125,9 +125,9 @@ class Routes:
 
     def __init__(self, chain: ChainSettings, lead_ms: int) -> None:
         self.chain, self.lead_ms = chain, lead_ms
-        self._known: Dict[int, Tuple[str, bytes, str]] = {}
+        self._known: Dict[int, Tuple[str, bytes, Way]] = {}
 
-    def __call__(self, remaining_ms: int) -> Tuple[str, bytes, str]:
+    def __call__(self, remaining_ms: int) -> Tuple[str, bytes, Way]:
         # (every number of units past the chain's means meditation: one key for them all)
         units = min(units_for(remaining_ms, self.chain.resolution_ms, self.lead_ms), self.chain.max_units + 1)
         found = self._known.get(units)
@@ -138,7 +138,7 @@ class Routes:
         return found
 
 
-def carry(exchange: str, routing_key: bytes, outcome: str, batch: List[Entry]) -> Forward:
+def carry(exchange: str, routing_key: bytes, outcome: Way, batch: List[Entry]) -> Forward:
     """One publish for the messages of a batch: alone in the plain format, or a carrier."""
     if len(batch) == 1:
         e = batch[0]
@@ -177,7 +177,7 @@ class CheckIn:
 
     def enqueue(self, e: Entry, now: int) -> Enqueue:
         exchange, key, outcome = self.route(e.due_ms - now)
-        if outcome == "distributor":
+        if outcome is Way.DISTRIBUTOR:
             return Enqueue(exchange, key, outcome, e, e.due_ms - self.hand_over_ms)
         return Enqueue(exchange, key, outcome, e)
 
@@ -192,7 +192,7 @@ class CheckIn:
         at = cancels.Time(self.sequence(now), envelope.broker_stamp(user.headers, now))
         if self.recorded is not None:
             self.recorded[message_id] = at.read_us
-        return [Forward(self.chain.names.cancellations, b"", cancels.record(message_id, at), b"", cancels.RECORDED,
+        return [Forward(self.chain.names.cancellations, b"", cancels.record(message_id, at), b"", Way.CANCEL,
                         mandatory=True, fence=True)]
 
 
@@ -269,12 +269,12 @@ class Distributor:
     def release(self, e: Entry, now: int) -> Forward:
         if e.due_ms - now > self.max_hold_ms:
             exchange, key, _ = route(self.chain, e.due_ms - now, self.lead_ms)
-            return Forward(exchange, key, again(e), e.body, "recheck", entry=e)
+            return Forward(exchange, key, again(e), e.body, Way.RECHECK, entry=e)
         if e.exchange is not None:  # a retry, back to its queue (no due-time stamp: not scheduled by its publisher)
-            return Forward(e.exchange, e.routing_key, e.user, e.body, "retried", not_before_ms=e.due_ms,
+            return Forward(e.exchange, e.routing_key, e.user, e.body, Way.RETRIED, not_before_ms=e.due_ms,
                            mandatory=True, entry=e)
         user = envelope.stamped(e.user, e.due_ms) if self.stamp else e.user
-        return Forward(self.chain.names.pick_up, e.routing_key, user, e.body, "delivered",
+        return Forward(self.chain.names.pick_up, e.routing_key, user, e.body, Way.DELIVERED,
                        not_before_ms=e.due_ms, mandatory=True, entry=e)
 
     def unroutable(self, e: Entry) -> Forward:
