@@ -169,9 +169,9 @@ class Pipe:
         # which one, without sending anything else back to its queue, and park it.
         # What was sent before it and not yet confirmed is sent again: what of it the broker
         # had already taken arrives twice (messages counted; docs/contract.md, Duplicates).
-        inflight = self.flow.ledger.inflight()
-        self._log.warning("publish_refused_by_broker", reason=str(reason), unconfirmed=len(inflight),
-                          may_repeat=sum(len(pub.payload.members) for pub in inflight))
+        publishes, messages = self.flow.unconfirmed()
+        self._log.warning("publish_refused_by_broker", reason=str(reason), unconfirmed=publishes,
+                          may_repeat=messages)
         self._do(self.flow.publishing_closed(str(reason), self._clock()))
         self._connection.channel(on_open_callback=self._on_publish_open)
 
@@ -195,7 +195,7 @@ class Pipe:
             callback()
 
     def waiting_for_confirm_ms(self, now_ms: int) -> int:
-        return self.flow.ledger.waiting_for_confirm_ms(now_ms)
+        return self.flow.waiting_for_confirm_ms(now_ms)
 
     # -- frames in -----------------------------------------------------------------------
     def _on_message(self, channel: Channel, method: spec.Basic.Deliver, properties: codec.WireProperties,
@@ -229,7 +229,7 @@ class Pipe:
             self._act(actions)
         self._schedule()
         if self._on_caught_up is not None and self._backlog is not None and self._read >= self._backlog \
-                and not self.flow.ledger.fences:
+                and not self.flow.unsettled_fences:
             told, self._on_caught_up = self._on_caught_up, None
             told()
 

@@ -60,6 +60,20 @@ class Flow:
         """Messages held until their time (the held-messages gauge)."""
         return len(self._holds)
 
+    @property
+    def unsettled_fences(self) -> int:
+        """Cancels read and not yet acknowledged (their records not all confirmed)."""
+        return self.ledger.fences
+
+    def unconfirmed(self) -> Tuple[int, int]:
+        """(publishes sent and not yet confirmed, the messages in them)."""
+        inflight = self.ledger.inflight()
+        return len(inflight), sum(len(pub.payload.members) for pub in inflight)
+
+    def waiting_for_confirm_ms(self, now: int) -> int:
+        """How long the oldest publish not yet confirmed has waited (0: none)."""
+        return self.ledger.waiting_for_confirm_ms(now)
+
     def next_wake(self) -> Optional[int]:
         """When the next `tick` is due (epoch ms), if any."""
         at = self._holds.next_due()
