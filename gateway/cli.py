@@ -222,14 +222,8 @@ def cmd_publish(args) -> int:
 def check_publish(args, headers: dict, now_ms: int) -> None:
     """What the broker or check-in would refuse, refused before connecting (exit 2)."""
     try:
-        limits.short_string("--routing-key", args.routing_key)
-        if args.message_id is not None:
-            limits.short_string("--message-id", args.message_id)
-        limits.headers(headers)
-        if args.delay is not None:
-            limits.delay_ms(args.delay, "--delay")
-        if args.at is not None:
-            limits.deliver_at_ms(args.at, now_ms, "--at")
+        limits.message(args.routing_key, args.message_id, headers, args.delay, args.at, now_ms,
+                       names=("--routing-key", "--message-id", "--delay", "--at"))
     except limits.Refused as exc:
         raise UsageError(str(exc)) from None
 

@@ -11,7 +11,7 @@ Pure: no I/O, the clock passed in.
 """
 
 import math
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Tuple
 
 from gateway.core.envelope import DELAY, DELIVER_AT, MAX_AHEAD_MS, SMALLEST_DELIVER_AT
 
@@ -89,17 +89,22 @@ def _value(name: str, value: Any) -> None:
     raise Refused(f"header {name}: a {type(value).__name__} cannot be sent")
 
 
+# How `message` names each part in what it refuses: as a client's fields, or (the CLI) its flags.
+FIELDS = ("the routing key", "the message id", DELAY, DELIVER_AT)
+
+
 def message(routing_key: str, message_id: Optional[str], table: Optional[Mapping[str, Any]],
-            delay: Optional[int], deliver_at: Optional[int], now_ms: int) -> None:
+            delay: Optional[int], deliver_at: Optional[int], now_ms: int,
+            names: Tuple[str, str, str, str] = FIELDS) -> None:
     """Everything about one message to check-in that can be known before sending. Raises Refused."""
-    short_string("the routing key", routing_key)
+    short_string(names[0], routing_key)
     if message_id is not None:
-        short_string("the message id", message_id)
+        short_string(names[1], message_id)
     headers(table)
     if delay is not None:
-        delay_ms(delay)
+        delay_ms(delay, names[2])
     if deliver_at is not None:
-        deliver_at_ms(deliver_at, now_ms)
+        deliver_at_ms(deliver_at, now_ms, names[3])
 
 
 def _short(text: str, limit: int = 40) -> str:
