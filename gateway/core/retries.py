@@ -20,7 +20,7 @@ import random
 from dataclasses import dataclass, fields, replace
 from typing import Any, List, Optional, Sequence, Tuple
 
-from gateway.core import wire
+from gateway.core import envelope, wire
 from gateway.core.wire import Properties, Table
 
 ATTEMPT = "x-retry-attempt"  # the attempt a consumer receives: 1 on the first retry
@@ -121,8 +121,7 @@ def failure(headers: Table) -> Failure:
     previous = headers.get(ATTEMPT)
     attempt = (previous if isinstance(previous, int) and not isinstance(previous, bool) and previous > 0 else 0) + 1
     reason = _text(headers.get(REASON))
-    deaths = headers.get("x-death")
-    death = deaths[0] if isinstance(deaths, list) and deaths and isinstance(deaths[0], dict) else None
+    death = envelope.death(headers)
     if death is not None:
         queue, why = _text(death.get("queue")), _text(death.get("reason"))
         if why not in RETRIED_DEATHS:
