@@ -19,7 +19,7 @@ from topology.retirement import DeleteExchange, DeleteQueue, MarkRetired, SealQu
 
 from gateway.broker import cancelling, upkeep
 from gateway import logs
-from gateway.commands import cancel, explain, parked, selftest, status
+from gateway.commands import cancel, explain, move, parked, selftest, status
 from gateway.broker.amqp import EXIT_NO_BROKER, EXIT_REFUSED, BrokerError, Trouble, blocking_channel
 from gateway.clock import wall_ms
 from gateway.core import limits
@@ -371,6 +371,10 @@ def _delays(text: str) -> str:
     return text
 
 
+def cmd_move(args) -> int:
+    return move.command(args, urls_from(args), tls_from(args), chain_from(args))
+
+
 def cmd_demo(args) -> int:
     from gateway.commands.demo import demo
     return demo(args)
@@ -452,6 +456,9 @@ COMMANDS = {
                       cmd_parked, parked.add_options),
     "selftest": Command("publish one delayed message through the running gateway and wait for it at pick-up",
                         BROKER + ("chain",), cmd_selftest, selftest.add_arguments),
+    "move-from-plugin": Command("move the delayed-message plugin's waiting messages into the gateway, due "
+                                "times kept (docs/migrating-from-the-plugin.md)", BROKER + ("chain",), cmd_move,
+                                move.add_arguments, BROKER_AND_PREFIX),
     "demo": Command("start the gateway, publish a few delayed messages and watch them arrive",
                     BROKER + ("chain",), cmd_demo, demo_arguments),
     "schedule": Command("publish every row of a table (CSV, JSON lines, Parquet) as a delayed message, on Spark",

@@ -1,0 +1,277 @@
+"""`delay-gateway move-from-plugin` against a private node holding tables of the plugin's
+shape (tests/plugin_shape.py): 10,000 waiting messages of mixed due times moved with none
+lost, none early and their properties intact, through a SIGKILL at the worst moment (the
+batch confirmed, its removal from the plugin's table under way) and a run again; the dry
+run's counts equal what moves. The refusals: no plugin table, a table of another shape,
+a Khepri broker, no gateway topology.
+
+On 3.10 (the plugin's `#delivery{}`) and 4.0 when the run includes it (a message
+container); on 4.3, where the plugin cannot run, the refusal. About 90 s a version."""
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from typing import Dict, List, Tuple
+
+import pytest
+
+from gateway.core import envelope, wire
+
+from .. import plugin_shape
+from ..support import GatewayProcess, connect, report_figures, same_entries, wait_until
+from .nodes import CTL
+
+NEAR, FAR = 9_900, 100
+BATCH = 1000
+CUT_BATCH = 1500
+EXCHANGE = "plugin.delayed"
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# What publishers send through the plugin: headers of every AMQP type the gateway keeps
+# exactly, and the other properties; the table's entries use them in turn.
+TEMPLATES = [
+    wire.Properties.build(content_type=b"application/json", delivery_mode=2, headers=wire.Table([
+        wire.long("x-delay", 45_000), wire.longstr("tenant", b"acme"),
+        wire.Entry(b"short", b"s", (-7).to_bytes(2, "big", signed=True)), wire.Entry(b"flag", b"t", b"\x01")])),
+    wire.Properties.build(priority=3, correlation_id=b"corr-1", reply_to=b"replies", timestamp=1_700_000_000,
+                          type=b"reminder", app_id=b"shop", expiration=b"86400000", delivery_mode=2),
+    wire.Properties.build(content_encoding=b"gzip", user_id=b"guest", cluster_id=b"c1",
+                          headers=wire.Table([wire.long("x-delay", 3_600_000)])),
+]
+KEYS = ["order.reminder", "", "kl\u00fcck.\u00e9"]
+
+
+def ctl_of(node) -> Tuple[List[str], Dict[str, str]]:
+    return node.runtime.command([CTL, "-n", node.node], node.env())
+
+
+def evaluator(node):
+    argv, env = ctl_of(node)
+
+    def run(program: str) -> str:
+        r = subprocess.run(argv + ["eval", program], capture_output=True, text=True, env=env, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return r.stdout
+    return run
+
+
+def mover(node, chain, *extra: str) -> subprocess.Popen:
+    argv, env = ctl_of(node)
+    return subprocess.Popen(
+        [sys.executable, "-m", "gateway", "move-from-plugin", "--url", node.url, "--prefix", chain.prefix,
+         "--rabbitmqctl", shlex.join(argv), "--batch", str(BATCH), "--json", *extra],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def move(node, chain, *extra: str, timeout: float = 300) -> Tuple[int, dict, str]:
+    p = mover(node, chain, *extra)
+    out, err = p.communicate(timeout=timeout)
+    return p.returncode, (json.loads(out) if p.returncode == 0 and out.strip() else {}), err
+
+
+@pytest.fixture
+def plugin_tables(own_node):
+    """The node's plugin-shaped tables, created empty; dropped after the test."""
+    run = evaluator(own_node)
+    with connect(own_node.url) as c:
+        c.channel().exchange_declare(EXCHANGE, "topic", durable=True)
+    yield run
+    run('[mnesia:delete_table(T) || T <- mnesia:system_info(tables), '
+        'lists:prefix("rabbit_delayed_message", atom_to_list(T))].')
+
+
+def removal_under_way(pgid: int) -> bool:
+    """Whether the mover's rabbitmqctl is running a removal (its batch confirmed)."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            if os.getpgid(int(pid)) != pgid:
+                continue
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"mnesia:transaction" in f.read():
+                    return True
+        except (OSError, ProcessLookupError):
+            continue
+    return False
+
+
+@pytest.mark.brokers("rmq3.10", "rmq4.0", reason="the plugin runs up to 4.2; 4.3 has its refusal below")
+def test_every_waiting_message_moves_through_a_kill(own_node, node_chain, plugin_tables):
+    chain = node_chain()
+    plugin_shape.create(plugin_tables)
+    start = int(time.time() * 1000)
+    near = [(start + 45_000 + (i * 7919) % 25_000, i % 3, KEYS[i % 3]) for i in range(NEAR)]
+    far = [(start + 2 * 3_600_000 + i * 4 * 86_400_000, i % 3, KEYS[i % 3]) for i in range(FAR)]
+    plugin_shape.fill(plugin_tables, "/", EXCHANGE, [t.raw for t in TEMPLATES], near + far)
+    due = {f"m-{i}": d for i, (d, _, _) in enumerate(near + far)}
+
+    code, dry, err = move(own_node, chain, "--dry-run")
+    assert code == 0, err
+    assert dry["would_move"] == NEAR + FAR and dry["left_to_plugin"] == 0, dry
+    assert dry["by_due"]["from 10 s to 1 min"] + dry["by_due"]["from 1 min to 1 h"] == NEAR, dry
+
+    with connect(own_node.url) as c:
+        ch = c.channel()
+        queue = ch.queue_declare("", durable=True).method.queue
+        ch.queue_bind(queue, chain.names.pick_up, "#")
+    gateway = GatewayProcess(chain, url=own_node.url).wait_ready()
+    try:
+        # SIGKILL once a batch is confirmed and its removal from the plugin's table has begun
+        # (the one window that can duplicate), then run again to the end.
+        first = mover(own_node, chain)
+        pgid = os.getpgid(first.pid)
+        wait_until(lambda: first.poll() is not None or removal_under_way(pgid), 120, 0.001,
+                   "the first removal")
+        assert first.poll() is None, first.communicate()
+        os.killpg(pgid, signal.SIGKILL)
+        first.wait()
+        code, moved, err = move(own_node, chain)
+        assert code == 0, err
+        got = receive(own_node.url, queue, set(due) - {f"m-{NEAR + i}" for i in range(FAR)},
+                      timeout=max(30.0, (start + 75_000) / 1000 - time.time() + 30))
+        held = status_total(own_node, chain)
+    finally:
+        gateway.terminate()
+    ids = [m for m, _, _, _ in got]
+    lost = sorted(set(due) - set(ids) - {f"m-{NEAR + i}" for i in range(FAR)}, key=lambda s: int(s[2:]))
+    early = [(m, at - due[m]) for m, at, _, _ in got if at < due[m]]
+    duplicates = len(ids) - len(set(ids))
+    late = sorted(at - due[m] for m, at, _, _ in got)
+    report_figures("move figures", f"move-from-plugin broker={own_node.runtime.label} waiting={NEAR + FAR} "
+                   f"moved_after_kill={moved['moved']} per_second={moved['per_second']} lost={len(lost)} "
+                   f"early={len(early)} duplicates={duplicates} chain_holds={held} "
+                   f"late_p50_ms={late[len(late) // 2]} late_max_ms={late[-1]}")
+    assert not lost, f"{len(lost)} lost: {lost[:10]}"
+    assert not early, early[:10]
+    assert duplicates <= BATCH
+    assert held == FAR  # the far ones wait in the chain, each once: the kill was in the first batch
+    assert moved["left_to_plugin"] == 0 and moved["still_movable"] == 0, moved
+    for mid, _, props, body in got:
+        assert body == f"body-{mid}".encode()
+        # as the publisher sent it through the plugin, but user_id (the broker checks it
+        # against the gateway's own login)
+        sent = envelope.publishers(TEMPLATES[int(mid[2:]) % 3].replace(message_id=mid.encode()))
+        assert without_headers(props.wire) == without_headers(sent), mid
+        assert same_entries(props.wire.headers, sent.headers), (mid, props.wire.headers, sent.headers)
+
+
+def without_headers(props: wire.Properties) -> dict:
+    return {k: v for k, v in props.values.items() if k != "headers"}
+
+
+def receive(url: str, queue: str, expected: set, timeout: float) -> List[tuple]:
+    """(message id, arrival ms, properties, body) of what arrives until every expected id
+    has, then a second more for duplicates."""
+    got: List[tuple] = []
+    seen: set = set()
+    deadline = time.monotonic() + timeout
+    with connect(url) as c:
+        ch = c.channel()
+        ch.basic_qos(prefetch_count=500)
+        for method, props, body in ch.consume(queue, auto_ack=True, inactivity_timeout=0.5):
+            if method is not None:
+                got.append((props.message_id, int(time.time() * 1000), props, body))
+                seen.add(props.message_id)
+            if expected <= seen and deadline - time.monotonic() > 1:
+                deadline = time.monotonic() + 1
+            if time.monotonic() > deadline:
+                break
+        ch.cancel()
+    return got
+
+
+def status_total(node, chain) -> int:
+    r = subprocess.run([sys.executable, "-m", "gateway", "status", "--url", node.url, "--prefix", chain.prefix,
+                        "--json"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)["total"]
+
+
+@pytest.mark.brokers("rmq3.10", "rmq4.0", reason="the plugin runs up to 4.2")
+def test_a_lost_connection_moves_nothing_twice_but_the_batch_and_loses_nothing(own_node, node_chain,
+                                                                              plugin_tables):
+    """The connection cut while a batch is being published: the command stops (exit 1) with
+    that batch still in the plugin's table; run again, everything arrives."""
+    from .test_cancel_crash import Proxy
+    chain = node_chain()
+    plugin_shape.create(plugin_tables)
+    start = int(time.time() * 1000)
+    messages = [(start + 20_000 + (i * 7919) % 5_000, i % 3, KEYS[i % 3]) for i in range(2 * CUT_BATCH)]
+    plugin_shape.fill(plugin_tables, "/", EXCHANGE, [t.raw for t in TEMPLATES], messages)
+    with connect(own_node.url) as c:
+        ch = c.channel()
+        queue = ch.queue_declare("", durable=True).method.queue
+        ch.queue_bind(queue, chain.names.pick_up, "#")
+    gateway = GatewayProcess(chain, url=own_node.url).wait_ready()
+    proxy = Proxy(own_node.url)
+    try:
+        argv, env = ctl_of(own_node)
+        first = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "move-from-plugin", "--url", proxy.url, "--prefix", chain.prefix,
+             "--rabbitmqctl", shlex.join(argv), "--batch", str(CUT_BATCH)],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # its second connection publishes the first batch (the first checked the topology)
+        wait_until(lambda: first.poll() is not None or len(proxy.pairs) >= 4, 60, 0.001, "the publishing connection")
+        time.sleep(0.03)  # into the batch's publishes (1,500 take well over 0.1 s)
+        proxy.cut()
+        _, err = first.communicate(timeout=120)
+        assert first.returncode == 1, err
+        assert "run again" in err and len(err.strip().splitlines()) == 1, err
+        code, moved, err = move(own_node, chain)
+        assert code == 0, err
+        got = receive(own_node.url, queue, {f"m-{i}" for i in range(len(messages))},
+                      timeout=(start + 25_000) / 1000 - time.time() + 30)
+    finally:
+        gateway.terminate()
+        proxy.close()
+    ids = [m for m, _, _, _ in got]
+    due = {f"m-{i}": d for i, (d, _, _) in enumerate(messages)}
+    report_figures("move figures", f"move-from-plugin-connection-cut broker={own_node.runtime.label} "
+                   f"waiting={len(messages)} moved_on_rerun={moved['moved']} lost={len(set(due) - set(ids))} "
+                   f"duplicates={len(ids) - len(set(ids))}")
+    assert set(ids) == set(due)
+    assert all(at >= due[m] for m, at, _, _ in got)
+    assert len(ids) - len(set(ids)) <= CUT_BATCH
+
+
+def refusal(node, chain) -> str:
+    code, _, err = move(node, chain, "--dry-run")
+    assert code == 3, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.brokers("rmq3.10", "rmq4.0", reason="4.3 refuses for Khepri, below")
+def test_without_the_plugin_it_refuses(own_node, node_chain):
+    assert "no table of the delayed-message plugin" in refusal(own_node, node_chain())
+
+
+@pytest.mark.brokers("rmq3.10", reason="the table's shape is checked the same way on every version")
+def test_a_table_of_another_shape_is_refused_untouched(own_node, node_chain, plugin_tables):
+    plugin_tables('mnesia:create_table(list_to_atom("rabbit_delayed_message" ++ atom_to_list(node())), '
+                  '[{record_name, delay_entry}, {attributes, [delay_key, message, ref, options]}, {type, bag}, '
+                  '{ram_copies, [node()]}]).')
+    err = refusal(own_node, node_chain())
+    assert "not of the shape this command reads" in err and "[delay_key,message,ref,options]" in err, err
+
+
+@pytest.mark.brokers("rmq4.3", reason="Khepri only: where the plugin cannot run")
+def test_on_khepri_it_refuses(own_node, node_chain):
+    assert "keeps its metadata in Khepri" in refusal(own_node, node_chain())
+
+
+@pytest.mark.brokers("rmq3.10", reason="the topology check is AMQP, the same on every version")
+def test_without_the_gateway_topology_nothing_moves(own_node, plugin_tables):
+    from topology import ChainSettings
+    plugin_shape.create(plugin_tables)
+    plugin_shape.fill(plugin_tables, "/", EXCHANGE, [TEMPLATES[0].raw], [(int(time.time() * 1000) + 600_000, 0, "k")])
+    chain = ChainSettings(prefix="nothing-declared-here")
+    code, _, err = move(own_node, chain)
+    assert code == 3 and "delay-gateway declare" in err, err
+    code, dry, err = move(own_node, chain, "--dry-run")
+    assert code == 0 and dry["would_move"] == 1, (dry, err)
