@@ -14,8 +14,8 @@ holding a `#basic_message{}` (RabbitMQ 3.10-3.12) or as a message container (`mc
 the broker encodes them on delivery, the body as its bytes: what the plugin would have
 delivered, but for its `x-delay`.
 
-Removal is one Mnesia transaction per batch, by each entry's key and unique reference, so
-an entry the plugin delivered meanwhile is counted as missing rather than removed twice.
+Removal is one Mnesia transaction per REFS_PER_REMOVE entries, each found by its due time
+and unique reference (an entry already gone, e.g. delivered by the plugin, is not counted).
 """
 
 import base64
