@@ -144,15 +144,13 @@ def command(args: argparse.Namespace, urls: Sequence[str], tls: Tls, chain: Chai
         if refusal:
             print(f"delay-gateway move-from-plugin: {refusal}", file=sys.stderr)
             return EXIT_REFUSED
-        waiting = [w for t in probe.tables for w in tables.keys(t.name)]
-        before = count(waiting, wall_ms(), args.leave_due_within_ms, vhost, args.exchange)
+        before = count(every_key(tables, probe), wall_ms(), args.leave_due_within_ms, vhost, args.exchange)
         if args.dry_run:
             show_count(probe, before, vhost, args.exchange, args.json)
             return 0
         check_topology(urls, tls, chain)
         moved, seconds = move(tables, probe, urls, tls, chain, vhost, args, before.movable)
-        after = count([w for t in tables.probe().tables for w in tables.keys(t.name)], wall_ms(),
-                      args.leave_due_within_ms, vhost, args.exchange)
+        after = count(every_key(tables, tables.probe()), wall_ms(), args.leave_due_within_ms, vhost, args.exchange)
     except PluginError as exc:
         print(f"delay-gateway move-from-plugin: {exc}", file=sys.stderr)
         return EXIT_REFUSED if exc.refused else EXIT_NO_BROKER
@@ -180,7 +178,11 @@ def refused(probe: Probe) -> Optional[str]:
     if not probe.tables:
         return (f"no table of the delayed-message plugin in the cluster of {probe.node}: the plugin is not "
                 "enabled there (disabling it deletes its waiting messages), or --rabbitmqctl reaches another broker")
-    return next((t.problem() for t in probe.tables if t.problem()), None)
+    return next(filter(None, (t.problem() for t in probe.tables)), None)
+
+
+def every_key(tables: PluginTables, probe: Probe) -> list:
+    return [w for t in probe.tables for w in tables.keys(t.name)]
 
 
 def check_topology(urls: Sequence[str], tls: Tls, chain: ChainSettings) -> None:
