@@ -11,7 +11,7 @@ import socket
 import subprocess
 import threading
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 from urllib.parse import urlsplit
 
 import pika
@@ -70,8 +70,15 @@ class Proxy:
         self.port = self.listener.getsockname()[1]
         self.url = url.replace(f":{self.target[1]}/", f":{self.port}/")
         self.pairs: List[socket.socket] = []
+        self.accepted = 0
+        self.trip: Optional[Tuple[int, int]] = None  # (connection number from 1, bytes it sends): then cut
         self.lock = threading.Lock()
         threading.Thread(target=self._accept, daemon=True).start()
+
+    def cut_at(self, connection: int, sent_bytes: int) -> None:
+        """Cut every connection once connection number `connection` (1 = the first accepted)
+        has sent `sent_bytes` towards the broker: the same moment on a busy machine too."""
+        self.trip = (connection, sent_bytes)
 
     def _accept(self) -> None:
         while True:
@@ -82,17 +89,25 @@ class Proxy:
             server = socket.create_connection(self.target)
             with self.lock:
                 self.pairs += [client, server]
-            for a, b in ((client, server), (server, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+                self.accepted += 1
+                number = self.accepted
+            threading.Thread(target=self._pipe, args=(client, server, number), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, 0), daemon=True).start()
 
-    @staticmethod
-    def _pipe(a: socket.socket, b: socket.socket) -> None:
+    def _pipe(self, a: socket.socket, b: socket.socket, number: int) -> None:
+        sent = 0
         try:
             while True:
                 data = a.recv(65536)
                 if not data:
                     break
+                if number and self.trip and self.trip[0] == number and sent + len(data) >= self.trip[1]:
+                    b.sendall(data[:max(0, self.trip[1] - sent)])
+                    self.trip = None
+                    self.cut()
+                    break
                 b.sendall(data)
+                sent += len(data)
         except OSError:
             pass
         for s in (a, b):
