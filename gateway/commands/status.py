@@ -481,8 +481,9 @@ def command(args, open_channel, own: ChainKey, clock) -> int:
     stop = threading.Event()
     if args.watch:
         # Ctrl-C ends the watch between two reports: raised inside pika instead, it can leave
-        # the connection unable to close.
-        previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
+        # the connection unable to close. Set from another thread: the handler runs on the main
+        # thread, which may hold the event's own lock inside stop.wait() (a deadlock).
+        previous = signal.signal(signal.SIGINT, lambda *_: threading.Thread(target=stop.set).start())
     try:
         return _reports(args, open_channel, own, clock, stop)
     finally:
