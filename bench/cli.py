@@ -63,7 +63,8 @@ def parser(environ) -> argparse.ArgumentParser:
         "Measure the delay gateway from the outside, as its users do: publish with x-delay (or "
         "x-deliver-at) and confirms, receive in a separate process, lateness = arrival - (publish "
         "time + delay) on one clock. With --compare-plugin, the same loads through the "
-        "rabbitmq-delayed-message-exchange plugin, alternating."))
+        "rabbitmq-delayed-message-exchange plugin, alternating; with --compare-kombu, through Celery's "
+        "native delayed delivery (kombu's chain)."))
     p.add_argument("scenarios", nargs="+", metavar="SCENARIO", help=SCENARIO_HELP)
     p.add_argument("--url", default=environ.get("DELAY_GATEWAY_URL", DEFAULT_URL),
                    help="AMQP URL of the broker under test (first of a comma-separated list) [DELAY_GATEWAY_URL]")
@@ -74,6 +75,9 @@ def parser(environ) -> argparse.ArgumentParser:
     p.add_argument("--compare-plugin", action="store_true",
                    help="also run each load through the delayed-message-exchange plugin, alternating with "
                         "the gateway (where the broker has it; otherwise says so and measures the gateway)")
+    p.add_argument("--compare-kombu", action="store_true",
+                   help="also run each load through Celery 5.5+'s native delayed delivery, declared with kombu's "
+                        "own function (28 quorum levels of whole seconds; delays rounded up), alternating")
     p.add_argument("--rounds", type=_positive(int), default=1, help="alternating rounds of every target")
     p.add_argument("--headers", type=_choices(HEADERS), default=list(HEADERS),
                    help="the gateway's delay headers to measure, comma-separated (default both)")
@@ -141,6 +145,11 @@ def busiest_processes(count: int = 6, over_s: float = 1.0) -> List[str]:
     return [f"{cpu:5.1f}% {cmd[:150]}" for cpu, cmd in seen[:count]]
 
 
+def _kombu_version() -> str:
+    import kombu
+    return f"compared (kombu {kombu.__version__})"
+
+
 def expand(names: Sequence[str]) -> List[str]:
     out: List[str] = []
     for name in names:
@@ -164,6 +173,13 @@ def main(argv: Optional[Sequence[str]] = None, environ=None) -> int:
     except ValueError as exc:
         print(f"python -m bench: error: {exc}", file=sys.stderr)
         return 2
+    if args.compare_kombu:
+        try:
+            import kombu.transport.native_delayed_delivery  # noqa: F401
+        except ImportError:
+            print("python -m bench: --compare-kombu needs kombu 5.5 or later (scripts/bootstrap test installs it)",
+                  file=sys.stderr)
+            return 2
     url = args.url.split(",")[0]
     where = f"{urlsplit(url).hostname}:{urlsplit(url).port or 5672}"
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
@@ -181,7 +197,8 @@ def main(argv: Optional[Sequence[str]] = None, environ=None) -> int:
               file=sys.stderr)
     os.makedirs(args.out, exist_ok=True)
     ctx = Context(url=url, out_dir=args.out, broker=broker, messages=args.messages, rounds=args.rounds,
-                  plugin=plugin, headers=args.headers, queue_types=args.queue_types, zero_bits=args.zero_bits,
+                  plugin=plugin, kombu=args.compare_kombu, headers=args.headers, queue_types=args.queue_types,
+                  zero_bits=args.zero_bits,
                   rate=args.rate, rates=args.rates, duration_s=args.duration, min_delay_ms=args.min_delay,
                   max_delay_ms=args.max_delay, at_once_ms=args.at_once_ms, size=args.size,
                   gateway_args=gateway_args, split_roles=args.split_roles,
@@ -192,6 +209,8 @@ def main(argv: Optional[Sequence[str]] = None, environ=None) -> int:
             "machine": machine(), "rabbitmq": broker.version(), "url": where,
             "command": "python -m bench " + shlex.join(sys.argv[1:] if argv is None else argv),
             "plugin": "compared" if plugin else ("absent" if args.compare_plugin else "not asked"),
+            "kombu": _kombu_version() if args.compare_kombu else "not asked",
+            "receiver_queue_type": args.receiver_queue_type,
             "counters": "rabbitmqctl eval (node-wide)" if broker.rabbitmqctl else "none",
             "load_average_start": os.getloadavg(), "busiest_processes_start": busiest_processes()}
     results: dict = {}

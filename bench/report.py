@@ -67,7 +67,8 @@ def side_by_side(runs: List[dict]) -> List[str]:
         if r["label"] not in labels:
             labels.append(r["label"])
     head = ["target", "runs", "p50 ms", "p99 ms", "max ms", "early", "lost", "queue writes/msg",
-            "WAL entries/msg", "Mnesia log writes/msg", "broker CPU µs/msg"]
+            "WAL entries/msg", "Mnesia log writes/msg", "broker CPU µs/msg", "gateway CPU µs/msg",
+            "total CPU µs/msg"]
     lines = [_row(head), "|" + "---|" * len(head)]
     for label in labels:
         mine = [r for r in runs if r["label"] == label]
@@ -77,13 +78,46 @@ def side_by_side(runs: List[dict]) -> List[str]:
             _span([r.get("queue_writes_per_message") for r in mine]),
             _span([r.get("wal_writes_per_message") for r in mine]),
             _span([r.get("mnesia_log_writes_per_message") for r in mine]),
-            _span([r.get("broker_cpu_us_per_message") for r in mine])]))
+            _span([r.get("broker_cpu_us_per_message") for r in mine]),
+            _span([r.get("gateway_cpu_us_per_message") for r in mine]),
+            _span([total_cpu(r) for r in mine])]))
     return lines
+
+
+def total_cpu(r: dict) -> Optional[float]:
+    """Broker plus gateway process CPU per message (the broker's alone for the others)."""
+    broker = r.get("broker_cpu_us_per_message")
+    return None if broker is None else round(broker + (r.get("gateway_cpu_us_per_message") or 0.0), 1)
+
+
+def floor_lines(results: Dict[str, List[dict]], receiver_queue_type: Optional[str]) -> List[str]:
+    """The plain queues' cost, and every paced target's total against the replicated floor:
+    one quorum queue plus the receiver's own queue."""
+    floors = {r["queue_type"]: r for r in results.get("floor", [])}
+    if not floors:
+        return []
+    head = ["floor: plain durable queue", "messages", "published/s", "p50 ms", "p99 ms", "broker CPU µs/msg",
+            "queue writes/msg"]
+    lines = [_row(head), "|" + "---|" * len(head)]
+    for r in floors.values():
+        lines.append(_row([r["label"], r["messages"], _g(r, "publish_rate", "{:.0f}"), _g(r, "p50_ms"),
+                           _g(r, "p99_ms"), _g(r, "broker_cpu_us_per_message"), _g(r, "queue_writes_per_message")]))
+    quorum, own = floors.get("quorum"), floors.get(receiver_queue_type or "quorum")
+    if quorum and own and quorum.get("broker_cpu_us_per_message") and own.get("broker_cpu_us_per_message"):
+        replicated = quorum["broker_cpu_us_per_message"] + own["broker_cpu_us_per_message"]
+        lines += ["", f"Replicated delay floor (one quorum queue + the receiver's {receiver_queue_type} queue): "
+                  f"{replicated:.0f} µs/msg. Paced, total CPU against it:", ""]
+        for r in results.get("paced", []):
+            t = total_cpu(r)
+            if t:
+                lines.append(f"- round {r.get('round', 1)}, {r['label']}: {t:.0f} µs/msg = {t / replicated:.2f}x")
+    return lines + [""]
 
 
 def markdown(results: Dict[str, List[dict]], meta: dict) -> str:
     lines = [f"Run {meta.get('date')} on {meta.get('machine')}; RabbitMQ {meta.get('rabbitmq')} at "
-             f"{meta.get('url')}; plugin: {meta.get('plugin')}; write counters: {meta.get('counters')}; "
+             f"{meta.get('url')}; plugin: {meta.get('plugin')}; kombu: {meta.get('kombu', 'not asked')}; "
+             f"write counters: {meta.get('counters')}; "
              f"load average at start {_loads(meta.get('load_average_start'))}, at end "
              f"{_loads(meta.get('load_average_end'))}", "", f"`{meta.get('command')}`", ""]
     for name in DELAYED:
@@ -93,6 +127,7 @@ def markdown(results: Dict[str, List[dict]], meta: dict) -> str:
         lines += [f"{name}:", ""] + delayed_table(runs) + [""]
         if len({r["label"] for r in runs}) > 1:
             lines += side_by_side(runs) + [""]
+    lines += floor_lines(results, meta.get("receiver_queue_type"))
     best = {}
     for r in results.get("steady", []):
         best[r["label"]] = r.get("best_rate")

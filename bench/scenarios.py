@@ -24,7 +24,7 @@ from .clients import Publisher, Receiver, blocking, body, declare_receiver_queue
 from .launcher import GatewayProcess
 from .sampler import Sampler
 from .stats import lateness_stats, per_message, per_second, thin
-from .systems import DELAY, DELIVER_AT, Gateway, Plugin, Target, headers_for, unique_prefix
+from .systems import DELAY, DELIVER_AT, Gateway, Kombu, Plugin, Target, headers_for, unique_prefix
 
 GATEWAY_DEFAULT_LEAD_MS = default("lead_ms")  # the gateway's own default
 
@@ -37,6 +37,7 @@ class Context:
     messages: Optional[int] = None  # overrides each scenario's default size
     rounds: int = 1
     plugin: bool = False  # run the plugin beside the gateway (--compare-plugin, and the broker has it)
+    kombu: bool = False  # run Celery's native delayed delivery beside the gateway (--compare-kombu)
     headers: Sequence[str] = (DELAY, DELIVER_AT)
     queue_types: Sequence[str] = ("quorum",)
     zero_bits: Sequence[str] = ("queue",)
@@ -98,12 +99,15 @@ def gateway_targets(ctx: Context, headers: Optional[Sequence[str]] = None) -> Li
     return [Target("gateway", h, qt, zb) for qt, zb in ctx.topologies() for h in (headers or ctx.headers)]
 
 
-def schedule(targets: Sequence[Target], rounds: int, plugin: bool) -> List[Tuple[int, Target]]:
-    """Round after round: the plugin first (when compared), then each gateway target."""
+def schedule(targets: Sequence[Target], rounds: int, plugin: bool, kombu: bool = False) -> List[Tuple[int, Target]]:
+    """Round after round: the plugin and kombu's chain first (when compared), then each
+    gateway target."""
     out: List[Tuple[int, Target]] = []
     for r in range(1, rounds + 1):
         if plugin:
             out.append((r, Target("plugin", DELAY)))
+        if kombu:
+            out.append((r, Target("kombu", DELAY)))
         out += [(r, t) for t in targets]
     return out
 
@@ -111,6 +115,8 @@ def schedule(targets: Sequence[Target], rounds: int, plugin: bool) -> List[Tuple
 def open_system(ctx: Context, target: Target, tag: str):
     if target.system == "plugin":
         return Plugin(ctx.url, unique_prefix(tag))
+    if target.system == "kombu":
+        return Kombu(ctx.url, unique_prefix(tag), ctx.receiver_queue_type)
     return Gateway(ctx.url, ctx.chain(tag, target.queue_type, target.zero_bits), ctx.gateway_args,
                    ctx.split_roles)
 
@@ -196,7 +202,7 @@ class _Costs:
 
 
 # -- one delayed run ---------------------------------------------------------------------
-def _maker(ctx: Context, load: Load, target: Target, exchange: str, delays: List[int]):
+def _maker(ctx: Context, load: Load, target: Target, route: Callable[[int], Tuple[str, str]], delays: List[int]):
     """make(i) for the publisher: the load's next message, its delay noted in `delays`."""
     lo, hi = load.delay_ms
     rnd = random.Random(load.seed)
@@ -212,8 +218,9 @@ def _maker(ctx: Context, load: Load, target: Target, exchange: str, delays: List
             delay = rnd.randint(lo, hi)
         delays.append(delay)
         headers, due = headers_for(target.header, published, delay)
-        props = pika.BasicProperties(delivery_mode=2, headers=headers)
-        return exchange, "bench", props, body(i, due, ctx.size), due
+        exchange, routing_key = route(delay)
+        props = pika.BasicProperties(delivery_mode=2, headers=None if target.system == "kombu" else headers)
+        return exchange, routing_key, props, body(i, due, ctx.size), due
     return make
 
 
@@ -236,7 +243,7 @@ def delayed_run(ctx: Context, load: Load, target: Target, round_: int = 1) -> di
         load_start = os.getloadavg()[0]
         sampler.start()
         delays: List[int] = []
-        make = _maker(ctx, load, target, system.publish_exchange, delays)
+        make = _maker(ctx, load, target, system.route, delays)
         t_pub = time.monotonic() - sampler.t0
         wall0 = now_ms()
         pub = Publisher(ctx.url, n, make, rate=load.rate).run()
@@ -288,7 +295,8 @@ def delayed_run(ctx: Context, load: Load, target: Target, round_: int = 1) -> di
 
 
 def compared(ctx: Context, load: Load, targets: Optional[List[Target]] = None) -> List[dict]:
-    return [delayed_run(ctx, load, t, r) for r, t in schedule(targets or gateway_targets(ctx), ctx.rounds, ctx.plugin)]
+    return [delayed_run(ctx, load, t, r)
+            for r, t in schedule(targets or gateway_targets(ctx), ctx.rounds, ctx.plugin, ctx.kombu)]
 
 
 # -- the side-by-side loads --------------------------------------------------------------------
@@ -558,6 +566,42 @@ def ceiling(ctx: Context, hops: int = 8) -> List[dict]:
     return out
 
 
+def floor(ctx: Context) -> List[dict]:
+    """What the broker cannot do for less: the paced load (1,000 msg/s, 20,000 messages,
+    persistent) published straight to one plain durable queue of each type and received
+    by the same receiver, no delay. A replicated delay pays at least one quorum queue's
+    cost plus the user's own queue."""
+    n, rate = ctx.n(20_000), ctx.rate or 1000.0
+    out = []
+    for qt in ("quorum", "classic"):
+        queue = f"{unique_prefix('floor')}.{qt}"
+        ctx.log(f"  floor: a plain {qt} queue, {n} messages at {rate:.0f}/s")
+        with blocking(ctx.url) as c:
+            c.channel().queue_declare(queue, durable=True, arguments={"x-queue-type": qt})
+        try:
+            receiver = Receiver(ctx.url, queue, ctx.out_dir, n)
+            costs = _Costs(ctx, {"broker": ctx.broker.process()})
+            costs.start()
+            payload_props = pika.BasicProperties(delivery_mode=2)
+
+            def make(i: int, queue=queue, props=payload_props):
+                due = now_ms()
+                return "", queue, props, body(i, due, ctx.size), due
+
+            pub = Publisher(ctx.url, n, make, rate=rate).run()
+            receiver.wait(15 + n / 4000)
+            data = receiver.stop()
+            costs.stop()
+        finally:
+            _delete_queue(ctx.url, queue)
+        r = {"scenario": "floor", "round": 1, "system": "floor", "label": f"plain {qt} queue", "queue_type": qt,
+             "messages": n, "size": ctx.size, "target_rate": rate, "publish_rate": round(pub.rate_achieved, 1),
+             **lateness_stats(data, pub.acked), **costs.figures(pub.acked)}
+        ctx.log(f"    broker CPU {r.get('broker_cpu_us_per_message')} us/msg, p99 {r.get('p99_ms')} ms")
+        out.append(r)
+    return out
+
+
 def naive(ctx: Context) -> List[dict]:
     """One queue, per-message expiration, dead-lettered to a receiver: head-of-line blocking."""
     lo, hi = ctx.delays(1_000, 30_000)
@@ -601,6 +645,6 @@ def naive(ctx: Context) -> List[dict]:
 
 
 SCENARIOS = {"paced": paced, "burst": burst, "at-once": at_once, "pending": pending, "steady": steady,
-             "roles": roles, "ceiling": ceiling, "naive": naive}
+             "roles": roles, "ceiling": ceiling, "naive": naive, "floor": floor}
 # Names for several at once.
-GROUPS = {"issue": ["paced", "burst", "at-once"], "all": [s for s in SCENARIOS if s != "pending"]}
+GROUPS = {"issue": ["paced", "burst", "at-once", "floor"], "all": [s for s in SCENARIOS if s != "pending"]}

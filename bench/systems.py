@@ -1,11 +1,13 @@
 """What delays the messages in a run: the gateway (its real `run` processes, its topology
-declared through the public topology API) or the rabbitmq-delayed-message-exchange plugin
-(an `x-delayed-message` exchange). Both are used exactly as their users use them: publish
-with a delay header to one exchange, bind a queue to another (or the same) one."""
+declared through the public topology API), the rabbitmq-delayed-message-exchange plugin (an
+`x-delayed-message` exchange) or Celery's native delayed delivery (kombu's chain of 28
+quorum levels). Each is used exactly as its users use it: publish with a delay (a header,
+or for kombu a routing key) to one exchange, bind a queue to another (or the same) one."""
 
+import math
 import uuid
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import pika
 
@@ -29,7 +31,7 @@ class Target:
     """One side of a comparison: the plugin, or the gateway with one topology, and the
     delay header the publisher uses."""
 
-    system: str  # "plugin" or "gateway"
+    system: str  # "plugin", "kombu" or "gateway"
     header: str = DELAY
     queue_type: Optional[str] = None  # gateway only
     zero_bits: Optional[str] = None
@@ -38,6 +40,8 @@ class Target:
     def label(self) -> str:
         if self.system == "plugin":
             return f"plugin ({self.header})"
+        if self.system == "kombu":
+            return "kombu native delayed delivery (whole seconds)"
         return f"gateway {self.queue_type}/{self.zero_bits} ({self.header})"
 
 
@@ -54,6 +58,9 @@ class Gateway:
     both roles, as `run` does by default, or one process per role)."""
 
     system = "gateway"
+
+    def route(self, delay_ms: int) -> Tuple[str, str]:
+        return self.publish_exchange, "bench"
 
     def __init__(self, url: str, chain: ChainSettings, gateway_args: Sequence[str] = (),
                  split_roles: bool = False) -> None:
@@ -112,6 +119,9 @@ class Plugin:
     system = "plugin"
     processes: List[GatewayProcess] = []
 
+    def route(self, delay_ms: int) -> Tuple[str, str]:
+        return self.publish_exchange, "bench"
+
     def __init__(self, url: str, prefix: str) -> None:
         self.url, self.prefix = url, prefix
         self.publish_exchange = self.deliver_exchange = f"{prefix}.delayed"
@@ -134,5 +144,63 @@ class Plugin:
         try:
             with blocking(self.url) as c:
                 c.channel().exchange_delete(self.publish_exchange)
+        except pika.exceptions.AMQPError:
+            pass
+
+
+def whole_seconds(delay_ms: int) -> int:
+    """kombu's countdown for a delay: rounded up, so never early; at least 1 (kombu's minimum)."""
+    return max(1, math.ceil(delay_ms / 1000))
+
+
+class Kombu:
+    """Celery 5.5+'s native delayed delivery, declared with kombu's own functions under a
+    prefix of its own: 28 quorum queues of 2^level s TTL, the delay spelled in the routing
+    key's 28 bits, published to the top level's exchange. The user's topic exchange is
+    bound to the chain's delivery exchange as kombu binds a Celery queue. Delays are whole
+    seconds there: each is rounded up (Celery's own int() rounds down, which delivers
+    early), so its lateness includes up to a second of rounding."""
+
+    system = "kombu"
+    processes: List[GatewayProcess] = []
+
+    def __init__(self, url: str, prefix: str, receiver_queue_type: str) -> None:
+        from kombu import Connection, Exchange, Queue
+        from kombu.transport import native_delayed_delivery as native
+        self.url, self.prefix, self._native = url, prefix, native
+        self.publish_exchange = native.level_name(native.MAX_LEVEL, prefix)
+        self.deliver_exchange = f"{prefix}.tasks"
+        with blocking(url) as c:
+            c.channel().exchange_declare(self.deliver_exchange, "topic", durable=True)
+        with Connection(url) as conn:
+            native.declare_native_delayed_delivery_exchanges_and_queues(conn, "quorum", prefix)
+            # the scenario's receiver queue, bound the way kombu binds a Celery worker's queue
+            queue = Queue(f"{prefix}.receiver", Exchange(self.deliver_exchange, "topic"), routing_key="bench",
+                          durable=True, queue_arguments={"x-queue-type": receiver_queue_type})
+            queue.bind(conn.default_channel).declare()
+            native.bind_queue_to_native_delayed_delivery_exchange(conn, queue, prefix)
+
+    def route(self, delay_ms: int) -> Tuple[str, str]:
+        return self.publish_exchange, self._native.calculate_routing_key(whole_seconds(delay_ms), "bench")
+
+    def forwarded(self, queue: Optional[str] = None) -> float:
+        return 0.0
+
+    def lateness_buckets(self) -> dict:
+        return {}
+
+    def errors(self) -> List[dict]:
+        return []
+
+    def close(self) -> None:
+        native = self._native
+        try:
+            with blocking(self.url) as c:
+                ch = c.channel()
+                for level in range(native.MAX_LEVEL + 1):
+                    ch.queue_delete(native.level_name(level, self.prefix))
+                    ch.exchange_delete(native.level_name(level, self.prefix))
+                ch.exchange_delete(f"{self.prefix}_{native.CELERY_DELAYED_DELIVERY_EXCHANGE}")
+                ch.exchange_delete(self.deliver_exchange)
         except pika.exceptions.AMQPError:
             pass

@@ -18,7 +18,7 @@ import pytest
 
 from bench import cli, report
 from bench.scenarios import Load, gateway_targets, schedule, writes_model, Context
-from bench.systems import DELAY, DELIVER_AT, Target, headers_for
+from bench.systems import DELAY, DELIVER_AT, Target, headers_for, whole_seconds
 from topology import ChainSettings
 
 from .support import ROOT, broker_url
@@ -94,6 +94,42 @@ def test_every_other_scenario_runs(broker, tmp_path):
     assert naive["lost"] == 0 and naive["early"] == 0
 
 
+def test_kombu_chain_side_by_side_and_the_floor(broker, broker_ctl, tmp_path):
+    """--compare-kombu: Celery's native delayed delivery, declared by kombu's own function,
+    alternates with the gateway on the same load (nothing early: whole seconds rounded up);
+    `floor` measures a plain quorum and a plain classic queue at the same rate; every queue
+    and exchange the runs declared is gone afterwards (about 40 s)."""
+    proc = bench(tmp_path, "burst", "floor", "--compare-kombu", "--headers", "x-delay", "--messages", "40",
+                 "--rate", "200", "--min-delay", "300", "--max-delay", "1500", "--idle-seconds", "0.2",
+                 "--rabbitmqctl", shlex.join(broker_ctl.command()))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert data["meta"]["kombu"].startswith("compared (kombu 5.")
+    kombu, gateway = data["results"]["burst"]
+    assert (kombu["system"], gateway["system"]) == ("kombu", "gateway")
+    for r in (kombu, gateway):
+        assert r["received"] == 40 and r["early"] == 0 and r["lost"] == 0 and r["duplicates"] == 0, r
+    # kombu rounds each delay up to whole seconds: 300-1500 ms become 1-2 s
+    assert kombu["min_ms"] >= 0 and kombu["gateway_cpu_us_per_message"] is None
+    floors = {r["queue_type"]: r for r in data["results"]["floor"]}
+    assert set(floors) == {"quorum", "classic"}
+    for r in floors.values():
+        assert r["received"] == 40 and r["lost"] == 0 and r["broker_cpu_us_per_message"] > 0, r
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert "kombu native delayed delivery (whole seconds)" in md and "plain quorum queue" in md
+    left = subprocess.run([*broker_ctl.command(), "list_queues", "name", "-q"], capture_output=True, text=True,
+                          timeout=60).stdout + subprocess.run(
+        [*broker_ctl.command(), "list_exchanges", "name", "-q"], capture_output=True, text=True, timeout=60).stdout
+    assert "celery_delayed" not in left and "bench-floor" not in left, left
+
+
+def test_kombu_compare_without_kombu_is_one_line(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "kombu.transport.native_delayed_delivery", None)
+    assert cli.main(["paced", "--compare-kombu"], environ={}) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "kombu 5.5" in line
+
+
 # -- pure parts: no broker ----------------------------------------------------------------------
 def test_runs_alternate_plugin_and_gateway_round_after_round():
     gw = [Target("gateway", DELAY, "quorum", "queue"), Target("gateway", DELIVER_AT, "quorum", "queue")]
@@ -101,6 +137,22 @@ def test_runs_alternate_plugin_and_gateway_round_after_round():
     assert order == [(1, "plugin", DELAY), (1, "gateway", DELAY), (1, "gateway", DELIVER_AT),
                      (2, "plugin", DELAY), (2, "gateway", DELAY), (2, "gateway", DELIVER_AT)]
     assert [t.system for _, t in schedule(gw, 1, plugin=False)] == ["gateway", "gateway"]
+    assert [t.system for _, t in schedule(gw[:1], 2, plugin=False, kombu=True)] == [
+        "kombu", "gateway", "kombu", "gateway"]
+
+
+@pytest.mark.parametrize("delay_ms, seconds", [(0, 1), (1, 1), (1000, 1), (1001, 2), (9_999, 10)])
+def test_kombu_delays_are_whole_seconds_rounded_up(delay_ms, seconds):
+    assert whole_seconds(delay_ms) == seconds
+
+
+def test_floor_lines_compare_each_paced_total_with_the_replicated_floor():
+    floor = [{"queue_type": "quorum", "label": "plain quorum queue", "messages": 10, "broker_cpu_us_per_message": 600},
+             {"queue_type": "classic", "label": "plain classic queue", "messages": 10,
+              "broker_cpu_us_per_message": 250}]
+    paced = [{"label": "gw", "round": 1, "broker_cpu_us_per_message": 700.0, "gateway_cpu_us_per_message": 300.0}]
+    text = "\n".join(report.floor_lines({"floor": floor, "paced": paced}, "classic"))
+    assert "850 µs/msg" in text and "gw: 1000 µs/msg = 1.18x" in text
 
 
 def test_gateway_targets_cover_every_topology_and_header():
@@ -146,6 +198,6 @@ def test_usage_errors_are_one_line_and_exit_2(argv, capsys):
 
 
 def test_scenario_groups():
-    assert cli.expand(["issue", "paced"]) == ["paced", "burst", "at-once"]
+    assert cli.expand(["issue", "paced"]) == ["paced", "burst", "at-once", "floor"]
     assert "pending" not in cli.expand(["all"])
     assert Load("paced", 1, (1, 2)).rate is None
