@@ -159,3 +159,110 @@ def test_the_cork_leaves_to_the_transport_what_the_socket_does_not_take_and_keep
         connection._adapter_emit_data(b"a")
         connection._adapter_emit_data(b"b")
     assert connection._transport.buffered == [b"plain", b"ab"]
+
+
+# -- the fast path: deliveries and confirms read, publishes written, past pika's dispatch ------
+def open_connection():
+    """A WireConnection in the open state with channel 1 open, fed bytes by the test."""
+    from pika.callback import CallbackManager
+    from pika.channel import Channel
+
+    c = codec.WireConnection.__new__(codec.WireConnection)  # no socket: the test feeds it
+    c.cork, c.confirm_callbacks = codec.Cork(c), {}
+    c.callbacks, c.params, c._blocked_conn_timer = CallbackManager(), pika.ConnectionParameters(), None
+    c.connection_state = c.CONNECTION_CLOSED
+    c._init_connection_state()
+    c._set_connection_state(c.CONNECTION_OPEN)
+    c._body_max_length = 131_072 - 8
+    c.sent = []
+    c._adapter_emit_data = c.sent.append
+    channel = Channel(c, 1, lambda _: None)
+    channel._set_state(channel.OPEN)
+    c._channels[1] = channel
+    return c, channel
+
+
+def deliver(tag: int, body: bytes, routing_key: bytes = b"a.b", redelivered: bool = False, consumer: str = "ct",
+            channel: int = 1) -> bytes:
+    props = spec.BasicProperties(headers={"x-delay": 5}, message_id="m", delivery_mode=2)
+    out = [frame.Method(channel, spec.Basic.Deliver(consumer, tag, redelivered, "ex", routing_key)).marshal(),
+           frame.Header(channel, len(body), props).marshal()]
+    out += [frame.Body(channel, body[i:i + 131_064]).marshal() for i in range(0, len(body), 131_064)]
+    return b"".join(out)
+
+
+def confirm(method) -> bytes:
+    return frame.Method(1, method).marshal()
+
+
+def received(feed, data: bytes, chunk: int, cancelled: bool = False):
+    c, channel = open_connection()
+    got = []
+    channel._consumers["ct"] = lambda ch, m, p, b: got.append(
+        ("deliver", m.consumer_tag, m.delivery_tag, m.redelivered, m.exchange, m.routing_key, p.wire.raw, b))
+    if cancelled:
+        channel._cancelled.add("ct")
+    on_confirm = lambda f: got.append((type(f.method).__name__, f.method.delivery_tag, f.method.multiple,  # noqa: E731
+                                       getattr(f.method, "requeue", None)))
+    c.confirm_callbacks[1] = (channel, on_confirm)
+    c.callbacks.add(1, spec.Basic.Ack, on_confirm, False)  # what channel.confirm_delivery registers
+    c.callbacks.add(1, spec.Basic.Nack, on_confirm, False)
+    for i in range(0, len(data), chunk):
+        feed(c, data[i:i + chunk])
+    return got, c.sent, c.frames_received, c.bytes_received, len(c._frame_buffer)
+
+
+STREAM = b"".join([deliver(1, b"x" * 1000), confirm(spec.Basic.Ack(7, False)), deliver(2, b""),
+                   deliver(3, b"\x00" * 300_000, routing_key=b"\xff.not-utf8", redelivered=True),
+                   confirm(spec.Basic.Nack(9, True, False)), deliver(4, b"y"),
+                   frame.Heartbeat().marshal(), deliver(5, b"z" * 200_000)])
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 100, 4096, 131_072, len(STREAM)])
+@pytest.mark.parametrize("cancelled", [False, True])
+def test_fast_path_hands_over_what_pikas_own_path_does(chunk, cancelled):
+    """Deliveries (empty, small, over several body frames, larger than the wait limit, a
+    routing key that is not UTF-8, redelivered), acks and nacks, a heartbeat, a cancelled
+    consumer (pika rejects its deliveries), cut into reads of any size: the same callbacks
+    with the same arguments, the same frames sent back and the same counters as pika's."""
+    fast = received(lambda c, d: c._on_data_available(d), STREAM, chunk, cancelled)
+    pikas = received(lambda c, d: Connection._on_data_available(c, d), STREAM, chunk, cancelled)
+    assert fast == pikas
+    assert len([g for g in fast[0] if g[0] == "deliver"]) == (0 if cancelled else 5)
+
+
+def test_fast_path_takes_deliveries_and_confirms_and_nothing_else():
+    c, channel = open_connection()
+    channel._consumers["ct"] = lambda *_: None
+    c.confirm_callbacks[1] = (channel, lambda _: None)
+    seen = []
+    c._process_frame = lambda value: seen.append(value.NAME)  # pika's path
+    c._on_data_available(STREAM)
+    assert seen == ["Heartbeat"]
+
+
+def test_fast_path_leaves_a_closing_channel_to_pika():
+    c, channel = open_connection()
+    got = []
+    channel._consumers["ct"] = lambda ch, m, p, b: got.append(m.delivery_tag)
+    channel._set_state(channel.CLOSING)
+    c._on_data_available(deliver(1, b"a"))
+    pikas, pchannel = open_connection()
+    pgot = []
+    pchannel._consumers["ct"] = lambda ch, m, p, b: pgot.append(m.delivery_tag)
+    pchannel._set_state(pchannel.CLOSING)
+    Connection._on_data_available(pikas, deliver(1, b"a"))
+    assert got == pgot and c.frames_received == pikas.frames_received == 3
+
+
+@pytest.mark.parametrize("body, mandatory, routing_key", [
+    (b"payload", False, b"a.b"), (b"", True, b"rk"), (b"\x00" * 131_064, True, b"\xff\xfe"),
+    (b"big" * 100_000, False, b"k")])  # over a frame: pika writes it
+def test_publish_writes_the_frames_pika_writes(body, mandatory, routing_key):
+    props = codec.encoded(spec.BasicProperties(headers={"x-delay": 5, "f": 1.5}, message_id="m"))
+    ours, channel = open_connection()
+    codec.publish(channel, "exchange-é", routing_key, body, props.wire, mandatory)
+    pikas, pchannel = open_connection()
+    pchannel.basic_publish("exchange-é", routing_key, body, codec.RawProperties(props.wire), mandatory=mandatory)
+    assert b"".join(ours.sent) == b"".join(pikas.sent)
+    assert (ours.frames_sent, ours.bytes_sent) == (pikas.frames_sent, pikas.bytes_sent)

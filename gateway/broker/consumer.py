@@ -103,8 +103,8 @@ class Pipe:
         self._publish = channel
         channel.add_on_close_callback(self._on_publish_closed)
         channel.add_on_return_callback(self._on_return)
-        channel.confirm_delivery(self._on_confirm,
-                                 callback=lambda _: self._do(self.flow.publishing_opened(self._clock())))
+        codec.confirm_delivery(channel, self._on_confirm,
+                               callback=lambda _: self._do(self.flow.publishing_opened(self._clock())))
 
     def _on_consume_open(self, channel: Channel) -> None:
         self._consume = channel
@@ -252,8 +252,7 @@ class Pipe:
         for pub in actions.publish:
             f = pub.payload.forward
             try:
-                channel.basic_publish(f.exchange, f.routing_key, f.body, codec.RawProperties(f.props),
-                                      mandatory=f.mandatory)
+                codec.publish(channel, f.exchange, f.routing_key, f.body, f.props, f.mandatory)
             except AMQPError as exc:  # the channel is going away; its close callback takes over
                 self._log.warning("publish_failed", error=str(exc))
                 return

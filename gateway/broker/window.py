@@ -116,7 +116,7 @@ class WindowPublisher:
         self._channel = channel
         channel.add_on_close_callback(self.on_channel_closed)
         channel.add_on_return_callback(self.on_return)
-        channel.confirm_delivery(self.on_confirm, callback=lambda _frame: self._begin())
+        codec.confirm_delivery(channel, self.on_confirm, callback=lambda _frame: self._begin())
 
     def _begin(self) -> None:
         self.start = time.monotonic()  # the rate counts from here
