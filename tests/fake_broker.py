@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from pika import spec
 from pika.exceptions import ChannelClosedByBroker, ChannelWrongStateError
 
-from gateway.broker.codec import RawProperties
+from gateway.broker.codec import WireProperties
 from gateway.core.wire import Properties
 
 
@@ -118,7 +118,7 @@ class FakeChannel:
         self.on_message = None
         self.connection.loop.soon.append(lambda: callback(None))
 
-    def basic_publish(self, exchange: str, routing_key: bytes, body: bytes, properties: RawProperties,
+    def basic_publish(self, exchange: str, routing_key: bytes, body: bytes, properties: WireProperties,
                       mandatory: bool = False) -> None:
         if not self.is_open:
             raise ChannelWrongStateError("Channel is closed.")
@@ -145,7 +145,7 @@ class FakeChannel:
         props = props if props is not None else Properties.build()
         self.delivery_tag += 1
         method = spec.Basic.Deliver(self.consumer_tag, self.delivery_tag, redelivered, exchange, routing_key)
-        self.on_message(self, method, RawProperties(props), body)
+        self.on_message(self, method, WireProperties(props), body)
         return self.delivery_tag
 
     def confirm(self, seq: int, ack: bool = True, multiple: bool = False) -> None:
@@ -157,7 +157,7 @@ class FakeChannel:
         """basic.return: nobody is bound for a mandatory publish (its confirm follows)."""
         method = spec.Basic.Return(312, "NO_ROUTE", pub.exchange, pub.routing_key.decode("latin-1"))
         for callback in self.on_return:
-            callback(self, method, RawProperties(pub.props), pub.body)
+            callback(self, method, WireProperties(pub.props), pub.body)
 
     def close_by_broker(self, code: int = 406, text: str = "PRECONDITION_FAILED") -> None:
         self.is_open = False

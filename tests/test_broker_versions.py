@@ -337,7 +337,7 @@ def test_short_strings_that_are_not_utf8(names):
         queue = declare_queue(channel, made, f"{prefix}.all")
         channel.queue_bind(queue, exchange, "#")
         headers = Table.parse(bytes([5]) + b"\xffname" + b"b" + b"\x01")
-        channel.basic_publish(exchange, b"key.\xff\xfe", b"bytes", codec.RawProperties(Properties.build(
+        channel.basic_publish(exchange, b"key.\xff\xfe", b"bytes", codec.WireProperties(Properties.build(
             headers=headers)), mandatory=True)
         method, properties, body = channel.basic_get(queue, auto_ack=True)
         assert body == b"bytes" and method.routing_key in (b"key.\xff\xfe", "key.\xff\xfe")

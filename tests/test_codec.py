@@ -263,6 +263,6 @@ def test_publish_writes_the_frames_pika_writes(body, mandatory, routing_key):
     ours, channel = open_connection()
     codec.publish(channel, "exchange-é", routing_key, body, props.wire, mandatory)
     pikas, pchannel = open_connection()
-    pchannel.basic_publish("exchange-é", routing_key, body, codec.RawProperties(props.wire), mandatory=mandatory)
+    pchannel.basic_publish("exchange-é", routing_key, body, codec.WireProperties(props.wire), mandatory=mandatory)
     assert b"".join(ours.sent) == b"".join(pikas.sent)
     assert (ours.frames_sent, ours.bytes_sent) == (pikas.frames_sent, pikas.bytes_sent)

@@ -11,7 +11,7 @@ from pika import BasicProperties
 from gateway.broker import codec
 from gateway.core import envelope
 from gateway.core.envelope import Inside, Unreadable, due_at
-from gateway.core.wire import Entry, Properties, Table, long
+from gateway.core.wire import TableField, Properties, Table, long
 
 NOW = 1_800_000_000_000
 
@@ -131,7 +131,7 @@ def test_the_vocabulary_of_other_schedulers_is_read_the_same_way():
     assert due_at(Table([long("x-opt-delivery-time", now + 5000)]), now) == now + 5000
     assert due_at(Table([long("x-opt-scheduled-enqueue-time", now + 5000)]), now) == now + 5000
     # an AMQP timestamp is whole seconds in 0.9.1: to the end of its second, never early
-    second = Entry(b"x-opt-scheduled-enqueue-time", b"T", (now // 1000 + 5).to_bytes(8, "big"))
+    second = TableField(b"x-opt-scheduled-enqueue-time", b"T", (now // 1000 + 5).to_bytes(8, "big"))
     assert due_at(Table([second]), now) == now + 5999
     assert isinstance(Table([second]).get("x-opt-scheduled-enqueue-time"), datetime.datetime)
     # several that agree (within a minute): the latest; that disagree: parked, naming both
@@ -139,4 +139,4 @@ def test_the_vocabulary_of_other_schedulers_is_read_the_same_way():
     with pytest.raises(Unreadable, match="x-delay and x-opt-delivery-time disagree by"):
         due_at(Table([long("x-delay", 1000), long("x-opt-delivery-time", now + 3_600_000)]), now)
     with pytest.raises(Unreadable, match="x-opt-delivery-delay is a boolean"):
-        due_at(Table([Entry(b"x-opt-delivery-delay", b"t", b"\x01")]), now)
+        due_at(Table([TableField(b"x-opt-delivery-delay", b"t", b"\x01")]), now)

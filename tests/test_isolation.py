@@ -80,7 +80,7 @@ def test_hostile_messages_beside_ordinary_traffic(make_chain, run_gateway):
         ch.confirm_delivery()
         for i, (name, (key, props)) in enumerate(POISON.items()):
             sent_at[name] = now_ms()
-            ch.basic_publish(chain.names.check_in, key, name.encode(), codec.RawProperties(props), mandatory=True)
+            ch.basic_publish(chain.names.check_in, key, name.encode(), codec.WireProperties(props), mandatory=True)
             for j in range(ORDINARY // len(POISON) + 1):
                 n = i * 10 + j
                 sent_at[f"o{n}"] = now_ms()

@@ -7,7 +7,7 @@ from string import Template
 import pytest
 
 from gateway.broker import plugin_table
-from gateway.broker.plugin_table import ENTRY_SHAPE, INDEX_SHAPE, SHELL_SAFE, Entry, Probe, Table, Waiting
+from gateway.broker.plugin_table import ENTRY_SHAPE, INDEX_SHAPE, SHELL_SAFE, PluginMessage, Probe, Table, Waiting
 from gateway.commands.move import count, outgoing, ranges, refused
 from gateway.core import wire
 from gateway.core.envelope import Inside
@@ -36,7 +36,7 @@ def test_count_sorts_every_key_once():
 
 def test_what_is_published_is_the_entry_in_the_gateways_format():
     props = wire.Properties.build(message_id=b"m-1", user_id=b"alice", headers=wire.Table([wire.long("x-delay", 5)]))
-    entry = Entry(NOW + 60_000, b"order.1", props.raw, b"body", "ref")
+    entry = PluginMessage(NOW + 60_000, b"order.1", props.raw, b"body", "ref")
     [(exchange, key, sent, body)] = list(outgoing([entry], "delay.distributor"))
     inside = Inside(sent)
     assert (exchange, key, body) == ("delay.distributor", "", b"body")

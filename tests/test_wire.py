@@ -151,7 +151,7 @@ def test_with_the_codec_pika_keeps_the_bytes_and_decodes_only_when_asked():
     assert properties.message_id == b"\xffid"
     assert properties.headers["f"] == 1.5 and properties.headers["d"] == 2.5  # pika truncated them
     assert isinstance(properties.headers["when"], Opaque)
-    assert b"".join(codec.RawProperties(hostile).encode()) == hostile.raw
+    assert b"".join(codec.WireProperties(hostile).encode()) == hostile.raw
 
 
 def test_python_floats_are_sent_as_doubles():

@@ -185,7 +185,7 @@ class Follower:
             self._mark = uuid.uuid4().hex.encode()
             publisher = connection.channel()
             publisher.confirm_delivery()
-            publisher.basic_publish(self.names.cancellations, "", b"", codec.RawProperties(cancels.mark(self._mark)),
+            publisher.basic_publish(self.names.cancellations, "", b"", codec.WireProperties(cancels.mark(self._mark)),
                                     mandatory=True)
             publisher.close()
         while not self.stop.is_set():

@@ -9,7 +9,7 @@ connection made here (`WireConnection`, or `blocking()` for a BlockingConnection
 content headers itself instead: its messages arrive with `WireProperties`, which keep the
 exact bytes (`properties.wire`, a `wire.Properties`) and decode the Python attributes only
 when something reads them, with values pika cannot represent left as `wire.Opaque` instead
-of failing. `RawProperties` sends bytes exactly as given; `encoded()` turns pika properties
+of failing. Sent, `WireProperties` are these bytes exactly; `encoded()` turns pika properties
 with Python values into them, a Python float as an AMQP double (pika cannot encode floats).
 Nothing in pika is changed: other connections in the same process keep pika's behaviour.
 
@@ -73,9 +73,6 @@ class WireProperties(spec.BasicProperties):
         self.__dict__.clear()
         self.__dict__["wire"] = wire.Properties.parse(bytes(encoded[offset:]))
         return self
-
-
-RawProperties = WireProperties  # what the gateway sends: these bytes, exactly
 
 
 # -- receiving -------------------------------------------------------------------------------
@@ -285,14 +282,14 @@ _CONTENT_FRAME_HEAD = struct.Struct(">BHLHHQ")  # header frame head; class 60, w
 
 def publish(channel: Any, exchange: str, routing_key: bytes, body: bytes, properties: Properties,
             mandatory: bool = False) -> None:
-    """channel.basic_publish(exchange, routing_key, body, RawProperties(properties),
+    """channel.basic_publish(exchange, routing_key, body, WireProperties(properties),
     mandatory): the same frames, written here in one piece on a WireConnection's open
     channel (pika builds three frame objects per message, the gateway's busiest send)."""
     connection = channel.connection
     exchange_bytes = exchange.encode("utf-8")
     if not isinstance(connection, WireConnection) or connection.is_closed or len(exchange_bytes) > 255 \
             or len(routing_key) > 255 or len(body) > connection._body_max_length:
-        channel.basic_publish(exchange, routing_key, body, RawProperties(properties), mandatory=mandatory)
+        channel.basic_publish(exchange, routing_key, body, WireProperties(properties), mandatory=mandatory)
         return
     channel._raise_if_not_open()
     number, raw = channel.channel_number, properties.raw

@@ -191,7 +191,8 @@ class Waiting:
 
 
 @dataclass(frozen=True)
-class Entry:
+class PluginMessage:
+    """One message waiting in the plugin's table, as read from it."""
     due_ms: int
     routing_key: bytes
     properties: bytes  # AMQP 0.9.1 basic properties, as the broker encodes them
@@ -244,7 +245,7 @@ class PluginTables:
         return [Waiting(int(f[1]), _text(f[2]), _text(f[3]), int(f[4])) for f in lines if f[0] == "key"]
 
     def batch(self, table: str, vhost: str, exchanges: Sequence[str], min_due_ms: int, limit: int,
-              cursor: str = "") -> Tuple[List[Entry], Optional[str]]:
+              cursor: str = "") -> Tuple[List[PluginMessage], Optional[str]]:
         """Up to about `limit` entries (whole keys) of this vhost's exchanges (all when
         `exchanges` is empty) due at `min_due_ms` or later, after `cursor`, in due order;
         and the cursor to go on from (None: the table's end)."""
@@ -257,11 +258,12 @@ class PluginTables:
                 raise PluginError(f"an entry of table {table} is of a shape this command does not read, so "
                                   f"nothing more was moved: {_text(f[1])}")
         _finished(lines, table, ("done", "cursor"))
-        entries = [Entry(int(f[1]), _bytes(f[2]), _bytes(f[3]), _bytes(f[4]), f[5]) for f in lines if f[0] == "entry"]
+        entries = [PluginMessage(int(f[1]), _bytes(f[2]), _bytes(f[3]), _bytes(f[4]), f[5])
+                   for f in lines if f[0] == "entry"]
         after = next((f[1] for f in lines if f[0] == "cursor"), None)
         return entries, after
 
-    def remove(self, table: str, entries: Sequence[Entry]) -> int:
+    def remove(self, table: str, entries: Sequence[PluginMessage]) -> int:
         """Remove these entries (found by due time and reference), a transaction per
         REFS_PER_REMOVE; how many were still there."""
         removed = 0

@@ -27,8 +27,9 @@ from pika.exceptions import ChannelClosedByBroker
 
 from topology import ChainSettings
 
-from gateway.broker.amqp import EXIT_NO_BROKER, EXIT_REFUSED, blocking_channel
-from gateway.broker.plugin_table import REFS_PER_REMOVE, Entry, PluginError, PluginTables, Probe, Waiting
+from gateway.exits import EXIT_NO_BROKER, EXIT_REFUSED
+from gateway.broker.amqp import blocking_channel
+from gateway.broker.plugin_table import REFS_PER_REMOVE, PluginMessage, PluginError, PluginTables, Probe, Waiting
 from gateway.broker.window import Outgoing, PublishError, WindowPublisher
 from gateway.clock import wall_ms
 from gateway.core import envelope
@@ -91,7 +92,7 @@ def count(waiting: Sequence[Waiting], now_ms: int, leave_ms: int, vhost: str, ex
     return c
 
 
-def outgoing(entries: Sequence[Entry], distributor: str) -> Iterator[Outgoing]:
+def outgoing(entries: Sequence[PluginMessage], distributor: str) -> Iterator[Outgoing]:
     """Each entry in the gateway's format, for the distributor: its due time, routing key and
     the publisher's properties as the plugin holds them (but `user_id`, which the broker
     checks against the gateway's own login, and any dead-letter history)."""

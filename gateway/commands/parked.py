@@ -153,7 +153,7 @@ def replay(channel, names, reason: Optional[str] = None, routing_key: Optional[s
         if not dry_run:
             exchange, key, props = destination(message, names)
             # mandatory + confirms: basic_publish raises unless the broker has the message.
-            channel.basic_publish(exchange, key, message.body, codec.RawProperties(props), mandatory=True)
+            channel.basic_publish(exchange, key, message.body, codec.WireProperties(props), mandatory=True)
             channel.basic_ack(message.delivery_tag)
         replayed.append(message)
     for message in kept + (replayed if dry_run else []):

@@ -104,7 +104,7 @@ def properties(entries: List[Entry]) -> Properties:
     if any(e.accepted_us is not None for e in entries):
         times = b"".join(b"l" + struct.pack(">q", _NO_TIME if e.accepted_us is None else e.accepted_us)
                          for e in entries)
-        fields.append(wire.Entry(ACCEPTED.encode(), b"A", struct.pack(">I", len(times)) + times))
+        fields.append(wire.TableField(ACCEPTED.encode(), b"A", struct.pack(">I", len(times)) + times))
     return Properties.build(delivery_mode=PERSISTENT, headers=Table(fields))
 
 

@@ -120,7 +120,8 @@ def _raw_name(name: Name) -> bytes:
 
 
 @dataclass(frozen=True)
-class Entry:
+class TableField:
+    """One field of an AMQP field table: its name, type octet and value bytes."""
     name: bytes
     kind: bytes
     raw: bytes  # the value's bytes, after the type octet
@@ -138,14 +139,14 @@ class Table:
 
     __slots__ = ("entries", "tail")
 
-    def __init__(self, entries: Sequence[Entry] = (), tail: bytes = b"") -> None:
-        self.entries: Tuple[Entry, ...] = tuple(entries)
+    def __init__(self, entries: Sequence[TableField] = (), tail: bytes = b"") -> None:
+        self.entries: Tuple[TableField, ...] = tuple(entries)
         self.tail = tail  # bytes after the last entry that could be parsed (kept as they are)
 
     @classmethod
     def parse(cls, data: bytes) -> "Table":
         """The table's content (without its 32-bit length). Never raises."""
-        entries: List[Entry] = []
+        entries: List[TableField] = []
         offset = 0
         try:
             while offset < len(data):
@@ -156,7 +157,7 @@ class Table:
                     raise Malformed("truncated entry")
                 start = offset + 2 + length
                 end = _value_end(data, start, kind)
-                entries.append(Entry(name, kind, data[start:end]))
+                entries.append(TableField(name, kind, data[start:end]))
                 offset = end
         except Malformed:
             return cls(entries, data[offset:])
@@ -167,7 +168,7 @@ class Table:
         content = b"".join(e.encode() for e in self.entries) + self.tail
         return struct.pack(">I", len(content)) + content
 
-    def find(self, name: Name) -> Optional[Entry]:
+    def find(self, name: Name) -> Optional[TableField]:
         raw = _raw_name(name)
         for e in self.entries:
             if e.name == raw:
@@ -192,7 +193,7 @@ class Table:
         kept = [e for e in self.entries if not drop(_name(e.name))]
         return self if len(kept) == len(self.entries) else Table(kept, self.tail)
 
-    def with_entry(self, entry: Entry) -> "Table":
+    def with_entry(self, entry: TableField) -> "Table":
         """`entry` last, in place of any entry of the same name."""
         return Table([e for e in self.entries if e.name != entry.name] + [entry], self.tail)
 
@@ -210,17 +211,17 @@ class Table:
 
 
 # -- encoding the few value types the gateway writes itself --------------------------------
-def long(name: Name, value: int) -> Entry:
-    return Entry(_raw_name(name), b"l", struct.pack(">q", value))
+def long(name: Name, value: int) -> TableField:
+    return TableField(_raw_name(name), b"l", struct.pack(">q", value))
 
 
-def longstr(name: Name, value: Union[str, bytes]) -> Entry:
+def longstr(name: Name, value: Union[str, bytes]) -> TableField:
     raw = value if isinstance(value, bytes) else value.encode("utf-8")
-    return Entry(_raw_name(name), b"S", struct.pack(">I", len(raw)) + raw)
+    return TableField(_raw_name(name), b"S", struct.pack(">I", len(raw)) + raw)
 
 
-def binary(name: Name, value: bytes) -> Entry:
-    return Entry(_raw_name(name), b"x", struct.pack(">I", len(value)) + value)
+def binary(name: Name, value: bytes) -> TableField:
+    return TableField(_raw_name(name), b"x", struct.pack(">I", len(value)) + value)
 
 
 # -- content properties (class basic) --------------------------------------------------------

@@ -194,7 +194,7 @@ def test_hostile_publishers_beside_ordinary_traffic(make_chain, fault_report):
         props = sent_properties(kind, headers_or_props, message_id)
         now = now_ms()
         if kind == "raw":
-            if not raw.publish(chain.names.check_in, key, body, codec.RawProperties(props), mandatory=True):
+            if not raw.publish(chain.names.check_in, key, body, codec.WireProperties(props), mandatory=True):
                 tally["refused by the broker at publish (not sent)"] += 1
                 return
         else:

@@ -36,7 +36,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 TEMPLATES = [
     wire.Properties.build(content_type=b"application/json", delivery_mode=2, headers=wire.Table([
         wire.long("x-delay", 45_000), wire.longstr("tenant", b"acme"),
-        wire.Entry(b"short", b"s", (-7).to_bytes(2, "big", signed=True)), wire.Entry(b"flag", b"t", b"\x01")])),
+        wire.TableField(b"short", b"s", (-7).to_bytes(2, "big", signed=True)),
+        wire.TableField(b"flag", b"t", b"\x01")])),
     wire.Properties.build(priority=3, correlation_id=b"corr-1", reply_to=b"replies", timestamp=1_700_000_000,
                           type=b"reminder", app_id=b"shop", expiration=b"86400000", delivery_mode=2),
     wire.Properties.build(content_encoding=b"gzip", user_id=b"guest", cluster_id=b"c1",
