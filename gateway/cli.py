@@ -20,7 +20,8 @@ from topology.retirement import DeleteExchange, DeleteQueue, MarkRetired, SealQu
 from gateway.broker import cancelling, upkeep
 from gateway import logs
 from gateway.commands import cancel, explain, move, parked, selftest, status
-from gateway.broker.amqp import EXIT_NO_BROKER, EXIT_REFUSED, BrokerError, Trouble, blocking_channel
+from gateway.exits import EXIT_NO_BROKER, EXIT_REFUSED
+from gateway.broker.amqp import BrokerError, Trouble, blocking_channel
 from gateway.clock import wall_ms
 from gateway.core import limits
 from gateway.broker.publish import Publisher, parse_headers

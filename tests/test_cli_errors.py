@@ -178,3 +178,20 @@ def test_migrate_dry_run_prints_the_plan_and_changes_nothing(broker, make_chain)
         events[-1]["summary"]
     status = json.loads(cli("status", *chain_args(old), "--json", url=broker).stdout)
     assert [c["chain"]["max_level"] for c in status["chains"] if c["declared"]] == [2, 3]  # both still there
+
+
+def test_the_pypi_topology_distribution_beside_the_gateway_is_said_in_one_line(tmp_path):
+    """Installed in the same environment, the unrelated PyPI `topology` shares the import
+    name: the command says so before anything imports it, exit 3, instead of a traceback
+    from whichever files won."""
+    info = tmp_path / "topology-1.2.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: topology\nVersion: 1.2\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    r = subprocess.run([sys.executable, "-m", "gateway", "--version"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == REFUSED and r.stdout == "", r
+    [line] = r.stderr.splitlines()
+    assert "`topology` 1.2" in line and "environment of its own" in line, line
+    assert subprocess.run([sys.executable, "-m", "gateway", "--version"], cwd=ROOT, capture_output=True,
+                          timeout=60).returncode == 0

@@ -43,11 +43,6 @@ def parameters(url: str, name: str = "delay-gateway", tls: Optional[Tls] = None)
     return params
 
 
-# Exit codes of every command (README): 0 done, 2 a bad flag, value or setting (UsageError),
-# and for the broker's troubles: those that might heal (none answered) and those that will not.
-EXIT_NO_BROKER, EXIT_REFUSED = 1, 3
-
-
 @dataclass(frozen=True)
 class Trouble:
     heals: bool

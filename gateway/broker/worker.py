@@ -24,7 +24,8 @@ from topology.settings import QUEUE_TYPES
 
 from gateway import health as health_http
 from gateway.broker import codec, stamp
-from gateway.broker.amqp import (EXIT_NO_BROKER, EXIT_REFUSED, BrokerError, Trouble, blocking_channel, classify,
+from gateway.exits import EXIT_NO_BROKER, EXIT_REFUSED
+from gateway.broker.amqp import (BrokerError, Trouble, blocking_channel, classify,
                                  parameters)
 from gateway.clock import wall_ms
 from gateway.core.carrier import Batcher
