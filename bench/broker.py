@@ -95,7 +95,7 @@ class Broker:
     def process(self):
         try:
             import psutil
-        except ImportError:  # the optional 'bench' extra is not installed: no resource figures
+        except ImportError:  # the bench dependency group is not installed: no resource figures
             return None
         pid = self.pid()
         return psutil.Process(pid) if pid else None

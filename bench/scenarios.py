@@ -124,7 +124,7 @@ def open_system(ctx: Context, target: Target, tag: str):
 def _psutil_process(pid: int):
     try:
         import psutil
-    except ImportError:  # the optional 'bench' extra is not installed: no CPU figures
+    except ImportError:  # the bench dependency group is not installed: no CPU figures
         return None
     return psutil.Process(pid)
 

