@@ -1,6 +1,7 @@
 """The `delay-gateway` command: one table of subcommands, each a function of parsed args."""
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -25,8 +26,8 @@ from gateway.broker.amqp import BrokerError, Trouble, blocking_channel
 from gateway.clock import wall_ms
 from gateway.core import limits
 from gateway.broker.publish import Publisher, parse_headers
-from gateway.settings import (OPTIONS, Option, UsageError, add_options, chain_from, integer, settings_from,
-                              tls_from, urls_from)
+from gateway.settings import (OPTIONS, Option, UsageError, add_options, argument, chain_from, integer, number,
+                              settings_from, tls_from, urls_from)
 
 
 @dataclass(frozen=True)
@@ -164,17 +165,6 @@ def cmd_render(args) -> int:
 
 
 # -- messages -------------------------------------------------------------------------------
-def _argument(parse: Callable[[str], object]) -> Callable[[str], object]:
-    """A settings-table parser as an argparse type: its message, not argparse's own."""
-    def convert(text: str) -> object:
-        try:
-            return parse(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-    convert.__name__ = parse.__name__
-    return convert
-
-
 def publish_arguments(p: argparse.ArgumentParser) -> None:
     when = p.add_mutually_exclusive_group()
     when.add_argument("--delay", type=int, metavar="MS", help="delay in ms (header x-delay)")
@@ -184,7 +174,7 @@ def publish_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--header", action="append", default=[], metavar="NAME=VALUE",
                    help="extra header (VALUE parsed as JSON when it can be)")
     p.add_argument("--message-id", help="default: a new UUID per message")
-    p.add_argument("--count", type=_argument(integer(1)), default=1, metavar="N",
+    p.add_argument("--count", type=argument(integer(1)), default=1, metavar="N",
                    help="publish this many copies (default 1)")
 
 
@@ -244,22 +234,12 @@ def cmd_explain(args) -> int:
 
 def status_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--watch", action="store_true", help="refresh every --interval seconds, in place, until Ctrl-C")
-    p.add_argument("--interval", type=_positive_seconds, default=2.0, metavar="SECONDS",
+    p.add_argument("--interval", type=argument(number(0.0, above=True)), default=2.0, metavar="SECONDS",
                    help="with --watch: seconds between refreshes (default 2)")
     p.add_argument("--json", action="store_true", help="print JSON (one document per refresh)")
     p.add_argument("--metrics-url", metavar="URL[,URL...]",
                    help="the gateways' metrics endpoints (http://host:port), to count the messages the "
                         "distributor holds: AMQP cannot see them")
-
-
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{value} must be above 0")
-    return value
 
 
 def cmd_status(args) -> int:
@@ -359,7 +339,7 @@ def cmd_selftest(args) -> int:
 
 
 def demo_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--delays", type=_argument(_delays), default="3000,0,1500,4500,750,2250",
+    p.add_argument("--delays", type=argument(_delays), default="3000,0,1500,4500,750,2250",
                    help="comma-separated delays in ms (default 3000,0,1500,4500,750,2250)")
 
 
@@ -381,54 +361,15 @@ def cmd_demo(args) -> int:
     return demo(args)
 
 
-def cmd_schedule(args) -> int:
-    from gateway.spark.schedule import run
-    return run(args)
+def spark(module: str) -> Tuple[Callable[[argparse.Namespace], int], Callable[[argparse.ArgumentParser], None]]:
+    """`run` and `add_arguments` of gateway.spark.<module>, imported only when called: the
+    Spark commands' modules need PySpark (an optional extra) or matplotlib."""
+    def run(args: argparse.Namespace) -> int:
+        return importlib.import_module(f"gateway.spark.{module}").run(args)
 
-
-def schedule_arguments(p: argparse.ArgumentParser) -> None:
-    from gateway.spark.schedule import add_arguments
-    add_arguments(p)
-
-
-def cmd_cancel_table(args) -> int:
-    from gateway.spark.cancel import run
-    return run(args)
-
-
-def cancel_table_arguments(p: argparse.ArgumentParser) -> None:
-    from gateway.spark.cancel import add_arguments
-    add_arguments(p)
-
-
-def cmd_record(args) -> int:
-    from gateway.spark.record import run
-    return run(args)
-
-
-def record_arguments(p: argparse.ArgumentParser) -> None:
-    from gateway.spark.record import add_arguments
-    add_arguments(p)
-
-
-def cmd_report(args) -> int:
-    from gateway.spark.report import run
-    return run(args)
-
-
-def report_arguments(p: argparse.ArgumentParser) -> None:
-    from gateway.spark.report import add_arguments
-    add_arguments(p)
-
-
-def cmd_example(args) -> int:
-    from gateway.spark.example import run
-    return run(args)
-
-
-def example_arguments(p: argparse.ArgumentParser) -> None:
-    from gateway.spark.example import add_arguments
-    add_arguments(p)
+    def add_arguments(p: argparse.ArgumentParser) -> None:
+        importlib.import_module(f"gateway.spark.{module}").add_arguments(p)
+    return run, add_arguments
 
 
 BROKER = ("broker", "log")
@@ -463,14 +404,13 @@ COMMANDS = {
     "demo": Command("start the gateway, publish a few delayed messages and watch them arrive",
                     BROKER + ("chain",), cmd_demo, demo_arguments),
     "schedule": Command("publish every row of a table (CSV, JSON lines, Parquet) as a delayed message, on Spark",
-                        BROKER + ("chain",), cmd_schedule, schedule_arguments, BROKER_AND_PREFIX),
+                        BROKER + ("chain",), *spark("schedule"), BROKER_AND_PREFIX),
     "cancel-table": Command("cancel the message of every id in a table (CSV, JSON lines, Parquet), on Spark: "
-                            "the counterpart of schedule", BROKER + ("chain",), cmd_cancel_table,
-                            cancel_table_arguments),
+                            "the counterpart of schedule", BROKER + ("chain",), *spark("cancel")),
     "record": Command("record deliveries at pick-up as JSON lines (for `report`)", BROKER + ("chain",),
-                      cmd_record, record_arguments, BROKER_AND_PREFIX),
+                      *spark("record"), BROKER_AND_PREFIX),
     "report": Command("delivery analytics from `record`'s output, on Spark: lateness, duplicates, throughput",
-                      ("log",), cmd_report, report_arguments),
+                      ("log",), *spark("report")),
     "example-orders": Command("write an example orders table to try `schedule` with (review reminders)",
-                              ("log",), cmd_example, example_arguments),
+                              ("log",), *spark("example")),
 }

