@@ -7,7 +7,7 @@ from pika.exceptions import (AMQPConnectionError, ChannelClosedByBroker, Connect
                              ProbableAuthenticationError, StreamLostError)
 
 from gateway.broker.amqp import classify
-from gateway.broker.worker import Backoff
+from gateway.broker.reconnects import Backoff
 
 URL = "amqp://gw:s3cret@rabbit:5672/%2F"
 
@@ -39,3 +39,24 @@ def test_backoff_grows_to_its_ceiling_and_starts_over_only_after_a_stable_connec
     assert all(0.1 <= w <= 0.2 for w in waits[:1]) and all(5 <= w <= 10 for w in waits[7:])
     assert b.next(stable=False) >= 5  # a connection that died young: no fresh start
     assert b.next(stable=True) <= 0.2
+
+
+def test_reconnects_give_up_on_three_refusals_in_a_row_or_on_no_broker_for_connect_timeout():
+    from gateway.broker.amqp import Trouble
+    from gateway.broker.reconnects import Reconnects
+    from gateway.exits import EXIT_NO_BROKER, EXIT_REFUSED
+
+    now = [0.0]
+    r = Reconnects(30.0, clock=lambda: now[0], backoff=Backoff(rng=random.Random(1)))
+    refused, lost = Trouble(False, "ACCESS_REFUSED"), Trouble(True, "connection lost")
+    assert [r.after(refused, stable=False).exit_code for _ in range(3)] == [None, None, EXIT_REFUSED]
+    r = Reconnects(30.0, clock=lambda: now[0])
+    r.after(refused, stable=False)
+    r.after(refused, stable=False)
+    assert r.after(refused, stable=True).refused == 0  # a stable session between: counting starts over
+    now[0] = 29.0
+    assert r.after(lost, stable=False).exit_code is None and r.after(None, stable=False).wait_s > 0
+    now[0] = 31.0
+    assert r.after(lost, stable=False).exit_code == EXIT_NO_BROKER
+    r.up()  # a session got as far as consuming: another connect_timeout from now
+    assert r.after(lost, stable=False).exit_code is None

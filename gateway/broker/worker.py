@@ -1,10 +1,7 @@
-"""Run the consumers: connect, declare, consume; reconnect with backoff; stop on SIGTERM.
-
-A connection that dies is opened again with exponential backoff and jitter, rotating
-through the configured URLs. The backoff starts over only after a connection stayed up
-and consuming for a while: one that dies within seconds (a broker that accepts and then
-drops us) must not turn into a reconnect loop. Errors that cannot heal (amqp.classify)
-end the process after a few attempts with one line that says what to fix.
+"""Run the consumers: prepare once (declare, probe, read the cancels), then connect and
+consume, rotating through the configured URLs, until SIGTERM. When to try again and when
+to give up is reconnects.Reconnects; a trouble that cannot heal ends the process with one
+line that says what to fix.
 """
 
 import itertools
@@ -25,8 +22,8 @@ from topology.settings import QUEUE_TYPES
 from gateway import health as health_http
 from gateway.broker import codec, stamp
 from gateway.exits import EXIT_NO_BROKER, EXIT_REFUSED
-from gateway.broker.amqp import (BrokerError, Trouble, blocking_channel, classify,
-                                 parameters)
+from gateway.broker.amqp import BrokerError, Trouble, blocking_channel, classify, parameters
+from gateway.broker.reconnects import FATAL_ATTEMPTS, Reconnects
 from gateway.clock import wall_ms
 from gateway.core.carrier import Batcher
 from gateway.core.cancels import Sequencer
@@ -41,26 +38,8 @@ from gateway.settings import Settings, redact
 
 STOP_POLL_S = 0.2
 STOP_GRACE_S = 10.0
-BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.2, 10.0
 STABLE_S = 30.0  # a connection up this long (and consuming) resets the backoff
 CATCH_UP_S = 60.0  # the other consumers wait at most this long for check-in's backlog
-FATAL_ATTEMPTS = 3  # errors that do not heal: give up after this many
-
-
-class Backoff:
-    """Exponential with full jitter; starts over only after a stable connection."""
-
-    def __init__(self, first: float = BACKOFF_FIRST_S, longest: float = BACKOFF_MAX_S,
-                 rng: Optional[random.Random] = None) -> None:
-        self.first, self.longest, self.attempt = first, longest, 0
-        self.rng = rng or random.Random()
-
-    def next(self, stable: bool) -> float:
-        if stable:
-            self.attempt = 0
-        delay = min(self.longest, self.first * 2 ** self.attempt)
-        self.attempt += 1
-        return delay / 2 + self.rng.uniform(0, delay / 2)
 
 
 class Session:
@@ -266,7 +245,9 @@ def main(settings: Settings) -> int:
         health_http.serve(settings.metrics_port, metrics.registry, health)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        # set from another thread: the handler runs on the main thread, which may hold the
+        # event's own lock inside stop.wait() (a deadlock)
+        signal.signal(sig, lambda *_: threading.Thread(target=stop.set).start())
     c = settings.chain
     structlog.get_logger("gateway").info(
         "starting", role=settings.role, brokers=[redact(u) for u in settings.urls], prefix=c.prefix,
@@ -276,44 +257,62 @@ def main(settings: Settings) -> int:
     return run(settings, stop, metrics, health, cancelling.start(settings, metrics, stop))
 
 
+class Preparation:
+    """What a process does once, on the first broker that lets it: the topology declared
+    (or, --no-declare, found), the arrival stamp probed, and every cancel of the window read
+    before the first message is. Each step is done once; a broker that fails one raises
+    (BrokerError, TopologyConflict) and the next broker tries it again."""
+
+    def __init__(self, settings: Settings, health: Health, cancels: Optional[cancelling.Follower]) -> None:
+        self.settings, self.health, self.cancels = settings, health, cancels
+        self.sequence = Sequencer()  # read times: one sequence for the process
+        self._checked = False  # the topology
+        self._stamp_checked = False  # said once per process
+        self._log = structlog.get_logger("gateway")
+
+    def on(self, url: str, stop: threading.Event) -> bool:
+        """Prepared against the broker at `url`: False if stopped meanwhile."""
+        settings = self.settings
+        if not self._checked:
+            with blocking_channel(url, "delay-gateway declare", settings.tls) as channel:
+                (declare if settings.declare else verify)(channel, build(
+                    settings.chain, cancelling.retention_ms(settings.chain, settings.cancel_retention)))
+            self._log.info("topology_declared" if settings.declare else "topology_found",
+                           prefix=settings.chain.prefix, generation=settings.chain.generation,
+                           max_level=settings.chain.max_level)
+            self._checked = True
+        if not self._stamp_checked:
+            stamp.check(url, settings, self._log)
+            self._stamp_checked = True
+        cancels = self.cancels
+        if cancels is not None and not cancels.ready.is_set():
+            self.health.ready(False, "reading the cancellations")
+            missing = cancels.wait_ready()
+            if stop.is_set():
+                return False
+            if missing is not None:
+                raise BrokerError(missing)
+        if cancels is not None:  # read times above every cancel held, whatever the clock did
+            self.sequence.above(cancels.store.newest_read_us)
+        return True
+
+
 def run(settings: Settings, stop: threading.Event, metrics: Metrics, health: Health,
         cancels: Optional[cancelling.Follower] = None) -> int:
     """0 once stopped; EXIT_NO_BROKER after connect_timeout without a broker; EXIT_REFUSED
-    after FATAL_ATTEMPTS errors that cannot heal."""
+    after FATAL_ATTEMPTS troubles that cannot heal."""
     log = structlog.get_logger("gateway")
     urls = itertools.cycle(settings.urls)
-    checked = False  # the topology: declared, or (--no-declare) its exchanges found
-    stamp_checked = False  # said once per process, on the first broker that answers
-    backoff = Backoff()
-    sequence = Sequencer()
-    refused = 0
-    last_up = time.monotonic()
+    prepared = Preparation(settings, health, cancels)
+    reconnects = Reconnects(settings.connect_timeout)
     while not stop.is_set():
         url = next(urls)
         session = None
         try:
-            if not checked:
-                with blocking_channel(url, "delay-gateway declare", settings.tls) as channel:
-                    (declare if settings.declare else verify)(channel, build(
-                        settings.chain, cancelling.retention_ms(settings.chain, settings.cancel_retention)))
-                log.info("topology_declared" if settings.declare else "topology_found", prefix=settings.chain.prefix,
-                         generation=settings.chain.generation, max_level=settings.chain.max_level)
-                checked = True
-            if not stamp_checked:
-                stamp.check(url, settings, log)
-                stamp_checked = True
-            # Every cancel of the window is known before the first message is read.
-            if cancels is not None and not cancels.ready.is_set():
-                health.ready(False, "reading the cancellations")
-                missing = cancels.wait_ready()
-                if stop.is_set():
-                    break
-                if missing is not None:
-                    raise BrokerError(missing)
-            if cancels is not None:  # read times above every cancel held, whatever the clock did
-                sequence.above(cancels.store.newest_read_us)
+            if not prepared.on(url, stop):
+                break
             session = Session(url, settings, metrics, health, stop, other_exits(url, settings),
-                              Judge(cancels.store, metrics) if cancels is not None else None, sequence)
+                              Judge(cancels.store, metrics) if cancels is not None else None, prepared.sequence)
             session.run()
             trouble = classify(session.error, url) if session.error is not None else None
         except TopologyConflict as exc:
@@ -321,25 +320,23 @@ def run(settings: Settings, stop: threading.Event, metrics: Metrics, health: Hea
         except BrokerError as exc:
             trouble = exc.trouble
         if session is not None and session.ready_since is not None:
-            last_up = time.monotonic()
+            reconnects.up()
         if stop.is_set():
             break
         health.beat()
-        stable = session is not None and session.stable
+        then = reconnects.after(trouble, session is not None and session.stable)
         if trouble is not None and not trouble.heals:
-            refused = 0 if stable else refused + 1
-            log.error("broker_refused", error=trouble.message, attempt=refused, of=FATAL_ATTEMPTS)
-            if refused >= FATAL_ATTEMPTS:
-                print(f"delay-gateway run: {trouble.message}", flush=True, file=sys.stderr)
-                return EXIT_REFUSED
-        elif time.monotonic() - last_up > settings.connect_timeout:
-            log.error("giving_up", seconds=settings.connect_timeout,
-                      error=trouble.message if trouble else "no connection")
+            log.error("broker_refused", error=trouble.message, attempt=then.refused, of=FATAL_ATTEMPTS)
+        if then.exit_code == EXIT_REFUSED and trouble is not None:
+            print(f"delay-gateway run: {trouble.message}", flush=True, file=sys.stderr)
+            return then.exit_code
+        if then.exit_code == EXIT_NO_BROKER:
+            error = trouble.message if trouble else "no connection"
+            log.error("giving_up", seconds=settings.connect_timeout, error=error)
             print(f"delay-gateway run: no broker for {settings.connect_timeout:g} s (--connect-timeout), giving up: "
-                  f"{trouble.message if trouble else 'no connection'}", flush=True, file=sys.stderr)
-            return EXIT_NO_BROKER
-        wait = backoff.next(stable)
-        log.warning("reconnecting", after_s=round(wait, 2), error=trouble.message if trouble else None)
-        stop.wait(wait)
+                  f"{error}", flush=True, file=sys.stderr)
+            return then.exit_code
+        log.warning("reconnecting", after_s=round(then.wait_s, 2), error=trouble.message if trouble else None)
+        stop.wait(then.wait_s)
     log.info("stopped")
     return 0
