@@ -20,6 +20,7 @@ from topology.broker.declare import TopologyConflict, declare, verify
 from topology.settings import QUEUE_TYPES
 
 from gateway import health as health_http
+from gateway import stopping
 from gateway.broker import codec, stamp
 from gateway.exits import EXIT_NO_BROKER, EXIT_REFUSED
 from gateway.broker.amqp import BrokerError, Trouble, blocking_channel, classify, parameters
@@ -245,9 +246,7 @@ def main(settings: Settings) -> int:
         health_http.serve(settings.metrics_port, metrics.registry, health)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        # set from another thread: the handler runs on the main thread, which may hold the
-        # event's own lock inside stop.wait() (a deadlock)
-        signal.signal(sig, lambda *_: threading.Thread(target=stop.set).start())
+        signal.signal(sig, stopping.setter(stop))
     c = settings.chain
     structlog.get_logger("gateway").info(
         "starting", role=settings.role, brokers=[redact(u) for u in settings.urls], prefix=c.prefix,

@@ -30,6 +30,7 @@ from topology.registry import ChainKey, Registry, chain_queues, fold, level_queu
 from topology.retirement import Observed
 from topology.settings import MAX_LEVELS, QUEUE_TYPES
 
+from gateway import stopping
 from gateway.broker import cancelling, stamp
 from gateway.settings import default
 
@@ -481,9 +482,8 @@ def command(args, open_channel, own: ChainKey, clock) -> int:
     stop = threading.Event()
     if args.watch:
         # Ctrl-C ends the watch between two reports: raised inside pika instead, it can leave
-        # the connection unable to close. Set from another thread: the handler runs on the main
-        # thread, which may hold the event's own lock inside stop.wait() (a deadlock).
-        previous = signal.signal(signal.SIGINT, lambda *_: threading.Thread(target=stop.set).start())
+        # the connection unable to close.
+        previous = signal.signal(signal.SIGINT, stopping.setter(stop))
     try:
         return _reports(args, open_channel, own, clock, stop)
     finally:

@@ -24,6 +24,7 @@ from typing import Any, Dict, IO, Optional, Sequence, Union
 import pika
 import structlog
 
+from gateway import stopping
 from gateway.broker.amqp import BrokerError, classify, connect
 from gateway.clock import wall_ms
 from gateway.settings import chain_from, tls_from, urls_from
@@ -141,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     recorder = Recorder(urls_from(args), chain.names.pick_up, out, args.routing_key_pattern, args.queue,
                         chain.prefix, args.prefetch, tls_from(args))
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: recorder.stop())
+        signal.signal(sig, stopping.setter(recorder.stopping))
     try:
         count = recorder.run(args.count, args.idle_timeout)
     finally:
