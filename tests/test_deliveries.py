@@ -43,7 +43,7 @@ def test_one_multiple_ack_covers_the_done_run_and_singles_the_rest():
     d = opened()
     for tag in (1, 2, 3, 4):
         d.received(tag)
-    d.hold(2)  # waits for its due time
+    d.hold(2, 5_000, "m")  # waits for its due time
     for tag in (1, 3, 4):
         d.publish((tag,), tag)
     d.confirmed(3, multiple=True, ack=True)
@@ -150,11 +150,11 @@ def test_a_parked_copy_refused_too_is_rejected_to_the_dead_letter_exchange():
 def test_a_lost_consuming_channel_forgets_everything():
     d = opened()
     d.received(1)
-    d.hold(1)
+    d.hold(1, 5_000, "m")
     d.received(2)
     d.publish((2,), "x")
     assert d.lost() == {1} and len(d) == 0 and d.held == 0 and d.unconfirmed == 0
-    assert not d.release(1)  # its timer fires later: nothing happens
+    assert d.next_due() is None and d.due(10_000) == []  # nothing is released later
 
 
 def test_a_tag_cannot_be_received_twice():
@@ -359,3 +359,19 @@ class Driver(RuleBasedStateMachine):
 
 Driver.TestCase.settings = settings(max_examples=examples(1000), stateful_step_count=40)
 TestDeliveries = Driver.TestCase
+
+
+def test_held_messages_are_released_in_due_order_and_a_rejected_deliverys_never():
+    d = opened()
+    for tag in (1, 2, 3):
+        d.received(tag)
+    d.hold(1, 300, "a")
+    d.hold(2, 100, "b")
+    d.hold(2, 200, "c")
+    d.hold(3, 100, "d")
+    assert d.held == 4 and d.next_due() == 100
+    d.reject(3)
+    assert d.held == 3 and d.due(250) == [(2, "b"), (2, "c")]
+    d.finish(2)
+    assert d.acks()[2] == [2]  # its messages released and nothing left to publish: done
+    assert d.drain_holds() == [(1, "a")] and d.held == 0

@@ -74,7 +74,7 @@ class Answers:
     """Owns the refused publications waiting for their retry, and why the broker last
     closed the publishing channel."""
 
-    def __init__(self, ledger: Deliveries[Out], names: Names, park: Callable[[Delivery, str], List[Forward]],
+    def __init__(self, ledger: Deliveries[Out, Forward], names: Names, park: Callable[[Delivery, str], List[Forward]],
                  delivered: Dict[int, Delivery], observer: Observer, give_up: Callable[[int], None]) -> None:
         self._ledger, self._names, self._park, self._delivered = ledger, names, park, delivered
         self._observer, self._give_up = observer, give_up

@@ -29,9 +29,12 @@ channels, one that consumes and acknowledges and one that publishes with confirm
 """
 
 from dataclasses import dataclass
-from typing import Dict, Generic, Iterable, List, Optional, Set, Tuple
+from typing import Dict, Generic, Iterable, List, Optional, Set, Tuple, TypeVar
 
+from gateway.core.carrier import Holds
 from gateway.core.confirms import Outcome, P, Publication, Window
+
+H = TypeVar("H")  # a message held until its time (opaque here)
 
 __all__ = ["Deliveries", "Outcome", "Publication"]
 
@@ -40,18 +43,19 @@ __all__ = ["Deliveries", "Outcome", "Publication"]
 class _Delivery:
     finished: bool = False
     pending: int = 0  # publishes made for it and not yet confirmed
-    holds: int = 0  # its messages held until their time (a carrier holds several)
-    done: bool = False
+    holds: int = 0  # its messages among the held ones (a carrier holds several)
     fence: bool = False  # acknowledged in order (see the module doc)
 
 
-class Deliveries(Generic[P]):
-    """The outstanding deliveries of one consuming channel, and the publishes they became."""
+class Deliveries(Generic[P, H]):
+    """The outstanding deliveries of one consuming channel, the messages of theirs held
+    until their time, and the publishes they became."""
 
     def __init__(self) -> None:
         self._deliveries: Dict[int, _Delivery] = {}  # outstanding, in delivery order
         self._done: Set[int] = set()  # outstanding and done: to acknowledge
         self._fences = 0  # outstanding fences
+        self._holds: Holds[int, H] = Holds()  # a delivery's message, due at its time
         self._window: Window[P] = Window()
 
     # -- queries --------------------------------------------------------------------------
@@ -63,8 +67,12 @@ class Deliveries(Generic[P]):
 
     @property
     def held(self) -> int:
-        """Messages held until their time (counted from the deliveries, not kept apart)."""
-        return sum(d.holds for d in self._deliveries.values())
+        """Messages held until their time."""
+        return len(self._holds)
+
+    def next_due(self) -> Optional[int]:
+        """When the first held message is due (epoch ms), if any."""
+        return self._holds.next_due()
 
     @property
     def fences(self) -> int:
@@ -107,17 +115,23 @@ class Deliveries(Generic[P]):
                 return False
         return True
 
-    def hold(self, tag: int) -> None:
-        """One of its messages waits for its time."""
+    def hold(self, tag: int, due_ms: int, message: H) -> None:
+        """One of its messages waits until `due_ms`."""
         self._deliveries[tag].holds += 1
+        self._holds.add(due_ms, tag, message)
 
-    def release(self, tag: int) -> bool:
-        """A hold is over; False if the delivery is no longer outstanding (a stale timer)."""
-        d = self._deliveries.get(tag)
-        if d is None or not d.holds:
-            return False
-        d.holds -= 1
-        return True
+    def due(self, now_ms: int) -> List[Tuple[int, H]]:
+        """The held messages whose time has come, in due order, no longer held."""
+        return self._released(self._holds.due(now_ms))
+
+    def drain_holds(self) -> List[Tuple[int, H]]:
+        """Every held message, in due order, no longer held (stopping)."""
+        return self._released(self._holds.drain())
+
+    def _released(self, held: List[Tuple[int, H]]) -> List[Tuple[int, H]]:
+        for tag, _ in held:
+            self._deliveries[tag].holds -= 1
+        return held
 
     def finish(self, tag: int) -> None:
         """No more publishes will be made for this delivery."""
@@ -126,8 +140,12 @@ class Deliveries(Generic[P]):
         self._settle(tag, d)
 
     def reject(self, tag: int) -> None:
-        """The consumer hands it back (requeue) or gives it up (dead-letter): it is gone."""
-        self._fences -= self._deliveries.pop(tag).fence
+        """The consumer hands it back (requeue) or gives it up (dead-letter): it is gone, and
+        none of its held messages will be released."""
+        d = self._deliveries.pop(tag)
+        self._fences -= d.fence
+        if d.holds:
+            self._holds.discard(tag)
         self._done.discard(tag)
 
     def acks(self) -> Tuple[Optional[int], List[int], List[int]]:
@@ -135,8 +153,8 @@ class Deliveries(Generic[P]):
         tags so acknowledged); they are no longer outstanding afterwards. Done deliveries
         behind a fence that is not acknowledged yet wait for it."""
         last, gone = None, []
-        for tag, d in self._deliveries.items():
-            if not d.done:
+        for tag in self._deliveries:
+            if tag not in self._done:
                 break
             last = tag
             gone.append(tag)
@@ -148,7 +166,7 @@ class Deliveries(Generic[P]):
             for tag, d in self._deliveries.items():
                 if d.fence:
                     break  # a fence behind anything outstanding waits, and all after it
-                if d.done:
+                if tag in self._done:
                     singles.append(tag)
         else:
             singles = sorted(self._done)
@@ -163,8 +181,7 @@ class Deliveries(Generic[P]):
         return len(self._done)
 
     def _settle(self, tag: int, d: _Delivery) -> None:
-        if d.finished and d.pending == 0 and not d.holds and not d.done:
-            d.done = True
+        if d.finished and d.pending == 0 and not d.holds:
             self._done.add(tag)
 
     # -- publishes ------------------------------------------------------------------------
@@ -231,6 +248,7 @@ class Deliveries(Generic[P]):
         Returns the tags that were held (to cancel their timers)."""
         held = set(self.held_tags())
         self._deliveries.clear()
+        self._holds.drain()
         self._done.clear()
         self._fences = 0
         self._window.forget()

@@ -27,7 +27,7 @@ from topology.names import Names
 from gateway.core import envelope, handlers
 from gateway.core.actions import Delivery, Enqueue, Forward, Way
 from gateway.core.answers import ACK_BATCH, ACK_FLUSH_MS, Actions, Answers, Handler, Member, Observer, Out
-from gateway.core.carrier import Batch, Batcher, Holds
+from gateway.core.carrier import Batch, Batcher
 from gateway.core.deliveries import Deliveries
 
 
@@ -44,10 +44,9 @@ class Flow:
         self._keep = keep  # asked again as a held message is released: False drops it (it was cancelled)
         self._park = handlers.parker(names, queue)
         self._batcher = batcher if batcher is not None else Batcher(1, 1, 0)  # (an empty one is falsy)
-        self.ledger: Deliveries[Out] = Deliveries()
+        self.ledger: Deliveries[Out, Forward] = Deliveries()
         self._delivered: Dict[int, Delivery] = {}  # outstanding deliveries (to park them whole)
         self._left: Dict[int, int] = {}  # tag -> its messages not yet in a sent publication
-        self._holds: Holds[int, Forward] = Holds()  # a delivery tag's message, due at its time
         self._flush_at: Optional[int] = None
         self._fenced: Deque[Tuple[int, Forward]] = deque()  # fences not yet published, in order
         self._syncing = False  # a sync is under way
@@ -58,7 +57,7 @@ class Flow:
     @property
     def held(self) -> int:
         """Messages held until their time (the held-messages gauge)."""
-        return len(self._holds)
+        return self.ledger.held
 
     @property
     def unsettled_fences(self) -> int:
@@ -76,7 +75,7 @@ class Flow:
 
     def next_wake(self) -> Optional[int]:
         """When the next `tick` is due (epoch ms), if any."""
-        at = self._holds.next_due()
+        at = self.ledger.next_due()
         for t in (self._batcher.next_deadline(), self._flush_at, self._answers.next_retry()):
             if t is not None and (at is None or t < at):
                 at = t
@@ -108,8 +107,7 @@ class Flow:
             elif action.fence:
                 self._fenced.append((tag, action))
             elif action.not_before_ms is not None and action.not_before_ms > now:
-                self.ledger.hold(tag)
-                self._holds.add(action.not_before_ms, tag, action)
+                self.ledger.hold(tag, action.not_before_ms, action)
             else:
                 self._send([tag], action, [(tag, action.entry)], now, out)
         if fence or (self._prefetch and len(self._delivered) >= self._prefetch):
@@ -186,9 +184,8 @@ class Flow:
         # A held message is due within a unit or so: it goes back into the distributor
         # queue, where another gateway (or this one, restarted) holds it until due. Handing
         # back the delivery instead would repeat those of a carrier already published.
-        held = self._holds.drain()
+        held = self.ledger.drain_holds()
         for tag, release in held:
-            self.ledger.release(tag)
             assert release.entry is not None  # (only the distributor holds, one entry each)
             self._send([tag], handlers.hand_back(self._names, release.entry), [(tag, release.entry)], now, out)
         self._observer.note("info", "stopping", returned=len(held), unconfirmed=self.ledger.unconfirmed)
@@ -198,7 +195,6 @@ class Flow:
     def consuming_lost(self) -> None:
         """The consuming channel is gone: its deliveries return to their queue by themselves."""
         self.ledger.lost()
-        self._holds.drain()
         self._batcher.drain()
         self._delivered.clear()
         self._left.clear()
@@ -210,11 +206,9 @@ class Flow:
     # -- decisions ------------------------------------------------------------------------
     def _release_due(self, now: int, out: Actions) -> None:
         """Publish every held message whose time has come, in due order."""
-        if self._holds.next_due() is None:
+        if self.ledger.next_due() is None:
             return
-        for tag, action in self._holds.due(now):
-            if not self.ledger.release(tag):
-                continue
+        for tag, action in self.ledger.due(now):
             if self._keep is None or self._keep(action):
                 self._send([tag], action, [(tag, action.entry)], now, out)
             else:
@@ -264,7 +258,6 @@ class Flow:
         """The delivery is gone (the broker dead-letters it): none of its messages may be sent."""
         self._delivered.pop(tag, None)
         self._left.pop(tag, None)
-        self._holds.discard(tag)
         self._batcher.discard(tag)
 
     def _flush(self, out: Actions) -> None:
