@@ -37,7 +37,7 @@ from gateway.broker.amqp import Trouble, classify, parameters
 from gateway.clock import wall_ms
 from gateway.core import cancels, envelope
 from gateway.core.actions import Action, Delivery, Forward, Way
-from gateway.core.answers import Handler
+from gateway.core.effects import Handler
 from gateway.core.carrier import Entry
 from gateway.core.cancels import Store
 from gateway.metrics import Metrics

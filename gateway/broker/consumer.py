@@ -25,7 +25,7 @@ from gateway.clock import wall_ms
 from gateway.core import envelope
 from gateway.core.actions import Action, Delivery, Forward, Way
 from gateway.core.carrier import Batcher
-from gateway.core.answers import Actions, Handler
+from gateway.core.effects import Effects, Handler
 from gateway.core.flow import Flow
 from gateway.metrics import Metrics
 
@@ -129,7 +129,7 @@ class Pipe:
     def _consuming(self) -> None:
         self.consuming = True
         self._log.info("consuming", prefetch=self._prefetch)
-        self._do(Actions())  # (an empty queue: caught up at once)
+        self._do(Effects())  # (an empty queue: caught up at once)
 
     def _on_cancelled(self, frame: object) -> None:
         # The broker cancelled our consumer (its queue was deleted, or its node went away):
@@ -224,7 +224,7 @@ class Pipe:
             self._do(self.flow.tick(self._clock()))
 
     # -- frames out ----------------------------------------------------------------------
-    def _do(self, actions: Actions) -> None:
+    def _do(self, actions: Effects) -> None:
         with self._cork:
             self._act(actions)
         self._schedule()
@@ -233,7 +233,7 @@ class Pipe:
             told, self._on_caught_up = self._on_caught_up, None
             told()
 
-    def _act(self, actions: Actions) -> None:
+    def _act(self, actions: Effects) -> None:
         if actions.publish and self._publish is not None:
             self._send(self._publish, actions)
         if self._consume is not None and self._consume.is_open:
@@ -248,7 +248,7 @@ class Pipe:
         if actions.finished:
             self._finish()
 
-    def _send(self, channel: Channel, actions: Actions) -> None:
+    def _send(self, channel: Channel, actions: Effects) -> None:
         for pub in actions.publish:
             f = pub.payload.forward
             try:

@@ -7,7 +7,7 @@ import structlog
 
 from gateway.core import envelope, retries
 from gateway.core.actions import Action, Delivery, Enqueue, Forward
-from gateway.core.answers import Handler
+from gateway.core.effects import Handler
 from gateway.metrics import Metrics
 
 

@@ -1,20 +1,25 @@
 """One consumer's core (pure): every decision about its deliveries, and all their state.
 
 The pika adapter (broker.consumer.Pipe) turns frames into the events below and does what
-the returned `Actions` say, nothing more. The core keeps:
+the returned `Effects` say, nothing more. The core keeps:
 
 - the outstanding deliveries and the publishes they became (`Deliveries`, with the
   publishing channel's confirm window inside it): what may be acknowledged when;
 - each outstanding delivery as it arrived, to park it whole if what it became cannot go on;
 - per delivery, how many of its messages are not yet in a sent publish;
-- the held messages (`Holds`), released at their due time: `held` is their count, the one
-  the held-messages gauge reads;
+- the held messages (inside `Deliveries` too), released at their due time: `held` is their
+  count, the one the held-messages gauge reads;
 - the open batches (`Batcher`), closed by count, bytes or age;
 - the fences waiting for their turn (a cancel's record: published once every delivery
   before it is acknowledged and the broker has taken those acks, so that a crash at any
   moment hands back, in their first order, the messages and the cancels a crash undid);
-- when acknowledgements are due; and (answers.Answers) the refused publishes waiting to be
-  retried.
+- when acknowledgements are due; the refused publishes (basic.nack) waiting to be retried,
+  and why the broker last closed the publishing channel.
+
+The broker's answers to its publishes: sends go out in order; a refused publish is retried
+later, or after too many refusals the connection starts over; a returned one (unroutable)
+and the one the broker closed the channel over are parked instead; a delivery whose parked
+copy is refused too is given up (the broker dead-letters it).
 
 Time comes in with each event (epoch ms); `next_wake()` says when the core wants a `tick`.
 """
@@ -26,13 +31,26 @@ from topology.names import Names
 
 from gateway.core import envelope, handlers
 from gateway.core.actions import Delivery, Enqueue, Forward, Way
-from gateway.core.answers import ACK_BATCH, ACK_FLUSH_MS, Actions, Answers, Handler, Member, Observer, Out
-from gateway.core.carrier import Batch, Batcher
-from gateway.core.deliveries import Deliveries
+from gateway.core.effects import Effects, Handler, Member, Observer, Payload, Sent
+from gateway.core.carrier import Batch, Batcher, Entry
+from gateway.core.deliveries import Deliveries, Outcome
+
+
+ACK_FLUSH_MS = 5  # acknowledgements wait this long for others to share one frame
+ACK_BATCH = 500  # ... or until this many are due
+# A publish the broker refuses (basic.nack: a quorum queue without a leader during a
+# failover) is retried after this long while we keep the delivery. Requeueing it instead
+# would spin: each requeue counts against the queue's delivery limit, which a failover of a
+# few seconds exhausts, and the message would be parked for nothing.
+RETRY_REFUSED_MS = 1000
+# After this many refusals of one message, start over on a new connection: in a cluster
+# failover a channel opened while a quorum queue's leader was moving can keep being refused
+# while a fresh channel is accepted (seen on 3.10.8 with a 3-node cluster).
+REFUSED_RECONNECT = 3
 
 
 class Flow:
-    """The core of one consumer (see the module doc): events in, `Actions` out."""
+    """The core of one consumer (see the module doc): events in, `Effects` out."""
 
     def __init__(self, queue: str, names: Names, handler: Handler, observer: Observer,
                  batcher: Optional[Batcher] = None, keep: Optional[Callable[[Forward], bool]] = None,
@@ -44,7 +62,7 @@ class Flow:
         self._keep = keep  # asked again as a held message is released: False drops it (it was cancelled)
         self._park = handlers.parker(names, queue)
         self._batcher = batcher if batcher is not None else Batcher(1, 1, 0)  # (an empty one is falsy)
-        self.ledger: Deliveries[Out, Forward] = Deliveries()
+        self.ledger: Deliveries[Payload, Forward] = Deliveries()
         self._delivered: Dict[int, Delivery] = {}  # outstanding deliveries (to park them whole)
         self._left: Dict[int, int] = {}  # tag -> its messages not yet in a sent publication
         self._flush_at: Optional[int] = None
@@ -52,7 +70,8 @@ class Flow:
         self._syncing = False  # a sync is under way
         self._acked_since_sync: Optional[int] = None  # the lowest tag acknowledged after it was asked for
         self._draining = False
-        self._answers = Answers(self.ledger, names, self._park, self._delivered, observer, self._give_up)
+        self._retries: List[Tuple[int, Sent]] = []  # (when, a refused publication)
+        self._refusal = "?"  # why the broker last closed the publishing channel
 
     @property
     def held(self) -> int:
@@ -76,14 +95,14 @@ class Flow:
     def next_wake(self) -> Optional[int]:
         """When the next `tick` is due (epoch ms), if any."""
         at = self.ledger.next_due()
-        for t in (self._batcher.next_deadline(), self._flush_at, self._answers.next_retry()):
+        for t in (self._batcher.next_deadline(), self._flush_at, min((at for at, _ in self._retries), default=None)):
             if t is not None and (at is None or t < at):
                 at = t
         return at
 
     # -- events ---------------------------------------------------------------------------
-    def delivered(self, tag: int, d: Delivery, now: int) -> Actions:
-        out = Actions()
+    def delivered(self, tag: int, d: Delivery, now: int) -> Effects:
+        out = Effects()
         self._release_due(now, out)  # a stream of deliveries must not keep due messages waiting
         self._delivered[tag] = d
         try:
@@ -118,16 +137,16 @@ class Flow:
             self._open_fences(out)
         return out
 
-    def publishing_opened(self, now: int) -> Actions:
-        out = Actions()
-        self._answers.apply(self.ledger.channel_open(), now, out)
+    def publishing_opened(self, now: int) -> Effects:
+        out = Effects()
+        self._apply(self.ledger.channel_open(), now, out)
         return out
 
-    def publishing_closed(self, refusal: str, now: int) -> Actions:
+    def publishing_closed(self, refusal: str, now: int) -> Effects:
         """The broker closed the publishing channel over a message (a new one is opening)."""
-        self._answers.refusal = refusal
-        out = Actions()
-        self._answers.apply(self.ledger.channel_closed(), now, out)
+        self._refusal = refusal
+        out = Effects()
+        self._apply(self.ledger.channel_closed(), now, out)
         return out
 
     def publishing_gone(self) -> None:
@@ -143,18 +162,18 @@ class Flow:
                 return
         self._observer.note("error", "unmatched_return", routing_key=envelope.shown(routing_key))
 
-    def confirmed(self, seq: int, multiple: bool, ack: bool, now: int) -> Actions:
-        out = Actions()
-        self._answers.apply(self.ledger.confirmed(seq, multiple, ack), now, out)
+    def confirmed(self, seq: int, multiple: bool, ack: bool, now: int) -> Effects:
+        out = Effects()
+        self._apply(self.ledger.confirmed(seq, multiple, ack), now, out)
         self._ack_soon(now, out)
         self._open_fences(out)  # (a delivery before a fence may have been given up)
         self._maybe_finished(out)
         return out
 
-    def synced(self, now: int) -> Actions:
+    def synced(self, now: int) -> Effects:
         """The broker answered the sync: it has taken every ack sent before it, so each fence
         whose deliveries before it were all acknowledged by then is published now."""
-        out = Actions()
+        out = Effects()
         since, self._syncing, self._acked_since_sync = self._acked_since_sync, False, None
         while self._fenced and self.ledger.settled_before(self._fenced[0][0]) \
                 and (since is None or self._fenced[0][0] < since):
@@ -164,20 +183,20 @@ class Flow:
         self._maybe_finished(out)
         return out
 
-    def tick(self, now: int) -> Actions:
-        out = Actions()
+    def tick(self, now: int) -> Effects:
+        out = Effects()
         self._release_due(now, out)
         for batch in self._batcher.expired(now):
             self._flush_batch(batch, now, out)
         if self._flush_at is not None and now >= self._flush_at:
             self._flush(out)
-        self._answers.retry_due(now, out)
+        self._retry_due(now, out)
         return out
 
-    def drain(self, now: int) -> Actions:
+    def drain(self, now: int) -> Effects:
         """Stopping, and no more deliveries come: send on what waits in batches, hand held
         messages back to the distributor queue (for another gateway), wait for confirms."""
-        out = Actions()
+        out = Effects()
         self._draining = True
         for batch in self._batcher.drain():
             self._flush_batch(batch, now, out)
@@ -198,13 +217,13 @@ class Flow:
         self._batcher.drain()
         self._delivered.clear()
         self._left.clear()
-        self._answers.clear()
+        self._retries.clear()
         self._flush_at = None
         self._fenced.clear()
         self._syncing, self._acked_since_sync = False, None
 
     # -- decisions ------------------------------------------------------------------------
-    def _release_due(self, now: int, out: Actions) -> None:
+    def _release_due(self, now: int, out: Effects) -> None:
         """Publish every held message whose time has come, in due order."""
         if self.ledger.next_due() is None:
             return
@@ -214,7 +233,7 @@ class Flow:
             else:
                 self._drop(tag, now, out)
 
-    def _drop(self, tag: int, now: int, out: Actions) -> None:
+    def _drop(self, tag: int, now: int, out: Effects) -> None:
         """One of the delivery's messages will not be published (it was cancelled)."""
         left = self._left.get(tag, 0) - 1
         if left > 0:
@@ -224,7 +243,7 @@ class Flow:
         self.ledger.finish(tag)
         self._ack_soon(now, out)
 
-    def _ack_soon(self, now: int, out: Actions) -> None:
+    def _ack_soon(self, now: int, out: Effects) -> None:
         """Deliveries are done: acknowledge them now (a full batch, or a fence waits for them)
         or within ACK_FLUSH_MS."""
         if self.ledger.done_count >= ACK_BATCH or (self._fenced and self.ledger.done_count):
@@ -232,13 +251,13 @@ class Flow:
         elif self._flush_at is None and self.ledger.done_count:
             self._flush_at = now + ACK_FLUSH_MS
 
-    def _flush_batch(self, batch: Batch, now: int, out: Actions) -> None:
+    def _flush_batch(self, batch: Batch, now: int, out: Effects) -> None:
         exchange, key, outcome, _ = batch.key
         self._observer.batched(outcome, len(batch.items))
         self._send([tag for tag, _ in batch.items],
                    handlers.carry(exchange, key, outcome, [e for _, e in batch.items]), batch.items, now, out)
 
-    def _send(self, tags: List[int], forward: Forward, members: Sequence[Member], now: int, out: Actions) -> None:
+    def _send(self, tags: List[int], forward: Forward, members: Sequence[Member], now: int, out: Effects) -> None:
         """Publish `forward` for the messages of these deliveries (one tag per message)."""
         if forward.not_before_ms is not None:
             self._observer.late(max(0, now - forward.not_before_ms))
@@ -250,9 +269,9 @@ class Flow:
                 finishing.append(tag)
             else:
                 self._left[tag] = left
-        outcome = self.ledger.publish(tuple(dict.fromkeys(tags)), Out(forward, members), finishing,
+        outcome = self.ledger.publish(tuple(dict.fromkeys(tags)), Payload(forward, members), finishing,
                                       parking=forward.outcome is Way.PARKED)
-        self._answers.apply(outcome, now, out)
+        self._apply(outcome, now, out)
 
     def _give_up(self, tag: int) -> None:
         """The delivery is gone (the broker dead-letters it): none of its messages may be sent."""
@@ -260,7 +279,7 @@ class Flow:
         self._left.pop(tag, None)
         self._batcher.discard(tag)
 
-    def _flush(self, out: Actions) -> None:
+    def _flush(self, out: Effects) -> None:
         self._flush_at = None
         last, singles, gone = self.ledger.acks()
         if last is not None:
@@ -273,13 +292,54 @@ class Flow:
         if gone:
             self._open_fences(out)
 
-    def _open_fences(self, out: Actions) -> None:
+    def _open_fences(self, out: Effects) -> None:
         """Ask for a sync once the first fence's turn has come (every delivery before it
         acknowledged): it is published when the broker answers (`synced`)."""
         if not self._syncing and self._fenced and self.ledger.settled_before(self._fenced[0][0]):
             self._syncing = out.sync = True
 
-    def _maybe_finished(self, out: Actions) -> None:
+    def _maybe_finished(self, out: Effects) -> None:
         if self._draining and not self.ledger.unconfirmed and not self._fenced:
             self._flush(out)
             out.finished = True
+
+    # -- the broker's answers to publishes --------------------------------------------------
+    def _apply(self, outcome: Outcome[Payload], now: int, out: Effects) -> None:
+        for pub in outcome.send:
+            pub.sent_ms = now
+        out.publish.extend(outcome.send)
+        for pub in outcome.refused:
+            if pub.refused > REFUSED_RECONNECT:
+                self._observer.note("error", "broker_keeps_refusing", refusals=pub.refused)
+                out.reconnect = True
+            else:
+                self._observer.note("warning", "publish_nacked_by_broker", after_s=RETRY_REFUSED_MS / 1000)
+                self._retries.append((now + RETRY_REFUSED_MS, pub))
+        for pub in outcome.returned:
+            self._park_publication(pub, lambda e: handlers.unroutable(self._names, e), "", now, out)
+        reason = f"the broker refused to take it: {self._refusal}"
+        for pub in outcome.guilty:
+            self._park_publication(pub, lambda e: handlers.park_entry(self._names, e, reason), reason, now, out)
+        for tag in outcome.reject:
+            self._observer.note("error", "rejected_to_dead_letter", delivery_tag=tag)
+            self._give_up(tag)
+            out.reject.append(tag)
+
+    def _retry_due(self, now: int, out: Effects) -> None:
+        due = [pub for at, pub in self._retries if at <= now]
+        if due:
+            self._retries = [(at, pub) for at, pub in self._retries if at > now]
+            for pub in due:
+                self._apply(self.ledger.retry(pub), now, out)
+
+    def _park_publication(self, pub: Sent, parked: Callable[[Entry], Forward], reason: str, now: int,
+                          out: Effects) -> None:
+        """Publish a parked copy of each message of a publication that cannot go on."""
+        for tag, entry in pub.payload.members:
+            if tag not in self.ledger:
+                continue
+            copies = [parked(entry)] if entry is not None else self._park(self._delivered[tag], reason)
+            for copy in copies:
+                self._observer.forwarded(copy)
+                self._apply(self.ledger.publish((tag,), Payload(copy, [(tag, copy.entry)]), (), parking=True),
+                            now, out)
