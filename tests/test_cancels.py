@@ -230,7 +230,8 @@ def test_the_time_travels_alone_and_in_carriers_and_old_formats_still_read():
     assert [e.accepted_us for e in handlers.entries(Delivery("ex", b"", old, both.body))] == [None, None]
     plain = envelope.inside(e1.user, e1.routing_key, NOW)
     assert handlers.entries(Delivery("ex", b"", plain, b"x"))[0].accepted_us is None
-    assert Inside(envelope.inside(e1.user, b"k", NOW, None, 5)).again() == envelope.inside(e1.user, b"k", NOW, None, 5)
+    stamped = envelope.inside(e1.user, b"k", NOW, None, 5)
+    assert Inside(stamped).next_hop() == stamped
 
 
 def test_returning_and_the_distributor_drop_cancelled_messages_of_a_carrier():

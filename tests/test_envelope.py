@@ -82,10 +82,10 @@ FULL = dict(content_type="application/json", content_encoding="gzip", priority=7
 
 def test_publishers_properties_lose_only_user_id_and_the_brokers_history():
     sent = props(**FULL)
-    assert envelope.publishers(sent) is sent  # nothing to remove: the very same bytes
+    assert envelope.for_pick_up(sent) is sent  # nothing to remove: the very same bytes
     with_extras = props(**{**FULL, "user_id": "guest", "headers": {
         **FULL["headers"], "x-death": [{"queue": "q"}], "x-first-death-queue": "q", "x-delivery-count": 3}})
-    cleaned = envelope.publishers(with_extras)
+    cleaned = envelope.for_pick_up(with_extras)
     assert cleaned.raw == sent.raw
 
 
@@ -97,7 +97,7 @@ def test_the_gateways_format_carries_key_properties_and_due_time_exactly(key, du
     for _ in range(meditations):  # each lap adds the broker's history; the next hop drops it
         death = props(headers={"x-death": [{"q": 1}]}).headers.entries[0]
         dead = inside.replace(headers=inside.headers.with_entry(death))
-        inside = Inside(dead).again()
+        inside = Inside(dead).next_hop()
     read = Inside(inside)
     assert read.complete and read.routing_key == key and read.due_ms == due and read.user.raw == user.raw
     assert inside.get("expiration") is None and inside.get("delivery_mode") == 2  # nothing cuts the wait short

@@ -153,7 +153,7 @@ def test_parking_explains_dead_letters_and_unroutable_messages():
 def test_a_parked_message_keeps_the_publishers_properties_for_replay():
     original = props(headers={"x-delay": "soon", "t": "x"}, message_id="m-1", expiration="5")
     [f] = CheckIn(CHAIN, 50)(Delivery("d.check-in", b"k", original, b"b"), NOW)
-    assert Inside(f.props).user.raw == envelope.publishers(original).raw
+    assert Inside(f.props).user.raw == envelope.for_pick_up(original).raw
 
 
 @given(st.integers(-10**6, 10**13), st.integers(0, 5000))

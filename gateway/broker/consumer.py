@@ -49,11 +49,11 @@ class Telemetry:
                                                                                       action.outcome.value)
         counter.inc()
         if action.outcome is Way.RETRIED and action.entry is not None:
-            self._metrics.retries.labels(envelope.shown(action.entry.routing_key), "delivered").inc()
+            self._metrics.retries.labels(envelope.readable_key(action.entry.routing_key), "delivered").inc()
         if action.outcome is Way.PARKED:
             self._metrics.parked.labels(self._queue).inc()
             self._log.warning("parked", reason=getattr(action, "reason", None),
-                              routing_key=envelope.shown(action.routing_key))
+                              routing_key=envelope.readable_key(action.routing_key))
 
     def batched(self, way: Way, messages: int) -> None:
         self._metrics.batch_publishes.labels(self._queue, way.value).inc()
@@ -257,7 +257,7 @@ class Pipe:
                 self._log.warning("publish_failed", error=str(exc))
                 return
             if self._debug:
-                self._log.debug(f.outcome.value, exchange=f.exchange, routing_key=envelope.shown(f.routing_key))
+                self._log.debug(f.outcome.value, exchange=f.exchange, routing_key=envelope.readable_key(f.routing_key))
 
     def _schedule(self) -> None:
         at = self.flow.next_wake()

@@ -20,13 +20,13 @@ def counting_retries(retry: Handler, metrics: Metrics) -> Handler:
         actions = retry(d, now)
         for action in actions:
             if isinstance(action, Enqueue):
-                queue = envelope.shown(action.entry.routing_key)
+                queue = envelope.readable_key(action.entry.routing_key)
                 metrics.retries.labels(queue, "scheduled").inc()
                 attempt = action.entry.user.headers.get(retries.ATTEMPT)
                 log.debug("retry_scheduled", queue=queue, attempt=attempt, due_ms=action.entry.due_ms,
                          message_id=action.entry.user.text("message_id"))
             elif isinstance(action, Forward) and action.reason and action.reason.startswith(retries.GAVE_UP):
-                queue = envelope.shown(action.routing_key)
+                queue = envelope.readable_key(action.routing_key)
                 metrics.retries.labels(queue, "gave_up").inc()
         return actions
     return handle

@@ -53,7 +53,7 @@ def read_ids(args: argparse.Namespace) -> List[str]:
     return ids
 
 
-def shown(at_us: int) -> str:
+def readable_time(at_us: int) -> str:
     return datetime.datetime.fromtimestamp(at_us / 1e6, datetime.timezone.utc).isoformat(timespec="milliseconds")
 
 
@@ -120,5 +120,6 @@ def line(mid: bytes, before: Optional[int], now: Optional[int]) -> str:
         return (f"{name}: queued: the broker has it, but no gateway has recorded it yet (none running, or a "
                 "backlog in check-in); it applies to messages published before it once check-in reads it")
     if before is not None:
-        return f"{name}: already cancelled at {shown(before)}; cancelled again at {shown(now)}; {NOT_KNOWN}"
-    return f"{name}: cancelled at {shown(now)}: not delivered if still scheduled; {NOT_KNOWN}"
+        return (f"{name}: already cancelled at {readable_time(before)}; cancelled again at {readable_time(now)}; "
+                f"{NOT_KNOWN}")
+    return f"{name}: cancelled at {readable_time(now)}: not delivered if still scheduled; {NOT_KNOWN}"

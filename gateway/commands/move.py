@@ -97,7 +97,7 @@ def outgoing(entries: Sequence[PluginMessage], distributor: str) -> Iterator[Out
     the publisher's properties as the plugin holds them (but `user_id`, which the broker
     checks against the gateway's own login, and any dead-letter history)."""
     for e in entries:
-        user = envelope.publishers(Properties.parse(e.properties))
+        user = envelope.for_pick_up(Properties.parse(e.properties))
         yield distributor, "", envelope.inside(user, e.routing_key, e.due_ms), e.body
 
 

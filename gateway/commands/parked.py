@@ -51,7 +51,7 @@ class Parked:
     def user(self) -> Properties:
         """The publisher's properties."""
         inside = self.inside
-        return inside.user if inside.complete and inside.user is not None else envelope.publishers(self.props)
+        return inside.user if inside.complete and inside.user is not None else envelope.for_pick_up(self.props)
 
     @property
     def routing_key(self) -> bytes:
@@ -64,7 +64,7 @@ class Parked:
         error = self.inside.error
         if error:
             return error
-        death = envelope.death(self.props.headers)
+        death = envelope.last_death(self.props.headers)
         if death is not None:
             why = str(death.get("reason", "?"))
             return f"dead-lettered from queue {death.get('queue', '?')}: {DEATH_REASONS.get(why, why)}"
@@ -76,7 +76,7 @@ class Parked:
         return inside.due_ms if inside.complete else None
 
     def summary(self) -> dict:
-        return {"message_id": self.user.text("message_id"), "routing_key": envelope.shown(self.routing_key),
+        return {"message_id": self.user.text("message_id"), "routing_key": envelope.readable_key(self.routing_key),
                 "reason": self.reason, "due_at": self.due_at, "bytes": len(self.body)}
 
 
@@ -84,7 +84,7 @@ def selected(message: Parked, reason: Optional[str], routing_key: Optional[str])
     """--reason is a substring of the reason; --routing-key a shell-style pattern."""
     if reason is not None and reason not in message.reason:
         return False
-    if routing_key is not None and not fnmatch.fnmatchcase(envelope.shown(message.routing_key), routing_key):
+    if routing_key is not None and not fnmatch.fnmatchcase(envelope.readable_key(message.routing_key), routing_key):
         return False
     return True
 
@@ -109,13 +109,13 @@ def report(messages: Iterable[Parked]) -> dict:
     messages = list(messages)
     kinds: Dict[str, Counter] = {}
     for m in messages:
-        kinds.setdefault(kind(m.reason), Counter())[envelope.shown(m.routing_key)] += 1
+        kinds.setdefault(kind(m.reason), Counter())[envelope.readable_key(m.routing_key)] += 1
     return {
         "count": len(messages),
         "kinds": [{"kind": k, "count": sum(keys.values()), "routing_keys": dict(keys.most_common())}
                   for k, keys in sorted(kinds.items(), key=lambda item: -sum(item[1].values()))],
         "reasons": dict(Counter(m.reason for m in messages).most_common()),
-        "routing_keys": dict(Counter(envelope.shown(m.routing_key) for m in messages).most_common()),
+        "routing_keys": dict(Counter(envelope.readable_key(m.routing_key) for m in messages).most_common()),
         "messages": [m.summary() for m in messages],
     }
 
@@ -126,7 +126,7 @@ def destination(message: Parked, names) -> Tuple[str, bytes, Properties]:
     if inside.complete and inside.exchange == "" and inside.user is not None and inside.routing_key is not None:
         return "", inside.routing_key, retries.afresh(inside.user)  # a retry: to its queue, attempts afresh
     if inside.complete and inside.due_ms is not None:
-        return names.distributor, b"", inside.again()
+        return names.distributor, b"", inside.next_hop()
     return names.check_in, message.routing_key, message.user
 
 

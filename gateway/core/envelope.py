@@ -170,7 +170,7 @@ def is_broker_header(name: Any) -> bool:
         name in ("x-death", "x-delivery-count") or name.startswith(("x-first-death-", "x-last-death-")))
 
 
-def publishers(props: Properties) -> Properties:
+def for_pick_up(props: Properties) -> Properties:
     """A publisher's properties as they will arrive at pick-up: without `user_id` (the
     broker checks it against the connection that publishes, which is the gateway's) and
     without the broker's dead-letter history, every other byte as sent."""
@@ -229,7 +229,7 @@ class Inside:
     def complete(self) -> bool:
         return self.routing_key is not None and self.user is not None
 
-    def again(self, due_ms: Optional[int] = None, error: Optional[str] = None) -> Properties:
+    def next_hop(self, due_ms: Optional[int] = None, error: Optional[str] = None) -> Properties:
         """Its properties for the next hop: only the gateway's own headers (the broker's
         dead-letter history would make RabbitMQ up to 3.12 and from 3.13.3 drop the message
         when it re-enters a queue named in it, on its second meditation lap)."""
@@ -250,12 +250,12 @@ def as_bytes(key: Any) -> bytes:
     return key if isinstance(key, bytes) else key.encode("utf-8")
 
 
-def shown(key: Optional[bytes]) -> str:
+def readable_key(key: Optional[bytes]) -> str:
     """A routing key for people to read."""
     return "" if key is None else key.decode("utf-8", "backslashreplace")
 
 
-def death(headers: Table) -> Optional[Json]:
+def last_death(headers: Table) -> Optional[Json]:
     """The broker's most recent dead-lettering of this message (x-death's first entry)."""
     deaths = headers.get("x-death")
     if isinstance(deaths, list) and deaths and isinstance(deaths[0], dict):

@@ -59,12 +59,12 @@ class Flow:
         # With this many deliveries outstanding the broker sends no more until we acknowledge
         # some: open batches then close at once, as no message can join them (0: no limit).
         self._prefetch = prefetch
-        self._keep = keep  # asked again as a held message is released: False drops it (it was cancelled)
+        self._still_wanted = keep  # asked again as a held message is released: False drops it (it was cancelled)
         self._park = handlers.parker(names, queue)
         self._batcher = batcher if batcher is not None else Batcher(1, 1, 0)  # (an empty one is falsy)
         self.ledger: Deliveries[Payload, Forward] = Deliveries()
         self._delivered: Dict[int, Delivery] = {}  # outstanding deliveries (to park them whole)
-        self._left: Dict[int, int] = {}  # tag -> its messages not yet in a sent publication
+        self._unsent: Dict[int, int] = {}  # tag -> its messages not yet in a sent publication
         self._flush_at: Optional[int] = None
         self._fenced: Deque[Tuple[int, Forward]] = deque()  # fences not yet published, in order
         self._syncing = False  # a sync is under way
@@ -108,7 +108,7 @@ class Flow:
         try:
             actions = self._handler(d, now)
         except Exception as exc:  # a bug must not stop the gateway, nor lose the message
-            self._observer.note("exception", "handler_failed", routing_key=envelope.shown(d.routing_key))
+            self._observer.note("exception", "handler_failed", routing_key=envelope.readable_key(d.routing_key))
             actions = list(self._park(d, f"the gateway failed on it: {exc!r}"))
         fence = any(isinstance(a, Forward) and a.fence for a in actions)
         self.ledger.received(tag, fence)
@@ -116,7 +116,7 @@ class Flow:
             self.ledger.finish(tag)
             self._ack_soon(now, out)
         else:
-            self._left[tag] = len(actions)
+            self._unsent[tag] = len(actions)
         for action in actions:
             self._observer.forwarded(action)
             if isinstance(action, Enqueue):
@@ -160,7 +160,7 @@ class Flow:
             if f.mandatory and f.routing_key == routing_key and f.body == body and f.props.raw == props:
                 self.ledger.returned(pub.seq)
                 return
-        self._observer.note("error", "unmatched_return", routing_key=envelope.shown(routing_key))
+        self._observer.note("error", "unmatched_return", routing_key=envelope.readable_key(routing_key))
 
     def confirmed(self, seq: int, multiple: bool, ack: bool, now: int) -> Effects:
         out = Effects()
@@ -216,7 +216,7 @@ class Flow:
         self.ledger.lost()
         self._batcher.drain()
         self._delivered.clear()
-        self._left.clear()
+        self._unsent.clear()
         self._retries.clear()
         self._flush_at = None
         self._fenced.clear()
@@ -228,18 +228,18 @@ class Flow:
         if self.ledger.next_due() is None:
             return
         for tag, action in self.ledger.due(now):
-            if self._keep is None or self._keep(action):
+            if self._still_wanted is None or self._still_wanted(action):
                 self._send([tag], action, [(tag, action.entry)], now, out)
             else:
                 self._drop(tag, now, out)
 
     def _drop(self, tag: int, now: int, out: Effects) -> None:
         """One of the delivery's messages will not be published (it was cancelled)."""
-        left = self._left.get(tag, 0) - 1
+        left = self._unsent.get(tag, 0) - 1
         if left > 0:
-            self._left[tag] = left
+            self._unsent[tag] = left
             return
-        self._left.pop(tag, None)
+        self._unsent.pop(tag, None)
         self.ledger.finish(tag)
         self._ack_soon(now, out)
 
@@ -263,12 +263,12 @@ class Flow:
             self._observer.late(max(0, now - forward.not_before_ms))
         finishing = []
         for tag, n in Counter(tags).items():
-            left = self._left.get(tag, 0) - n
+            left = self._unsent.get(tag, 0) - n
             if left <= 0:
-                self._left.pop(tag, None)
+                self._unsent.pop(tag, None)
                 finishing.append(tag)
             else:
-                self._left[tag] = left
+                self._unsent[tag] = left
         outcome = self.ledger.publish(tuple(dict.fromkeys(tags)), Payload(forward, members), finishing,
                                       parking=forward.outcome is Way.PARKED)
         self._apply(outcome, now, out)
@@ -276,7 +276,7 @@ class Flow:
     def _give_up(self, tag: int) -> None:
         """The delivery is gone (the broker dead-letters it): none of its messages may be sent."""
         self._delivered.pop(tag, None)
-        self._left.pop(tag, None)
+        self._unsent.pop(tag, None)
         self._batcher.discard(tag)
 
     def _flush(self, out: Effects) -> None:

@@ -91,20 +91,21 @@ def unroutable(names: Names, e: Entry) -> Forward:
     """It came back from pick-up (no queue is bound for its routing key), or a retry from its
     queue's default binding (the queue is gone)."""
     if e.exchange == "":
-        return park_entry(names, e, f"unroutable: the retry's queue {envelope.shown(e.routing_key)!r} does not exist "
-                                    "(deleted while the retry waited?)")
+        return park_entry(names, e, "unroutable: the retry's queue "
+                          f"{envelope.readable_key(e.routing_key)!r} does not exist "
+                          "(deleted while the retry waited?)")
     return park_entry(names, e, f"unroutable: no queue bound to exchange {names.pick_up!r} matches routing key "
-                                f"{envelope.shown(e.routing_key)!r}")
+                                f"{envelope.readable_key(e.routing_key)!r}")
 
 
-def again(e: Entry) -> Properties:
+def next_hop(e: Entry) -> Properties:
     """The gateway's properties for a message it sends on within the chain."""
     return envelope.inside(e.user, e.routing_key, e.due_ms, None, e.accepted_us, e.exchange)
 
 
 def hand_back(names: Names, e: Entry) -> Forward:
     """A held message back into the distributor queue, for another gateway to hold."""
-    return Forward(names.distributor, b"", again(e), e.body, Way.HANDED_BACK, entry=e)
+    return Forward(names.distributor, b"", next_hop(e), e.body, Way.HANDED_BACK, entry=e)
 
 
 def route(chain: ChainSettings, remaining_ms: int, lead_ms: int) -> Tuple[str, bytes, Way]:
@@ -142,7 +143,7 @@ def carry(exchange: str, routing_key: bytes, outcome: Way, batch: List[Entry]) -
     """One publish for the messages of a batch: alone in the plain format, or a carrier."""
     if len(batch) == 1:
         e = batch[0]
-        return Forward(exchange, routing_key, again(e), e.body, outcome, entry=e)
+        return Forward(exchange, routing_key, next_hop(e), e.body, outcome, entry=e)
     return Forward(exchange, routing_key, carrier.properties(batch), carrier.pack(batch), outcome)
 
 
@@ -163,7 +164,7 @@ class CheckIn:
         self.recorded: Optional[Dict[bytes, int]] = None
 
     def __call__(self, d: Delivery, now: int) -> List[Action]:
-        user = envelope.publishers(d.props)
+        user = envelope.for_pick_up(d.props)
         if d.exchange == self.chain.names.cancel:
             return self.record(d, user, now)
         try:
@@ -209,7 +210,7 @@ class Retry(CheckIn):
 
     def __call__(self, d: Delivery, now: int) -> List[Action]:
         failed = retries.failure(d.props.headers)
-        user = envelope.publishers(d.props)  # as the consumer received it, without the dead-letter history
+        user = envelope.for_pick_up(d.props)  # as the consumer received it, without the dead-letter history
         names = self.chain.names
         if failed.queue is None:
             return [park(names, user, d.routing_key, d.body, "reached the retry exchange with no way to tell its "
@@ -269,7 +270,7 @@ class Distributor:
     def release(self, e: Entry, now: int) -> Forward:
         if e.due_ms - now > self.max_hold_ms:
             exchange, key, _ = route(self.chain, e.due_ms - now, self.lead_ms)
-            return Forward(exchange, key, again(e), e.body, Way.RECHECK, entry=e)
+            return Forward(exchange, key, next_hop(e), e.body, Way.RECHECK, entry=e)
         if e.exchange is not None:  # a retry, back to its queue (no due-time stamp: not scheduled by its publisher)
             return Forward(e.exchange, e.routing_key, e.user, e.body, Way.RETRIED, not_before_ms=e.due_ms,
                            mandatory=True, entry=e)
@@ -297,15 +298,15 @@ class Parking:
         self.names = names
 
     def __call__(self, d: Delivery, now: int) -> List[Action]:
-        death = envelope.death(d.props.headers)
+        death = envelope.last_death(d.props.headers)
         if death is None:
             reason = (f"unroutable in the chain: no queue bound to exchange {d.exchange!r} "
-                      f"matches routing key {envelope.shown(d.routing_key)!r}")
+                      f"matches routing key {envelope.readable_key(d.routing_key)!r}")
         else:
             why = str(death.get("reason", "?"))
             reason = f"dead-lettered from queue {death.get('queue', '?')}: {DEATH_REASONS.get(why, why)}"
         if d.routing_key in (b"check-in", b"retry"):  # as its publisher sent it
-            return [park(self.names, envelope.publishers(d.props), _first_key(death, d), d.body, reason)]
+            return [park(self.names, envelope.for_pick_up(d.props), _first_key(death, d), d.body, reason)]
         return list(park_delivery(self.names, d, reason))
 
 

@@ -121,7 +121,7 @@ def failure(headers: Table) -> Failure:
     previous = headers.get(ATTEMPT)
     attempt = (previous if isinstance(previous, int) and not isinstance(previous, bool) and previous > 0 else 0) + 1
     reason = _text(headers.get(REASON))
-    death = envelope.death(headers)
+    death = envelope.last_death(headers)
     if death is not None:
         queue, why = _text(death.get("queue")), _text(death.get("reason"))
         if why not in RETRIED_DEATHS:

@@ -121,7 +121,7 @@ def sent_properties(kind, headers_or_props, message_id):
 
 def outcome_expected(props: Properties, now: int) -> str:
     try:
-        due = envelope.due_at(envelope.publishers(props).headers, now)
+        due = envelope.due_at(envelope.for_pick_up(props).headers, now)
     except envelope.Unreadable:
         return "parked"
     return "delivered" if due - now <= DELIVER_WITHIN_MS else "waiting"
@@ -244,9 +244,9 @@ def test_hostile_publishers_beside_ordinary_traffic(make_chain, fault_report):
             got_key, got, got_body, at = arrived[mid]
             got_key = got_key if isinstance(got_key, bytes) else got_key.encode()
             same = (got_key == key and got_body == body
-                    and same_entries(got.headers, envelope.publishers(props).headers)
+                    and same_entries(got.headers, envelope.for_pick_up(props).headers)
                 and {k: v for k, v in got.values.items() if k not in ("headers", "timestamp")}
-                == {k: v for k, v in envelope.publishers(props).values.items() if k not in ("headers", "timestamp")})
+                == {k: v for k, v in envelope.for_pick_up(props).values.items() if k not in ("headers", "timestamp")})
             if same:
                 exact += 1
             else:

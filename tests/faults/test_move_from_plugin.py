@@ -156,7 +156,7 @@ def test_every_waiting_message_moves_through_a_kill(own_node, node_chain, plugin
         assert body == f"body-{mid}".encode()
         # as the publisher sent it through the plugin, but user_id (the broker checks it
         # against the gateway's own login)
-        sent = envelope.publishers(TEMPLATES[int(mid[2:]) % 3].replace(message_id=mid.encode()))
+        sent = envelope.for_pick_up(TEMPLATES[int(mid[2:]) % 3].replace(message_id=mid.encode()))
         assert without_headers(props.wire) == without_headers(sent), mid
         assert same_entries(props.wire.headers, sent.headers), (mid, props.wire.headers, sent.headers)
 
