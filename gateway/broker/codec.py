@@ -140,13 +140,14 @@ class WireConnection(pika.SelectConnection):
     """A SelectConnection whose messages arrive with WireProperties, and whose frames go out
     together (`cork`).
 
-    Its two busiest frames skip pika's dispatch: a basic.deliver whose header and body are
-    in the same read goes straight to the channel's consumer callback, and a basic.ack or
+    Its two busiest frames skip pika's dispatch: a whole basic.deliver (one up to
+    WAIT_FOR_WHOLE_DELIVERY bytes waits for the read that completes it) goes straight to
+    the channel's consumer callback, and a basic.ack or
     basic.nack to the callback `confirm_delivery` (below) registered; each with exactly the
     arguments pika would pass. pika's own path (callback manager, content assembler, one
     slice of the read buffer per frame) cost the gateway about a quarter of its CPU. Every
     other frame, and these when anything is unusual (a closing channel, a cancelled
-    consumer, a message split across reads), takes pika's path."""
+    consumer, a larger message split across reads), takes pika's path."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.cork = Cork(self)  # (before pika's __init__, which may already write)
