@@ -253,6 +253,6 @@ def test_the_distributor_asks_again_at_release():
     dist = handlers.Distributor(CHAIN, 0, cancelled=judge)
     e = Entry(b"k", Properties.build(message_id=b"m"), b"x", NOW + 50, 100)
     [kept] = dist(Delivery("ex", b"", handlers.carry("ex", b"", Way.DISTRIBUTOR, [e]).props, b"x"), NOW)
-    assert dist.keep(kept)
+    assert dist.still_wanted(kept)
     judge.held[b"m"] = held(Time(150))
-    assert not dist.keep(kept)
+    assert not dist.still_wanted(kept)

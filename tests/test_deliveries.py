@@ -153,7 +153,8 @@ def test_a_lost_consuming_channel_forgets_everything():
     d.hold(1, 5_000, "m")
     d.received(2)
     d.publish((2,), "x")
-    assert d.lost() == {1} and len(d) == 0 and d.held == 0 and d.unconfirmed == 0
+    d.lost()
+    assert len(d) == 0 and d.held == 0 and d.unconfirmed == 0
     assert d.next_due() is None and d.due(10_000) == []  # nothing is released later
 
 

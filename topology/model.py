@@ -21,7 +21,7 @@ DELIVERY_LIMIT = 20
 PARKED_DELIVERY_LIMIT = 2**31 - 1
 PASS_THROUGH_TTL_MS = 1
 # Without both, a quorum queue dead-letters at most once: a hop could drop the message
-# (RABBITMQ-FACTS, at-least-once dead-lettering).
+# (RabbitMQ's at-least-once dead-lettering needs both; docs/reliability.md).
 AT_LEAST_ONCE = {"x-dead-letter-strategy": "at-least-once", "x-overflow": "reject-publish"}
 
 # What each queue is for: `status` and `migrate` read these, not the names.

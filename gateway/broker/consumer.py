@@ -70,7 +70,7 @@ class Pipe:
     def __init__(self, connection: Connection, queue: str, handler: Handler, prefetch: int, metrics: Metrics,
                  names: Names, clock: Callable[[], int] = wall_ms,
                  on_fatal: Optional[Callable[[Exception], None]] = None,
-                 batcher: Optional[Batcher] = None, keep: Optional[Callable[[Forward], bool]] = None,
+                 batcher: Optional[Batcher] = None, still_wanted: Optional[Callable[[Forward], bool]] = None,
                  on_caught_up: Optional[Callable[[], None]] = None) -> None:
         self._connection, self.queue, self._prefetch, self._clock = connection, queue, prefetch, clock
         self._cork = codec.cork(connection)  # what an event makes us send goes out in one write
@@ -78,7 +78,7 @@ class Pipe:
         self._log = structlog.get_logger("gateway").bind(queue=queue)
         # A debug event costs structlog's processors even when the level filters it out later.
         self._debug = logging.getLogger("gateway").isEnabledFor(logging.DEBUG)
-        self.flow = Flow(queue, names, handler, Telemetry(queue, metrics, self._log), batcher, keep, prefetch)
+        self.flow = Flow(queue, names, handler, Telemetry(queue, metrics, self._log), batcher, still_wanted, prefetch)
         metrics.held.labels(queue).set_function(lambda: self.flow.held)
         self._consume: Optional[Channel] = None
         self._publish: Optional[Channel] = None

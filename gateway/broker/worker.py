@@ -79,9 +79,11 @@ class Session:
 
         def pipe(queue: str, handler, prefetch: int, batched: bool = False, on_caught_up=None) -> None:
             batcher = Batcher(s.carrier_messages, s.carrier_bytes, s.carrier_wait_ms) if batched else None
-            keep = handler.keep if isinstance(handler, Distributor) and self.judge is not None else None
+            still_wanted = handler.still_wanted if isinstance(handler, Distributor) and self.judge is not None \
+                else None
             self.pipes.append(Pipe(connection, queue, handler, prefetch, self.metrics, names,
-                                   on_fatal=self._on_fatal, batcher=batcher, keep=keep, on_caught_up=on_caught_up))
+                                   on_fatal=self._on_fatal, batcher=batcher, still_wanted=still_wanted,
+                                   on_caught_up=on_caught_up))
 
         returning = [names.returning] + [q for q in self.exits if q.startswith(names.returning + ".")]
         distributors = [names.distributor] + [q for q in self.exits if q.startswith(names.distributor + ".")]

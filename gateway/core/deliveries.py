@@ -96,9 +96,6 @@ class Deliveries(Generic[P, H]):
         pub = self._window.oldest()
         return now_ms - pub.sent_ms if pub is not None else 0
 
-    def held_tags(self) -> List[int]:
-        return [t for t, d in self._deliveries.items() if d.holds]
-
     # -- deliveries -----------------------------------------------------------------------
     def received(self, tag: int, fence: bool = False) -> None:
         if tag in self._deliveries:
@@ -243,13 +240,11 @@ class Deliveries(Generic[P, H]):
         return out
 
     # -- the consuming channel ------------------------------------------------------------
-    def lost(self) -> Set[int]:
-        """The consuming channel is gone: its deliveries return to the queue by themselves.
-        Returns the tags that were held (to cancel their timers)."""
-        held = set(self.held_tags())
+    def lost(self) -> None:
+        """The consuming channel is gone: its deliveries return to the queue by themselves,
+        and none of their held messages will be released."""
         self._deliveries.clear()
         self._holds.drain()
         self._done.clear()
         self._fences = 0
         self._window.forget()
-        return held

@@ -35,7 +35,6 @@ from gateway.core.effects import Effects, Handler, Member, Observer, Payload, Se
 from gateway.core.carrier import Batch, Batcher, Entry
 from gateway.core.deliveries import Deliveries, Outcome
 
-
 ACK_FLUSH_MS = 5  # acknowledgements wait this long for others to share one frame
 ACK_BATCH = 500  # ... or until this many are due
 # A publish the broker refuses (basic.nack: a quorum queue without a leader during a
@@ -53,13 +52,14 @@ class Flow:
     """The core of one consumer (see the module doc): events in, `Effects` out."""
 
     def __init__(self, queue: str, names: Names, handler: Handler, observer: Observer,
-                 batcher: Optional[Batcher] = None, keep: Optional[Callable[[Forward], bool]] = None,
+                 batcher: Optional[Batcher] = None, still_wanted: Optional[Callable[[Forward], bool]] = None,
                  prefetch: int = 0) -> None:
         self._names, self._handler, self._observer = names, handler, observer
         # With this many deliveries outstanding the broker sends no more until we acknowledge
         # some: open batches then close at once, as no message can join them (0: no limit).
         self._prefetch = prefetch
-        self._still_wanted = keep  # asked again as a held message is released: False drops it (it was cancelled)
+        # asked again as a held message is released: False drops it (it was cancelled)
+        self._still_wanted = still_wanted
         self._park = handlers.parker(names, queue)
         self._batcher = batcher if batcher is not None else Batcher(1, 1, 0)  # (an empty one is falsy)
         self.ledger: Deliveries[Payload, Forward] = Deliveries()

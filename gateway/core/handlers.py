@@ -262,7 +262,7 @@ class Distributor:
         return [self.release(e, now) for e in arrived
                 if self.cancelled is None or not self.cancelled(e, "distributor")]
 
-    def keep(self, forward: Forward) -> bool:
+    def still_wanted(self, forward: Forward) -> bool:
         """Checked again as a held message is released (consumer.Pipe): a cancel may have
         come while the distributor held it."""
         return forward.entry is None or self.cancelled is None or not self.cancelled(forward.entry, "release")
