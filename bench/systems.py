@@ -59,9 +59,6 @@ class Gateway:
 
     system = "gateway"
 
-    def route(self, delay_ms: int) -> Tuple[str, str]:
-        return self.publish_exchange, "bench"
-
     def __init__(self, url: str, chain: ChainSettings, gateway_args: Sequence[str] = (),
                  split_roles: bool = False) -> None:
         self.url, self.chain = url, chain
@@ -80,6 +77,10 @@ class Gateway:
         except Exception:
             self.close()
             raise
+
+    def route(self, delay_ms: int) -> Tuple[str, str]:
+        """Where a message with this delay is published: (exchange, routing key)."""
+        return self.publish_exchange, "bench"
 
     def forwarded(self, queue: Optional[str] = None) -> float:
         """Messages the gateway's consumers forwarded (its /metrics), of one queue or all."""
@@ -112,12 +113,26 @@ class Gateway:
             pass
 
 
-class Plugin:
+class _InsideTheBroker:
+    """A system with no process of its own to measure: all its work is the broker's."""
+
+    processes: List[GatewayProcess] = []
+
+    def forwarded(self, queue: Optional[str] = None) -> float:
+        return 0.0
+
+    def lateness_buckets(self) -> dict:
+        return {}
+
+    def errors(self) -> List[dict]:
+        return []
+
+
+class Plugin(_InsideTheBroker):
     """An `x-delayed-message` exchange routing like a topic exchange: publish to it with
     `x-delay`, bind to it."""
 
     system = "plugin"
-    processes: List[GatewayProcess] = []
 
     def route(self, delay_ms: int) -> Tuple[str, str]:
         return self.publish_exchange, "bench"
@@ -128,15 +143,6 @@ class Plugin:
         with blocking(url) as c:
             c.channel().exchange_declare(self.publish_exchange, "x-delayed-message", durable=True,
                                          arguments={"x-delayed-type": "topic"})
-
-    def forwarded(self, queue: Optional[str] = None) -> float:
-        return 0.0
-
-    def lateness_buckets(self) -> dict:
-        return {}
-
-    def errors(self) -> List[dict]:
-        return []
 
     def close(self) -> None:
         # Messages still delayed inside the plugin (pending) stay in its table until due and
@@ -153,7 +159,7 @@ def whole_seconds(delay_ms: int) -> int:
     return max(1, math.ceil(delay_ms / 1000))
 
 
-class Kombu:
+class Kombu(_InsideTheBroker):
     """Celery 5.5+'s native delayed delivery, declared with kombu's own functions under a
     prefix of its own: 28 quorum queues of 2^level s TTL, the delay spelled in the routing
     key's 28 bits, published to the top level's exchange. The user's topic exchange is
@@ -162,7 +168,6 @@ class Kombu:
     early), so its lateness includes up to a second of rounding."""
 
     system = "kombu"
-    processes: List[GatewayProcess] = []
 
     def __init__(self, url: str, prefix: str, receiver_queue_type: str) -> None:
         from kombu import Connection, Exchange, Queue
@@ -182,15 +187,6 @@ class Kombu:
 
     def route(self, delay_ms: int) -> Tuple[str, str]:
         return self.publish_exchange, self._native.calculate_routing_key(whole_seconds(delay_ms), "bench")
-
-    def forwarded(self, queue: Optional[str] = None) -> float:
-        return 0.0
-
-    def lateness_buckets(self) -> dict:
-        return {}
-
-    def errors(self) -> List[dict]:
-        return []
 
     def close(self) -> None:
         native = self._native
