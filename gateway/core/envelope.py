@@ -15,7 +15,8 @@ pick-up. In between it travels in the gateway's format:
   cancels.py), to tell whether a cancel came after it; absent on messages that entered
   before this header existed;
 - `x-gateway-exchange`: where it goes when due, when that is not pick-up: "" (the default
-  exchange) for a retry going back to the queue its routing key names (retries.py);
+  exchange) for a retry going back to the queue its routing key names (retries.py); on a
+  parked cancel, `<prefix>.cancel`, where `parked replay` sends it back;
 - the body, unchanged.
 
 Nothing a publisher sends is ever read as one of these: its own headers are inside
@@ -164,10 +165,17 @@ def _absolute(name: str, value: Any, now_ms: int) -> int:
 
 
 # -- the publisher's properties ----------------------------------------------------------------
+# What the broker adds to a message on its way back through dead-lettering: the history
+# (x-death, x-first-death-*, x-last-death-*), a quorum queue's count of returns
+# (x-delivery-count, 3.10+) and of acquisitions (x-acquired-count, 4.3+, which counts a
+# basic.reject too). Checked on every suite broker by tests/test_retry.py.
+BROKER_HEADERS = ("x-death", "x-delivery-count", "x-acquired-count")
+
+
 def is_broker_header(name: Any) -> bool:
-    """Headers the broker adds: dead-letter history, and quorum queues' delivery count."""
+    """Headers the broker adds: dead-letter history, and quorum queues' delivery counts."""
     return isinstance(name, str) and (
-        name in ("x-death", "x-delivery-count") or name.startswith(("x-first-death-", "x-last-death-")))
+        name in BROKER_HEADERS or name.startswith(("x-first-death-", "x-last-death-")))
 
 
 def for_pick_up(props: Properties) -> Properties:
