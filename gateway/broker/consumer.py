@@ -22,7 +22,7 @@ from topology.names import Names
 
 from gateway.broker import codec
 from gateway.clock import wall_ms
-from gateway.core import envelope
+from gateway.core import envelope, retries
 from gateway.core.actions import Action, Delivery, Forward, Way
 from gateway.core.carrier import Batcher
 from gateway.core.effects import Effects, Handler
@@ -48,12 +48,17 @@ class Telemetry:
             counter = self._counters[action.outcome] = self._metrics.forwarded.labels(self._queue,
                                                                                       action.outcome.value)
         counter.inc()
-        if action.outcome is Way.RETRIED and action.entry is not None:
-            self._metrics.retries.labels(envelope.readable_key(action.entry.routing_key), "delivered").inc()
         if action.outcome is Way.PARKED:
             self._metrics.parked.labels(self._queue).inc()
-            self._log.warning("parked", reason=getattr(action, "reason", None),
-                              routing_key=envelope.readable_key(action.routing_key))
+            reason = getattr(action, "reason", None) or ""
+            self._log.warning("parked", reason=reason, routing_key=envelope.readable_key(action.routing_key))
+            if action.entry is not None and action.entry.exchange == "" and not reason.startswith(retries.GAVE_UP):
+                # a retry that could not go back (its queue gone, refused): not delivered back
+                self._metrics.retries.labels(envelope.readable_key(action.entry.routing_key), "parked").inc()
+
+    def landed(self, forward: Forward) -> None:
+        if forward.outcome is Way.RETRIED and forward.entry is not None:
+            self._metrics.retries.labels(envelope.readable_key(forward.entry.routing_key), "delivered").inc()
 
     def batched(self, way: Way, messages: int) -> None:
         self._metrics.batch_publishes.labels(self._queue, way.value).inc()

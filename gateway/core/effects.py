@@ -42,6 +42,9 @@ class Observer(Protocol):
 
     def forwarded(self, action: Action) -> None: ...
 
+    def landed(self, forward: Forward) -> None:
+        """The broker confirmed it where it was sent (not returned as unroutable)."""
+
     def batched(self, way: Way, messages: int) -> None: ...
 
     def late(self, ms: int) -> None: ...

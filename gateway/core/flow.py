@@ -308,6 +308,9 @@ class Flow:
         for pub in outcome.send:
             pub.sent_ms = now
         out.publish.extend(outcome.send)
+        for pub in outcome.confirmed:
+            if not pub.returned:
+                self._observer.landed(pub.payload.forward)
         for pub in outcome.refused:
             if pub.refused > REFUSED_RECONNECT:
                 self._observer.note("error", "broker_keeps_refusing", refusals=pub.refused)

@@ -43,16 +43,17 @@ class Cancelled(Protocol):
 
 
 def park(names: Names, user: Properties, routing_key: bytes, body: bytes, reason: str,
-         due_ms: Optional[int] = None) -> Forward:
-    """Park a message: to the parked queue, keyed by the publisher's routing key."""
-    return Forward(names.parked, routing_key, envelope.inside(user, routing_key, due_ms, reason), body,
-                   Way.PARKED, reason=reason)
+         due_ms: Optional[int] = None, exchange: Optional[str] = None) -> Forward:
+    """Park a message: to the parked queue, keyed by the publisher's routing key. `exchange`:
+    where its publisher sent it when that was not check-in (a cancel), for `parked replay`."""
+    return Forward(names.parked, routing_key, envelope.inside(user, routing_key, due_ms, reason, exchange=exchange),
+                   body, Way.PARKED, reason=reason)
 
 
 def park_entry(names: Names, entry: Entry, reason: str) -> Forward:
     return Forward(names.parked, entry.routing_key,
                    envelope.inside(entry.user, entry.routing_key, entry.due_ms, reason, entry.accepted_us,
-                                   entry.exchange), entry.body, Way.PARKED, reason=reason)
+                                   entry.exchange), entry.body, Way.PARKED, reason=reason, entry=entry)
 
 
 def entries(d: Delivery) -> List[Entry]:
@@ -188,8 +189,8 @@ class CheckIn:
         acknowledged once the broker confirmed the record."""
         try:
             message_id = cancels.checked_id(user.get("message_id"))
-        except cancels.BadCancel as exc:
-            return [park(self.chain.names, user, d.routing_key, d.body, str(exc))]
+        except cancels.BadCancel as exc:  # (replayed, it goes back to the cancel exchange: parked again)
+            return [park(self.chain.names, user, d.routing_key, d.body, str(exc), exchange=d.exchange)]
         at = cancels.Time(self.sequence(now), envelope.broker_stamp(user.headers, now))
         if self.recorded is not None:
             self.recorded[message_id] = at.read_us
@@ -306,7 +307,9 @@ class Parking:
             why = str(death.get("reason", "?"))
             reason = f"dead-lettered from queue {death.get('queue', '?')}: {DEATH_REASONS.get(why, why)}"
         if d.routing_key in (b"check-in", b"retry"):  # as its publisher sent it
-            return [park(self.names, envelope.for_pick_up(d.props), _first_key(death, d), d.body, reason)]
+            sent_to = (death or {}).get("exchange")
+            return [park(self.names, envelope.for_pick_up(d.props), _first_key(death, d), d.body, reason,
+                         exchange=self.names.cancel if sent_to == self.names.cancel else None)]
         return list(park_delivery(self.names, d, reason))
 
 
