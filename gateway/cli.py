@@ -7,7 +7,7 @@ import os
 import sys
 import uuid
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, Mapping, Optional, Sequence, Tuple
 
 from pika.exceptions import NackError, UnroutableError
 
@@ -37,16 +37,26 @@ class Command:
     run: Callable[[argparse.Namespace], int]
     arguments: Optional[Callable[[argparse.ArgumentParser], None]] = None
     only: Optional[Tuple[str, ...]] = None  # just these options of its groups: the others it ignores
+    # verbs of its own (`parked list`), each with its help and its arguments, in `args.action`
+    actions: Optional[Mapping[str, Tuple[str, Callable[[argparse.ArgumentParser], None]]]] = None
 
     def takes(self, option: Option) -> bool:
         return option.group in self.groups and (self.only is None or option.name in self.only)
 
 
+# argparse's own complaints about a command line (not a value our parsers checked, whose
+# message says what is allowed): the fix is the command's --help.
+_STRUCTURE = ("unrecognized arguments", "the following arguments are required", "invalid choice", "expected ",
+              "ambiguous option", "not allowed with", "invalid ")
+
+
 class Parser(argparse.ArgumentParser):
-    """Errors are one line and exit 2 (argparse would print the usage first)."""
+    """Errors are one line and exit 2 (argparse would print the usage first):
+    `delay-gateway COMMAND: error: what: the fix`."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        fix = f": see `{self.prog} --help`" if any(s in message for s in _STRUCTURE) else ""
+        self.exit(2, f"{self.prog}: error: {message}{fix}\n")
 
 
 def version() -> str:
@@ -58,28 +68,55 @@ def version() -> str:
         return "unknown (not installed)"
 
 
-def parser(environ) -> argparse.ArgumentParser:
-    p = Parser(prog="delay-gateway", description=(
+def parser(environ, only: Optional[str] = None) -> argparse.ArgumentParser:
+    """The whole command line; with `only` (`command_in`), that command's settings alone are
+    read from the environment (a variable another command reads cannot break this one)."""
+    named = (only or "").split()
+    p = Parser(prog=" ".join(["delay-gateway", *named]) if named and named[0] in COMMANDS else "delay-gateway",
+               description=(
         "Per-message delays of any length for RabbitMQ, from TTLs and dead-lettering alone. "
         "Publishers send to <prefix>.check-in with an x-delay (ms) or x-deliver-at (epoch ms) "
-        "header; consumers bind to <prefix>.pick-up. Every option also reads an environment "
-        "variable, shown in brackets."))
+        "header; consumers bind to <prefix>.pick-up. Every setting (the options `COMMAND --help` "
+        "shows with a variable in brackets) also reads that environment variable."))
     p.add_argument("--version", action="version", version=f"delay-gateway {version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
     for name, command in COMMANDS.items():
-        c = sub.add_parser(name, help=command.help, description=command.help)
+        c = sub.add_parser(name, help=command.help, description=command.help, prog=f"delay-gateway {name}")
+        if named and named[0] != name:
+            continue
+        if command.actions:
+            verbs = c.add_subparsers(dest="action", required=True, metavar="ACTION", parser_class=Parser)
+            for verb, (help, arguments) in command.actions.items():
+                v = verbs.add_parser(verb, help=help, description=help, prog=f"delay-gateway {name} {verb}")
+                add_options(v, command.groups, environ, command.only)
+                arguments(v)
+            continue
         add_options(c, command.groups, environ, command.only)
         if command.arguments:
             command.arguments(c)
     return p
 
 
+def command_in(argv: Sequence[str]) -> Optional[str]:
+    """The command a command line names (its first word that is not an option, and its verb
+    for a command that has verbs: `parked list`), if any."""
+    words = [word for word in argv if not word.startswith("-")]
+    if not words:
+        return None
+    command = COMMANDS.get(words[0])
+    if command is not None and command.actions and len(words) > 1 and words[1] in command.actions:
+        return " ".join(words[:2])
+    return words[0]
+
+
 def main(argv: Optional[Sequence[str]] = None, environ=None) -> int:
     environ = os.environ if environ is None else environ
+    argv = list(sys.argv[1:] if argv is None else argv)
+    named = command_in(argv)
     try:
-        args = parser(environ).parse_args(argv)
-    except UsageError as exc:  # a bad boolean in the environment
-        print(f"delay-gateway: error: {exc}", file=sys.stderr)
+        args = parser(environ, named).parse_args(argv)
+    except UsageError as exc:  # a bad value in the environment
+        print(f"delay-gateway {named}: error: {exc}", file=sys.stderr)
         return 2
     except SystemExit as exc:  # --help (0), or a bad flag or value, already said in one line (2)
         return int(exc.code or 0)
@@ -144,7 +181,8 @@ def cmd_delete(args) -> int:
 
 def render_arguments(p: argparse.ArgumentParser) -> None:
     described = "; ".join(f"{name}: {DESCRIPTIONS.get(name, name)}" for name in sorted(FORMATS))
-    p.add_argument("--format", choices=sorted(FORMATS), default="definitions", help=described)
+    p.add_argument("--format", choices=sorted(FORMATS), default="definitions",
+                   help=f"{described} (default: definitions)")
     p.add_argument("--vhost", default="/", help="the virtual host the objects belong to (default /)")
     operator = p.add_argument_group("operator format: the RabbitmqCluster the resources belong to")
     operator.add_argument("--cluster-name", help="name of the RabbitmqCluster object")
@@ -395,7 +433,7 @@ COMMANDS = {
     "cancel": Command("cancel scheduled messages by message id (docs/cancelling.md)", BROKER + ("chain", "cancel"),
                       cmd_cancel, cancel.add_arguments),
     "parked": Command("list parked messages, or replay them once their cause is fixed", BROKER + ("chain",),
-                      cmd_parked, parked.add_options),
+                      cmd_parked, actions=parked.ACTIONS),
     "selftest": Command("publish one delayed message through the running gateway and wait for it at pick-up",
                         BROKER + ("chain",), cmd_selftest, selftest.add_arguments),
     "move-from-plugin": Command("move the delayed-message plugin's waiting messages into the gateway, due "

@@ -81,7 +81,7 @@ def boolean(text: str) -> bool:
         return True
     if value in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"{text!r} is not true or false")
+    raise ValueError(f"{text!r} is not true or false (1, yes, on / 0, no, off)")
 
 
 def text(value: str) -> str:
@@ -254,7 +254,7 @@ def _checked(o: Option, env: Optional[str], error=argparse.ArgumentTypeError) ->
         try:
             return o.parse(value)
         except ValueError as exc:
-            raise error(f"{env}: {exc}" if error is UsageError else
+            raise error(f"{env}: {exc}: set it to one, or unset it" if error is UsageError else
                         f"{exc} (from {env})" if env else str(exc)) from None
     convert.__name__ = o.parse.__name__
     return convert

@@ -66,3 +66,21 @@ def test_the_version_has_one_source_and_every_place_that_names_it_agrees():
     for path in ("deploy/k8s/Dockerfile", "docs/development.md", "docs/kubernetes.md"):
         named = set(re.findall(r"rabbitmq-delay-gateway:(\d+\.\d+\.\d+)", (root / path).read_text()))
         assert named <= {version}, (path, named)
+
+
+def test_what_reads_the_environment_is_said_as_it_is(capsys):
+    """Every setting reads its variable, and only the settings: the help and the README say
+    so, not that every flag does (`--format` of render reads nothing)."""
+    import os
+    from gateway.settings import OPTIONS
+    assert main(["--help"], environ={}) == 0
+    top = " ".join(capsys.readouterr().out.split())
+    assert "Every option also reads" not in top and "Every setting" in top, top
+    with open(os.path.join(os.path.dirname(__file__), "..", "README.md"), encoding="utf-8") as f:
+        readme = " ".join(f.read().split())
+    assert "every flag also reads an environment variable" not in readme
+    assert "every setting also reads an environment variable" in readme.lower()
+    assert main(["render", "--help"], environ={}) == 0
+    page = capsys.readouterr().out
+    assert "DELAY_GATEWAY_FORMAT" not in page and "[DELAY_GATEWAY_PREFIX;" in " ".join(page.split())
+    assert all(f"[{o.env};" in " ".join(page.split()) for o in OPTIONS if o.group == "chain")

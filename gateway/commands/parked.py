@@ -13,6 +13,9 @@ Where a replayed message goes:
 - it has none (its delay header could not be read, or the broker dead-lettered it from
   check-in): to check-in, exactly as its publisher sent it. If the header is still
   unreadable it is parked again with the same reason.
+- it is a cancel (no message id, or an empty one): back to `<prefix>.cancel`, exactly as its
+  publisher sent it; it cancels nothing and is parked again with the same reason, as no
+  replay can give it the id it lacks. It is never sent on as a message.
 - it is a retry (it gave up after the last attempt, or its queue was gone): back to its
   queue, with the attempts started afresh (no `x-retry-attempt`).
 """
@@ -92,7 +95,8 @@ def selected(message: Parked, reason: Optional[str], routing_key: Optional[str])
 # What varies from message to message inside a reason: quoted values (a routing key, a
 # header's text; not the names of exchanges and queues, which are the same for all) and long
 # numbers (a delay, a due time). Replaced, they leave the kind of reason to group by.
-_QUOTED = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"")
+# (a quote opens a value only where a word does not go on: "the retry's queue 'x'" quotes x)
+_QUOTED = re.compile(r"(?<!\w)(?:'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")")
 _NAMED = ("exchange ", "queue ")
 _NUMBER = re.compile(r"-?\d{5,}")
 EXAMPLES = 5  # routing keys shown per kind
@@ -123,6 +127,8 @@ def report(messages: Iterable[Parked]) -> dict:
 def destination(message: Parked, names) -> Tuple[str, bytes, Properties]:
     """Where `replay` sends it, with which routing key and properties (see the module doc)."""
     inside = message.inside
+    if inside.complete and inside.exchange == names.cancel:
+        return names.cancel, message.routing_key, message.user  # a cancel, as its publisher sent it
     if inside.complete and inside.exchange == "" and inside.user is not None and inside.routing_key is not None:
         return "", inside.routing_key, retries.afresh(inside.user)  # a retry: to its queue, attempts afresh
     if inside.complete and inside.due_ms is not None:
@@ -163,14 +169,28 @@ def replay(channel, names, reason: Optional[str] = None, routing_key: Optional[s
 
 
 # -- command line (wired into `delay-gateway parked`) ------------------------------------
-def add_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", choices=["list", "replay"],
-                   help="list: show what is parked and why; replay: send messages on again")
-    p.add_argument("--json", action="store_true", help="list: print JSON")
+def _selection(p: argparse.ArgumentParser, verb: str) -> None:
     p.add_argument("--reason", metavar="TEXT", help="only messages whose reason contains TEXT")
     p.add_argument("--routing-key", metavar="PATTERN", help="only routing keys matching this shell pattern")
-    p.add_argument("--limit", type=argument(integer(1)), metavar="N", help="list or replay at most N messages")
-    p.add_argument("--dry-run", action="store_true", help="replay: say what would move, move nothing")
+    p.add_argument("--limit", type=argument(integer(1)), metavar="N", help=f"{verb} at most N messages")
+
+
+def list_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print JSON: one entry per message, and the kinds of reason")
+    _selection(p, "list")
+
+
+def replay_options(p: argparse.ArgumentParser) -> None:
+    _selection(p, "replay")
+    p.add_argument("--dry-run", action="store_true", help="say what would move, move nothing")
+
+
+ACTIONS = {
+    "list": ("show what is parked and why: counts by kind of reason, with example routing keys and message ids "
+             "(moves nothing, however often it runs)", list_options),
+    "replay": ("send parked messages on again once their cause is fixed: each is removed from parked only once "
+               "the broker confirmed its copy (docs/operating.md: Parked messages)", replay_options),
+}
 
 
 def command(args, open_channel, chain) -> int:
