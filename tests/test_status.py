@@ -287,5 +287,46 @@ def test_retries_per_source_queue_are_summed_from_the_gateways_metrics():
             'delay_gateway_retries_total{queue="orders",outcome="scheduled"} 5.0\n'
             'delay_gateway_retries_total{queue="orders",outcome="delivered"} 3.0\n'
             'delay_gateway_retries_total{queue="jobs",outcome="gave_up"} 1.0\n')
-    assert retries_from_metrics([page, page]) == {"orders": {"scheduled": 10, "delivered": 6, "gave_up": 0},
-                                                   "jobs": {"scheduled": 0, "delivered": 0, "gave_up": 2}}
+    assert retries_from_metrics([page, page]) == {
+        "orders": {"scheduled": 10, "delivered": 6, "gave_up": 0, "parked": 0},
+        "jobs": {"scheduled": 0, "delivered": 0, "gave_up": 2, "parked": 0}}
+
+
+def test_the_report_ends_in_the_order_the_cancelling_guide_says():
+    """cancellations:, cancels:, the retries per queue (with --metrics-url), then notes and
+    problems: docs/cancelling.md describes the end of the report in this order."""
+    registry = fold([Record("declared", 1, OWN)])
+    r = report(P, OWN, 50, registry, [OWN], observed([OWN]), None, "give --metrics-url", 0)
+    r.cancellations = {"held": 2, "window_ms": 86_400_000, "guarantee": "exact", "arrival_stamp": True,
+                       "check_in_consumers": 1}
+    r.retries = {"orders": {"scheduled": 1, "delivered": 0, "gave_up": 0, "parked": 1}}
+    r.problems.append("something wrong")
+    lines = text(r).splitlines()
+    firsts = [next(i for i, line in enumerate(lines) if line.startswith(start))
+              for start in ("cancellations:", "cancels:", "retries by queue", "note:", "problem:")]
+    assert firsts == sorted(firsts), lines
+    assert "1 parked (the queue was gone, or the broker refused it)" in text(r)
+    with open(os.path.join(ROOT, "docs", "cancelling.md"), encoding="utf-8") as f:
+        guide = " ".join(f.read().split())
+    assert ("prints `cancellations: N message id(s) cancelled within the retention window of 13.1 d` and the "
+            "`cancels:` line above") in guide
+    assert "then, with `--metrics-url`, the retries per queue, and last any `note:` and `problem:` lines" in guide
+
+
+def test_the_retry_queue_has_its_row_and_counts_in_the_total(make_chain):
+    """A failed message waiting in `<prefix>.retry` (no gateway reads it here): status finds
+    the queue and counts it."""
+    chain = make_chain(max_level=3, resolution_ms=100)
+    with connect() as c:
+        ch = c.channel()
+        ch.confirm_delivery()
+        ch.basic_publish(chain.names.retry, "", b"failed", pika.BasicProperties(
+            headers={"x-retry-queue": f"{chain.prefix}.work"}), mandatory=True)
+    r = cli("status", *chain_args(chain), "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    [row] = [q for q in doc["queues"] if q["role"] == "retry"]
+    assert row["exists"] is True and row["messages"] == 1, row
+    assert doc["total"] == 1
+    shown = cli("status", *chain_args(chain)).stdout
+    assert "missing" not in shown and any(line.split()[:2] == ["retry", "1"] for line in shown.splitlines()), shown

@@ -322,7 +322,9 @@ def text(r: Report) -> str:
         lines += ["", "retries by queue (the gateways' counts since they started): waiting ≈ scheduled - delivered"]
         for queue, counts in sorted(r.retries.items()):
             lines.append(f"  {queue}: {counts['scheduled']} scheduled, {counts['delivered']} delivered back, "
-                         f"{counts['gave_up']} gave up (parked)")
+                         f"{counts['gave_up']} gave up (parked)"
+                         + (f", {counts['parked']} parked (the queue was gone, or the broker refused it)"
+                            if counts.get("parked") else ""))
     for note in r.notes:
         lines.append(f"note: {note}")
     for problem in r.problems:
@@ -380,11 +382,12 @@ def carried_from_metrics(texts: Iterable[str]) -> Optional[Dict[str, float]]:
 
 def retries_from_metrics(texts: Iterable[str]) -> Dict[str, Dict[str, int]]:
     """Failed messages per source queue and what became of them (scheduled, delivered,
-    gave_up), summed over the gateways' /metrics pages (since each gateway started)."""
+    gave_up, parked), summed over the gateways' /metrics pages (since each gateway started)."""
     out: Dict[str, Dict[str, int]] = {}
     for name, labels, value in _samples(texts):
         if name == "delay_gateway_retries_total":
-            counts = out.setdefault(labels.get("queue", ""), {"scheduled": 0, "delivered": 0, "gave_up": 0})
+            counts = out.setdefault(labels.get("queue", ""), {"scheduled": 0, "delivered": 0, "gave_up": 0,
+                                                              "parked": 0})
             counts[labels.get("outcome", "")] = counts.get(labels.get("outcome", ""), 0) + int(value)
     return out
 
@@ -406,7 +409,7 @@ def observe(connection, prefix: str, own: ChainKey) -> Tuple[Optional[Registry],
     records = read_registry(connection, fixed)
     registry = None if records is None else fold(records)
     look = Look(Prober(connection))
-    for name in (fixed.check_in, fixed.returning, fixed.distributor, fixed.parking, fixed.parked,
+    for name in (fixed.check_in, fixed.retry, fixed.returning, fixed.distributor, fixed.parking, fixed.parked,
                  *(f(t) for t in QUEUE_TYPES if t != "quorum" for f in (fixed.exit_returning, fixed.exit_distributor))):
         look.queue(name)
     known = set(registry.declared if registry else ()) | {own}
