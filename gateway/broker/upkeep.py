@@ -31,7 +31,7 @@ from topology.registry import ChainKey, Record, Registry, fold
 from topology.retirement import Step, Unused, plan
 
 from gateway.broker import codec
-from gateway.broker.amqp import parameters, unreachable
+from gateway.broker.amqp import classify, parameters, unreachable
 from gateway.clock import wall_ms
 from gateway.settings import Settings, redact
 
@@ -128,9 +128,14 @@ class Upkeep:
             try:
                 self._session(connection)
             except AMQPError as exc:
-                if repr(exc) != said or self.attached.is_set():  # a session that worked: news again
-                    self.log.warning("upkeep_connection_lost", broker=redact(url), error=repr(exc))
-                said = repr(exc)
+                trouble = classify(exc, url)
+                # A topology that is not there (yet) is the worker's to report, once, with the
+                # fix; the same trouble again every second is no news either.
+                if not self.attached.is_set() and (trouble.message == said or "NOT_FOUND" in trouble.message):
+                    self.log.debug("upkeep_waiting", error=trouble.message)
+                else:
+                    self.log.warning("upkeep_connection_lost", broker=redact(url), error=trouble.message)
+                said = trouble.message
             except Exception:  # housekeeping must never take the consumers down with it
                 self.log.exception("upkeep_failed")
             finally:

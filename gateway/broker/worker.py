@@ -327,7 +327,9 @@ def run(settings: Settings, stop: threading.Event, metrics: Metrics, health: Hea
         health.beat()
         then = reconnects.after(trouble, session is not None and session.stable)
         if trouble is not None and not trouble.heals:
-            log.error("broker_refused", error=trouble.message, attempt=then.refused, of=FATAL_ATTEMPTS)
+            # (one line per attempt, its retry included: `reconnecting` would say it again)
+            log.error("broker_refused", error=trouble.message, attempt=then.refused, of=FATAL_ATTEMPTS,
+                      **({} if then.exit_code is not None else {"retry_in_s": round(then.wait_s, 2)}))
         if then.exit_code == EXIT_REFUSED and trouble is not None:
             print(f"delay-gateway run: {trouble.message}", flush=True, file=sys.stderr)
             return then.exit_code
@@ -337,7 +339,8 @@ def run(settings: Settings, stop: threading.Event, metrics: Metrics, health: Hea
             print(f"delay-gateway run: no broker for {settings.connect_timeout:g} s (--connect-timeout), giving up: "
                   f"{error}", flush=True, file=sys.stderr)
             return then.exit_code
-        log.warning("reconnecting", after_s=round(then.wait_s, 2), error=trouble.message if trouble else None)
+        if trouble is None or trouble.heals:
+            log.warning("reconnecting", after_s=round(then.wait_s, 2), error=trouble.message if trouble else None)
         stop.wait(then.wait_s)
     log.info("stopped")
     return 0
