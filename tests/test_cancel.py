@@ -19,7 +19,7 @@ import pytest
 from topology import ChainSettings
 
 from .support import (ROOT, GatewayProcess, Receiver, broker_url, connect, drain, main_broker_url, now_ms,
-                      wait_until)
+                      parked_report, wait_until)
 
 SMALL = dict(max_level=3, resolution_ms=100)
 
@@ -205,3 +205,35 @@ def test_ten_thousand_scheduled_five_thousand_cancelled(chain, run_gateway):
     assert not through, f"{len(through)} cancelled messages were delivered, e.g. {through[:5]}"
     assert set(got) == set(ids[1::2]), f"{5000 - len(got)} lost"
     assert gateway.metric("delay_gateway_cancels_total") == 5000
+
+
+def test_a_replayed_parked_bad_cancel_goes_back_where_it_was_sent_and_is_never_delivered(chain, run_gateway):
+    """A cancel without an id (and one with an empty id) is parked; `parked replay` sends it
+    back to <prefix>.cancel as its publisher sent it, where it is parked again with the same
+    reason. It never becomes a message: a queue bound to every key at pick-up gets nothing."""
+    c = chain()
+    run_gateway(c)
+    everything = Receiver(c, "#")
+    with connect() as conn:
+        ch = conn.channel()
+        ch.confirm_delivery()
+        for props in (pika.BasicProperties(), pika.BasicProperties(message_id="")):
+            ch.basic_publish(c.names.cancel, "", b"", props, mandatory=True)
+    first = parked_report(c, 2)
+    assert sorted(m["reason"] for m in first["messages"]) == sorted(
+        ["a cancel needs the id of the message to cancel as its message_id property",
+         "a cancel's message_id is empty: give the id of the message to cancel"]), first
+    replay = subprocess.run([sys.executable, "-m", "gateway", "parked", "replay", "--reason", "cancel",
+                             "--prefix", c.prefix, "--max-level", "3", "--resolution-ms", "100",
+                             "--url", broker_url()], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert replay.returncode == 0 and '"replayed": 2' in replay.stdout, replay.stdout + replay.stderr
+    # A message published after the replay queues behind the replayed cancels in check-in; once
+    # it has arrived, check-in has dealt with them, and anything they became was released first.
+    publish(c, [("after-the-replay", 0, b"marker")])
+    arrived = everything.collect(1, timeout=15)
+    rest = drain(everything.channel, everything.queue)
+    assert [m.properties.message_id for m in arrived] == ["after-the-replay"] and rest == [], (arrived, rest)
+    again = parked_report(c, 2)
+    assert again["count"] == 2 and sorted(m["reason"] for m in again["messages"]) == \
+        sorted(m["reason"] for m in first["messages"]), again
+    everything.close()

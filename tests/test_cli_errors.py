@@ -195,3 +195,49 @@ def test_the_pypi_topology_distribution_beside_the_gateway_is_said_in_one_line(t
     assert "`topology` 1.2" in line and "environment of its own" in line, line
     assert subprocess.run([sys.executable, "-m", "gateway", "--version"], cwd=ROOT, capture_output=True,
                           timeout=60).returncode == 0
+
+
+# -- what a new user met following the docs -------------------------------------------------
+def test_an_unknown_flag_names_the_command_and_the_fix(capsys):
+    from gateway.cli import main
+    assert main(["status", "--bogus"], environ={}) == BAD_USAGE
+    assert capsys.readouterr().err.strip() == \
+        "delay-gateway status: error: unrecognized arguments: --bogus: see `delay-gateway status --help`"
+    assert main(["parked", "list", "--dry-run"], environ={}) == BAD_USAGE  # replay's flag, not list's
+    assert capsys.readouterr().err.strip().startswith("delay-gateway parked list: error: unrecognized arguments")
+
+
+def test_a_bad_environment_value_names_the_command_and_only_its_command_reads_it(capsys):
+    from gateway.cli import main
+    assert main(["run"], environ={"DELAY_GATEWAY_DECLARE": "maybe"}) == BAD_USAGE
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("delay-gateway run: error: DELAY_GATEWAY_DECLARE: 'maybe' is not true or false"), line
+    assert line.endswith(": set it to one, or unset it"), line
+    # explain takes no --declare: a variable only `run` reads cannot break it
+    assert main(["explain", "1000"], environ={"DELAY_GATEWAY_DECLARE": "maybe"}) == 0
+
+
+def test_each_parked_verb_has_its_own_help_and_render_says_its_default(capsys):
+    from gateway.cli import main
+    pages = {}
+    for argv in (["parked", "list", "--help"], ["parked", "replay", "--help"], ["render", "--help"]):
+        assert main(argv, environ={}) == 0
+        pages[argv[1]] = " ".join(capsys.readouterr().out.split())
+    assert "--json" in pages["list"] and "--dry-run" not in pages["list"], pages["list"]
+    assert "--dry-run" in pages["replay"] and "--json" not in pages["replay"], pages["replay"]
+    assert pages["list"].startswith("usage: delay-gateway parked list") and "moves nothing" in pages["list"]
+    assert "(default: definitions)" in pages["--help"], pages["--help"]
+
+
+def test_run_without_its_topology_says_it_in_its_own_words(broker):
+    """--no-declare and nothing declared: exit 3 after its attempts, each logged once as the
+    gateway's own event, and no line carries the AMQP client's text."""
+    prefix = "nothing" + uuid.uuid4().hex[:8]
+    r = cli("run", "--prefix", prefix, "--no-declare", "--log-format", "json", url=broker)
+    assert r.returncode == REFUSED, r.stderr
+    *logged, last = r.stderr.splitlines()
+    assert last.startswith("delay-gateway run: ") and f"'{prefix}.check-in'" in last and "declare" in last, last
+    events = [json.loads(line)["event"] for line in logged]  # every other line: the gateway's JSON events
+    assert events.count("broker_refused") == 3 and "reconnecting" not in events, events
+    for raw in ("ChannelClosedByBroker", "NOT_FOUND - ", "Traceback", "pika"):
+        assert raw not in r.stderr, (raw, r.stderr)

@@ -5,6 +5,7 @@ after the policy's delay, with `x-retry-attempt`; after the last attempt it is p
 `parked replay` starts it over. Gaps are measured from the consumer's reject to the next
 delivery, on the consumer's clock: never shorter than the policy's delay."""
 
+import decimal
 import json
 import subprocess
 import sys
@@ -12,10 +13,12 @@ import time
 from typing import List, Optional, Tuple
 
 import pika
+import pytest
 
+from gateway.commands.status import retries_from_metrics
 from gateway.core import retries
 
-from .support import ROOT, broker_url, chain_args, connect, now_ms, parked_report, report_figures
+from .support import ROOT, broker_url, chain_args, connect, now_ms, parked_report, report_figures, wait_until
 
 POLICIES = [{"queue": "*.fast", "base_ms": 300, "factor": 2, "jitter": 0.2, "attempts": 4},
             {"queue": "*.slow", "base_ms": 1500, "factor": 1, "jitter": 0.2, "attempts": 1}]
@@ -158,8 +161,9 @@ def test_a_policy_sets_the_dead_letter_exchange_on_existing_queues_each_with_its
 
 
 def test_a_waiting_retry_is_cancelled_by_id_and_a_deleted_queue_parks_it(make_chain, run_gateway):
+    """...and counts it as parked, not delivered back; `parked list` shows its reason whole."""
     chain = make_chain(max_level=6, resolution_ms=100)
-    gateway(run_gateway, chain)
+    running = gateway(run_gateway, chain)
     args = retrying(chain)
     kept, gone = Consumer(f"{chain.prefix}.a.slow", args), Consumer(f"{chain.prefix}.b.slow", args)
     try:
@@ -180,9 +184,51 @@ def test_a_waiting_retry_is_cancelled_by_id_and_a_deleted_queue_parks_it(make_ch
         assert kept.next(timeout=2.5) is None  # the cancelled one never comes back
         parked = parked_report(chain)["messages"][0]
         assert parked["message_id"] == "orphan" and "does not exist" in parked["reason"], parked
+        # (the confirm that counts a retry delivered back may reach the gateway after the consumer has it)
+        counts = wait_until(lambda: (c := retries_from_metrics([running.get("/metrics")[1]])).get(
+            kept.queue, {}).get("delivered") == 1 and c, 10, what="kept's retry counted as delivered back")
+        assert counts[gone.queue] == {"scheduled": 1, "delivered": 0, "gave_up": 0, "parked": 1}, counts
+        status = cli(chain, "status", "--metrics-url", f"http://127.0.0.1:{running.port}").stdout
+        assert f"  {gone.queue}: 1 scheduled, 0 delivered back, 0 gave up (parked), 1 parked" in status, status
+        listed = cli(chain, "parked", "list").stdout
+        assert f"unroutable: the retry's queue '{gone.queue}' does not exist" in listed, listed
     finally:
         kept.close()
         gone.close(delete=False)
+
+
+@pytest.mark.parametrize("queue_type,refuse", [("quorum", "reject"), ("quorum", "nack"), ("classic", "nack")])
+def test_a_retried_message_comes_back_as_the_consumer_received_it(make_chain, run_gateway, queue_type, refuse):
+    """Headers of every kind, rejected or nacked: the retry carries exactly the headers the
+    consumer received, plus x-retry-attempt; whatever the broker adds on the way (x-death,
+    x-delivery-count, RabbitMQ 4.3's x-acquired-count) stays behind."""
+    chain = make_chain(max_level=6, resolution_ms=100)
+    gateway(run_gateway, chain)
+    work = Consumer(f"{chain.prefix}.h.fast", retrying(chain, queue_type))
+    try:
+        work.channel.basic_publish("", work.queue, b"job", pika.BasicProperties(
+            message_id="typed", delivery_mode=2, content_type="text/plain", priority=3, correlation_id="c-1",
+            headers={"s": "text", "i": 7, "big": 2**40, "d": decimal.Decimal("1.5"), "b": True, "l": [1, "two"],
+                     "t": {"k": "v"}, "x-custom": "mine"}))
+        tag, first, _, _ = work.next(timeout=10)
+        if refuse == "reject":
+            work.reject(tag)
+        else:
+            work.channel.basic_nack(tag, requeue=False)
+        got = work.next(timeout=10)
+        assert got is not None, "never came back"
+        work.channel.basic_ack(got[0])
+        again = got[1]
+
+        def entries(props, leave=()):
+            return sorted((e.name, e.kind, e.raw) for e in props.wire.headers.entries if e.name not in leave)
+        assert entries(again, (retries.ATTEMPT.encode(),)) == entries(first), \
+            (sorted(again.headers), sorted(first.headers))
+        assert attempts_of(again) == 1
+        for name in ("message_id", "content_type", "priority", "correlation_id", "delivery_mode"):
+            assert getattr(again, name) == getattr(first, name), name
+    finally:
+        work.close()
 
 
 def test_hostile_input_on_the_retry_exchange_is_parked_and_touches_nothing_else(make_chain, run_gateway):
