@@ -46,5 +46,5 @@ class Metrics:
             "scheduled (a retry waits), delivered (sent back to the queue), gave_up (parked after the last "
             "attempt)", ["queue", "outcome"], registry=self.registry)
         self.ready = Gauge(
-            "delay_gateway_ready", "1 while connected and consuming every queue of the role",
-            registry=self.registry)
+            "delay_gateway_ready", "1 while connected and consuming every queue of the role, by the process's "
+            "--role (all: check-in and distributor)", ["role"], registry=self.registry)

@@ -142,7 +142,7 @@ class Session:
             self.ready_since = time.monotonic()
             self.log.info("ready", queues=[p.queue for p in self.pipes])
         self.health.ready(ready, "" if ready else "connecting to the queues")
-        self.metrics.ready.set(int(ready))
+        self.metrics.ready.labels(self.settings.role).set(int(ready))
         self.connection.ioloop.call_later(STOP_POLL_S, self._watch)
 
     def _check_confirms(self) -> None:
@@ -205,7 +205,7 @@ class Session:
 
     def _on_close(self, connection, reason) -> None:
         self.health.ready(False, "connection lost")
-        self.metrics.ready.set(0)
+        self.metrics.ready.labels(self.settings.role).set(0)
         if not self._stopping and self.error is None:  # (else we closed it, and said why)
             self.log.warning("connection_lost", reason=str(reason))
             if isinstance(reason, pika.exceptions.ConnectionClosedByBroker):
@@ -303,6 +303,7 @@ def run(settings: Settings, stop: threading.Event, metrics: Metrics, health: Hea
     """0 once stopped; EXIT_NO_BROKER after connect_timeout without a broker; EXIT_REFUSED
     after FATAL_ATTEMPTS troubles that cannot heal."""
     log = structlog.get_logger("gateway")
+    metrics.ready.labels(settings.role).set(0)  # 0 from the start: an alert sees a process that never gets ready
     urls = itertools.cycle(settings.urls)
     prepared = Preparation(settings, health, cancels)
     reconnects = Reconnects(settings.connect_timeout)
