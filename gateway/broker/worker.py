@@ -254,7 +254,7 @@ def main(settings: Settings) -> int:
         "starting", role=settings.role, brokers=[redact(u) for u in settings.urls], prefix=c.prefix,
         max_level=c.max_level, resolution_ms=c.resolution_ms, queue_type=c.queue_type, zero_bits=c.zero_bits)
     from gateway.broker import upkeep
-    upkeep.start(settings, stop)  # counted as a user of the chain; retires unused chains
+    upkeep.start(settings, stop, metrics)  # counted as a user of the chain; retires unused chains; counts queues
     return run(settings, stop, metrics, health, cancelling.start(settings, metrics, stop))
 
 
