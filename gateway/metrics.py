@@ -41,6 +41,9 @@ class Metrics:
         self.cancellations_held = Gauge(
             "delay_gateway_cancellations_held", "Cancels inside the retention window this process holds",
             registry=self.registry)
+        self.cancellations_following = Gauge(
+            "delay_gateway_cancellations_following", "1 while this process follows the cancellations stream (its "
+            "consumer attached, the stream read to its end once); 0 while it cannot read it", registry=self.registry)
         self.retries = Counter(
             "delay_gateway_retries", "Failed messages by the queue they came from and what became of them: "
             "scheduled (a retry waits), delivered (sent back to the queue), gave_up (parked after the last "
