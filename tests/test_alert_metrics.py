@@ -31,6 +31,15 @@ def test_readiness_is_labelled_with_the_processes_role(make_chain, run_gateway):
     assert ready_by_role(both) == {"all": 1.0}
 
 
+def test_every_consumer_exposes_its_parked_count_from_the_start(make_chain, run_gateway):
+    """At 0 before anything is parked: an alert's increase() sees the first park too."""
+    chain = make_chain(max_level=3, resolution_ms=100)
+    gateway = run_gateway(chain, "--role", "check-in")
+    n = chain.names
+    assert dict((labels["queue"], value) for labels, value in gateway.samples("delay_gateway_parked_total")) == \
+        {n.check_in: 0, n.returning: 0, n.retry: 0}
+
+
 def test_the_queues_ready_messages_are_counted(make_chain, run_gateway):
     """Messages waiting in check-in (no check-in consumer runs) are counted by the upkeep's
     passive declares, and every counted queue has a value."""
