@@ -164,7 +164,7 @@ def test_the_plain_files_own_sed_line_makes_each_runbook_url_a_link(tmp_path):
 
 # -- promtool ---------------------------------------------------------------------------------
 OTHER_VALUES = {"metrics": {"prometheusRule": {"alerts": {
-    "notReady": {"for": "1m", "severity": "page"}, "checkInBacklog": {"messages": 50, "for": "2m"},
+    "notReady": {"for": "1m", "forgetAfter": "2h", "severity": "page"}, "checkInBacklog": {"messages": 50, "for": "2m"},
     "lateness": {"seconds": 5, "for": "30s"}, "parked": {"messages": 10, "window": "1h"},
     "retriesGaveUp": {"messages": 3, "window": "5m"}, "cancellationsNotFollowed": {"for": "90s"},
     "connectionsFlapping": {"connections": 30, "window": "1h"}}}}}
@@ -272,10 +272,10 @@ SCENARIOS: Dict[str, List[dict]] = {
          "series": [series(READY, "1x10 stale", role="check-in", pod="ci-1"),
                     series(READY, "1x40", role="distributor", pod="d-1")],
          "at": {"14m": [], "20m": [not_ready("check-in")]}},
-        {"about": "every pod gone: alerts for an hour after the last sample, then the namespace is forgotten",
+        {"about": "every pod gone: alerts for a day (forgetAfter) after the last sample, then forgets",
          "series": [series(READY, "1x10 stale", role="check-in", pod="ci-1"),
                     series(READY, "1x10 stale", role="distributor", pod="d-1")],
-         "at": {"20m": [not_ready("check-in")], "65m": [not_ready("check-in")], "75m": []}},
+         "at": {"20m": [not_ready("check-in")], "24h5m": [not_ready("check-in")], "24h15m": []}},
         {"about": "a process that never gets ready (0 from its start)",
          "series": [series(READY, "0x20", role="all", pod="gw-1")],
          "at": {"4m": [], "6m": [not_ready("check-in")]}},
@@ -419,9 +419,12 @@ def test_the_thresholds_and_durations_come_from_the_values(tmp_path):
     """With other values the same series fire later, sooner, or not at all."""
     rules = write_rules(tmp_path, rule_groups(OTHER_VALUES))
     scenarios = {
-        # for: 1m (not 5m), severity page
-        "DelayGatewayCheckInNotReady": [{**SCENARIOS["DelayGatewayCheckInNotReady"][0], "at": {
-            "11m": [], "12m": [not_ready("check-in", for_="1m", severity="page")]}}],
+        # for: 1m (not 5m), severity page; all gone: forgotten 2 h after the last sample
+        "DelayGatewayCheckInNotReady": [
+            {**SCENARIOS["DelayGatewayCheckInNotReady"][0], "at": {
+                "11m": [], "12m": [not_ready("check-in", for_="1m", severity="page")]}},
+            {**SCENARIOS["DelayGatewayCheckInNotReady"][2], "at": {
+                "2h5m": [not_ready("check-in", for_="1m", severity="page")], "2h15m": []}}],
         # 50 messages and 2m: 0, 100, 200, ... passes 50 at t=1m, fires at t=3m
         "DelayGatewayCheckInBacklog": [{**SCENARIOS["DelayGatewayCheckInBacklog"][0], "at": {
             "2m": [], "3m": [backlog("300", threshold=50, for_="2m")]}}],
@@ -458,6 +461,7 @@ def test_the_schema_accepts_the_rule_values():
     ({"alerts": {"notReady": {"for": 300}}}, "for"),
     ({"alerts": {"notReady": {"severity": "very bad"}}}, "severity"),
     ({"alerts": {"notReady": {"severity": None}}}, "severity"),  # a null would leave its placeholder
+    ({"alerts": {"notReady": {"forgetAfter": "a day"}}}, "forgetAfter"),
     ({"alerts": {"checkInBacklog": {"messages": -1}}}, "messages"),
     ({"alerts": {"checkInBacklog": {"messages": "1000"}}}, "messages"),
     ({"alerts": {"lateness": {"seconds": 0}}}, "seconds"),
