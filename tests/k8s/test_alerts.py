@@ -119,6 +119,14 @@ def test_a_runbook_base_url_makes_each_runbook_url_a_link():
                 f"https://git.example.com/delay-gateway/blob/main/docs/operating.md#{name.lower()}"
 
 
+def test_numbers_from_the_values_are_written_out_whole():
+    """Helm reads numbers as floats: a million stays 1000000 (not 1e+06), a fraction stays one."""
+    rules = rules_of(rule_groups({"metrics": {"prometheusRule": {"alerts": {
+        "checkInBacklog": {"messages": 1_000_000}, "lateness": {"seconds": 0.25}}}}}))
+    assert "> 1000000\n" in rules["DelayGatewayCheckInBacklog"]["expr"]
+    assert rules["DelayGatewayLateDeliveries"]["expr"].endswith(") > 0.25\n")
+
+
 def test_additional_rules_join_the_group():
     mine = [{"alert": "OrdersDelayedTooLong", "expr": "vector(1)", "for": "1m", "labels": {"severity": "info"},
              "annotations": {"summary": "ours"}},
