@@ -3,7 +3,7 @@ PrometheusRule only when metrics.prometheusRule.enabled, with thresholds from it
 deploy/prometheus/delay-gateway-rules.yaml is exactly what it renders with its defaults;
 Prometheus's own promtool (scripts/ensure-promtool) checks them, and runs each alert
 against series that make it fire, stay quiet, and resolve; each alert's runbook_url is a
-section of docs/operating.md. A few seconds."""
+section of docs/operating.md. About 10 s."""
 
 import re
 import shutil
