@@ -41,10 +41,17 @@ class Metrics:
         self.cancellations_held = Gauge(
             "delay_gateway_cancellations_held", "Cancels inside the retention window this process holds",
             registry=self.registry)
+        self.cancellations_following = Gauge(
+            "delay_gateway_cancellations_following", "1 while this process follows the cancellations stream (its "
+            "consumer attached, the stream read to its end once); 0 while it cannot read it", registry=self.registry)
         self.retries = Counter(
             "delay_gateway_retries", "Failed messages by the queue they came from and what became of them: "
             "scheduled (a retry waits), delivered (sent back to the queue), gave_up (parked after the last "
             "attempt)", ["queue", "outcome"], registry=self.registry)
-        self.ready = Gauge(
-            "delay_gateway_ready", "1 while connected and consuming every queue of the role",
+        self.queue_messages = Gauge(
+            "delay_gateway_queue_messages", "Ready messages in the gateway's own queues, by queue, from a passive "
+            "declare every 15 s (absent while this process has no connection for its upkeep)", ["queue"],
             registry=self.registry)
+        self.ready = Gauge(
+            "delay_gateway_ready", "1 while connected and consuming every queue of the role, by the process's "
+            "--role (all: check-in and distributor)", ["role"], registry=self.registry)

@@ -110,6 +110,7 @@ class Follower:
         self._next: Optional[int] = None  # the stream offset to resume from
         self._mark: Optional[bytes] = None
         self._pruned = 0.0
+        metrics.cancellations_following.set(0)
 
     def wait_ready(self) -> Optional[Trouble]:
         """Block until the stream was read to its end, or stop: None. Or why it cannot be, once
@@ -162,6 +163,7 @@ class Follower:
                 failures += 1
                 self.log.exception("cancellations_failed")
             finally:
+                self.metrics.cancellations_following.set(0)
                 if connection is not None and connection.is_open:
                     try:
                         connection.close()
@@ -176,10 +178,14 @@ class Follower:
         channel = connection.channel()
         channel.queue_declare(self.names.cancellations, passive=True)
         channel.basic_qos(prefetch_count=PREFETCH)
+        ended: List[object] = []  # the broker cancelled the consumer: the stream deleted, or its member gone
+        channel.add_on_cancel_callback(ended.append)
         channel.basic_consume(self.names.cancellations, self._on_record,
                               arguments={"x-stream-offset": self._start()})
         self.problem = None  # consuming: a passive declare needs no permission, a consume does
-        if not self.ready.is_set():
+        if self.ready.is_set():  # back, reading on from where it stopped
+            self.metrics.cancellations_following.set(1)
+        else:
             # The stream's end, as of now: a record of our own. Read back, everything before
             # it has been read.
             self._mark = uuid.uuid4().hex.encode()
@@ -188,12 +194,14 @@ class Follower:
             publisher.basic_publish(self.names.cancellations, "", b"", codec.WireProperties(cancels.mark(self._mark)),
                                     mandatory=True)
             publisher.close()
-        while not self.stop.is_set():
+        while not self.stop.is_set() and not ended:
             connection.process_data_events(time_limit=0.2)
             if time.monotonic() - self._pruned > PRUNE_EVERY_S:
                 self._pruned = time.monotonic()
                 self.store.prune(wall_ms())
                 self.metrics.cancellations_held.set(len(self.store))
+        if ended:  # (run connects again and reads on from where it stopped)
+            self.log.warning("cancellations_consumer_cancelled", queue=self.names.cancellations)
 
     def _on_record(self, channel, method, properties, body) -> None:
         headers = properties.wire.headers  # (a codec connection: exact headers)
@@ -206,6 +214,7 @@ class Follower:
         elif self._mark is not None and cancels.read_mark(headers) == self._mark:
             self._mark = None
             self.ready.set()
+            self.metrics.cancellations_following.set(1)
             self.metrics.cancellations_held.set(len(self.store))
             self.log.info("cancellations_read", held=len(self.store), window_s=self.store.window_us // 1_000_000)
         channel.basic_ack(method.delivery_tag)

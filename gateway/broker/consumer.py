@@ -41,6 +41,8 @@ class Telemetry:
         self._queue, self._metrics, self._log = queue, metrics, log
         # Per-message hot path: .labels() costs a lock and a lookup; look each one up once.
         self._counters: Dict[Way, Count] = {}
+        # Exposed at 0 from the start: an alert's increase() sees this consumer's first park too.
+        metrics.parked.labels(queue)
 
     def forwarded(self, action: Action) -> None:
         counter = self._counters.get(action.outcome)

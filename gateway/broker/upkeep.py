@@ -9,7 +9,10 @@ worker.main), so the consumers never wait for it and it never touches their conn
 - it appends a `declared` record for its chain when the registry lacks one, or when
   retiring some of the chain's queues had begun (this cancels that retirement);
 - every tick, with `--retire` (the default), it retires chains of the same prefix that
-  have had no gateway for `--retire-after` seconds (topology/retirement.py says how).
+  have had no gateway for `--retire-after` seconds (topology/retirement.py says how);
+- every 15 s it counts the ready messages of the gateway's own queues (one passive declare
+  each) for the metric `delay_gateway_queue_messages`, which the alerts on a check-in
+  backlog read.
 
 Automatic rather than a separate step because a `helm upgrade` that changes the chain is
 then complete by itself: old replicas stop, their chain drains into the shared queues and
@@ -20,23 +23,49 @@ the same retirement once, for deployments that turn it off.
 import itertools
 import threading
 import time
-from typing import Callable, List, Optional, Set
+from typing import Callable, List, Optional, Set, Tuple
 
 import structlog
 from pika.exceptions import AMQPError
 
-from topology.broker.inventory import Executor, Look, Prober, append, look_at_generation, read_registry
+from topology.broker.inventory import Executor, Look, Prober, Unknown, append, look_at_generation, read_registry
 from topology.model import PRESENCE_ARGUMENTS
+from topology.names import Names
 from topology.registry import ChainKey, Record, Registry, fold
 from topology.retirement import Step, Unused, plan
 
 from gateway.broker import codec
 from gateway.broker.amqp import classify, parameters, unreachable
 from gateway.clock import wall_ms
+from gateway.metrics import Metrics
 from gateway.settings import Settings, redact
 
 TICK_MAX_S = 30.0
 TICK_MIN_S = 0.5
+COUNT_EVERY_S = 15.0  # the queues' ready messages, for the metrics
+
+
+def counted_queues(names: Names) -> Tuple[str, ...]:
+    """The queues whose ready messages the metrics export: where a backlog means a consumer
+    of the gateway's falls behind (or, parked, that messages wait for a person)."""
+    return (names.check_in, names.returning, names.retry, names.distributor, names.parking, names.parked)
+
+
+def count_queues(prober: Prober, queues: Tuple[str, ...], metrics: Metrics) -> None:
+    """One passive declare per queue; a queue that is missing, or that cannot be looked at,
+    has no value rather than an old one."""
+    for queue in queues:
+        try:
+            found = prober.queue(queue)
+        except Unknown:
+            found = None
+        if found is None:
+            try:
+                metrics.queue_messages.remove(queue)
+            except KeyError:
+                pass
+        else:
+            metrics.queue_messages.labels(queue).set(found.messages)
 
 
 def tick_s(retire_after_s: float) -> float:
@@ -101,8 +130,8 @@ def retire_once(connection, prefix: str, own: ChainKey, unused: Unused, grace_ms
 
 
 class Upkeep:
-    def __init__(self, settings: Settings, stop: threading.Event) -> None:
-        self.settings, self.stop = settings, stop
+    def __init__(self, settings: Settings, stop: threading.Event, metrics: Optional[Metrics] = None) -> None:
+        self.settings, self.stop, self.metrics = settings, stop, metrics
         self.chain = settings.chain
         self.key = ChainKey.of(self.chain)
         self.names = self.chain.names
@@ -140,6 +169,8 @@ class Upkeep:
                 self.log.exception("upkeep_failed")
             finally:
                 self.attached.clear()
+                if self.metrics is not None:  # no connection: no counts, rather than old ones
+                    self.metrics.queue_messages.clear()
                 if connection.is_open:
                     try:
                         connection.close()
@@ -168,6 +199,8 @@ class Upkeep:
         self._attach(connection)
         grace_ms = margin_ms = int(self.settings.retire_after * 1000)
         misses = 0
+        prober, counted_at = Prober(connection), float("-inf")
+        queues = counted_queues(self.names)
         while not self.stop.is_set():
             if self._cancelled:
                 self._attach(connection)
@@ -189,6 +222,9 @@ class Upkeep:
                             self._report, registry=registry)
             deadline = time.monotonic() + tick
             while not self.stop.is_set() and time.monotonic() < deadline:
+                if self.metrics is not None and time.monotonic() - counted_at >= COUNT_EVERY_S:
+                    counted_at = time.monotonic()
+                    count_queues(prober, queues, self.metrics)
                 connection.process_data_events(time_limit=min(0.2, max(0.0, deadline - time.monotonic())))
 
     def _report(self, event: str, **fields) -> None:
@@ -197,8 +233,8 @@ class Upkeep:
         getattr(self.log, level)(event, **fields)
 
 
-def start(settings: Settings, stop: threading.Event) -> Upkeep:
+def start(settings: Settings, stop: threading.Event, metrics: Optional[Metrics] = None) -> Upkeep:
     """Run the upkeep in a daemon thread until `stop` is set."""
-    upkeep = Upkeep(settings, stop)
+    upkeep = Upkeep(settings, stop, metrics)
     threading.Thread(target=upkeep.run, name="upkeep", daemon=True).start()
     return upkeep

@@ -142,7 +142,7 @@ class Session:
             self.ready_since = time.monotonic()
             self.log.info("ready", queues=[p.queue for p in self.pipes])
         self.health.ready(ready, "" if ready else "connecting to the queues")
-        self.metrics.ready.set(int(ready))
+        self.metrics.ready.labels(self.settings.role).set(int(ready))
         self.connection.ioloop.call_later(STOP_POLL_S, self._watch)
 
     def _check_confirms(self) -> None:
@@ -205,7 +205,7 @@ class Session:
 
     def _on_close(self, connection, reason) -> None:
         self.health.ready(False, "connection lost")
-        self.metrics.ready.set(0)
+        self.metrics.ready.labels(self.settings.role).set(0)
         if not self._stopping and self.error is None:  # (else we closed it, and said why)
             self.log.warning("connection_lost", reason=str(reason))
             if isinstance(reason, pika.exceptions.ConnectionClosedByBroker):
@@ -254,7 +254,7 @@ def main(settings: Settings) -> int:
         "starting", role=settings.role, brokers=[redact(u) for u in settings.urls], prefix=c.prefix,
         max_level=c.max_level, resolution_ms=c.resolution_ms, queue_type=c.queue_type, zero_bits=c.zero_bits)
     from gateway.broker import upkeep
-    upkeep.start(settings, stop)  # counted as a user of the chain; retires unused chains
+    upkeep.start(settings, stop, metrics)  # counted as a user of the chain; retires unused chains; counts queues
     return run(settings, stop, metrics, health, cancelling.start(settings, metrics, stop))
 
 
@@ -303,6 +303,7 @@ def run(settings: Settings, stop: threading.Event, metrics: Metrics, health: Hea
     """0 once stopped; EXIT_NO_BROKER after connect_timeout without a broker; EXIT_REFUSED
     after FATAL_ATTEMPTS troubles that cannot heal."""
     log = structlog.get_logger("gateway")
+    metrics.ready.labels(settings.role).set(0)  # 0 from the start: an alert sees a process that never gets ready
     urls = itertools.cycle(settings.urls)
     prepared = Preparation(settings, health, cancels)
     reconnects = Reconnects(settings.connect_timeout)

@@ -319,7 +319,8 @@ def test_kubernetes_tooling_reads_every_rendered_document(tmp_path):
     would let pass, is an error there. Every template's output, in both topology modes, and
     the CLI's operator rendering."""
     texts = []
-    for values, namespace in (({}, "job"), ({"topology": OPERATOR, "maxLevel": 5}, "operator")):
+    for values, namespace in (({"metrics": {"prometheusRule": {"enabled": True}}}, "job"),
+                              ({"topology": OPERATOR, "maxLevel": 5}, "operator")):
         with helm.Chart.load(str(CHART)) as chart:  # two namespaces: no object appears twice
             texts += [t for p, t in chart.render(values, name="delay-gateway", namespace=namespace).items()
                       if not p.endswith("NOTES.txt") and t.strip()]
