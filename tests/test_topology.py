@@ -42,7 +42,7 @@ def test_classic_chains_carry_no_quorum_arguments_and_have_classic_exits():
         if (t.in_chain(q.name) or q.name in exits) and q.role != "presence":
             assert q.arguments["x-queue-type"] == "classic"
             assert not {"x-dead-letter-strategy", "x-overflow", "x-delivery-limit"} & set(q.arguments)
-        elif q.role not in ("registry", "cancellations"):  # (streams)
+        elif q.role not in ("registry", "cancellations", "waiting"):  # (streams)
             assert q.arguments["x-queue-type"] == "quorum"
     # a classic queue dead-letters at most once: never into a quorum queue, which is not up
     # yet while the broker starts
@@ -65,6 +65,8 @@ def test_the_contract_exchanges_take_no_arguments_and_the_chains_catch_stray_key
     for e in t.exchanges:
         if e.name in ("d.check-in", "d.pick-up"):
             assert (e.type, dict(e.arguments), e.internal) == ("topic", {}, False)
+        elif e.name == "d.waiting":  # a record no stream takes comes back (mandatory) and is dropped, not parked
+            assert (e.type, dict(e.arguments)) == ("topic", {})
         elif e.type == "topic":
             assert e.arguments == {"alternate-exchange": "d.parking"}
     assert t.exchange("d.returning").internal  # only dead-lettering reaches it
@@ -75,7 +77,8 @@ def test_a_chain_with_other_settings_has_other_names_and_max_level_only_adds_lev
     c = build(ChainSettings(prefix="d", max_level=3, resolution_ms=100))
     fixed = {q.name for q in a.queues if not a.in_chain(q.name)}
     assert fixed == {"d.check-in", "d.returning", "d.distributor", "d.parking", "d.parked", "d.chains",
-                     "d.cancellations", "d.retry"}
+                     "d.cancellations", "d.retry", "d.waiting.00", "d.waiting.01", "d.waiting.02",
+                     "d.waiting.done"}
     assert {q.name for q in a.queues} - {q.name for q in b.queues} == {
         "d.1000ms-quorum-queue.meditation.03", "d.1000ms-quorum-queue.gateways.03"}
     levels = {q.name: dict(q.arguments) for q in b.queues}
@@ -111,9 +114,11 @@ def test_the_cancel_objects_are_part_of_the_topology():
 def test_definitions_list_every_object():
     t = build(ChainSettings(prefix="d", max_level=5))
     doc = json.loads(render(t, vhost="v"))
-    assert len(doc["exchanges"]) == len(t.exchanges) == 8 + 3 + 5  # with the registry's, the cancel and retry ones
-    assert len(doc["queues"]) == len(t.queues) == 8 + 2 + 2 * 5  # the registry, gateways, cancellations, retry
-    assert len(doc["bindings"]) == len(t.bindings) == 7 + 3 + 2 * 5
+    # with the registry's, the cancel, retry and waiting ones
+    assert len(doc["exchanges"]) == len(t.exchanges) == 8 + 3 + 5 + 1
+    # the registry, gateways, cancellations, retry; the waiting streams (bands 0-3 for laps of 31 s, done)
+    assert len(doc["queues"]) == len(t.queues) == 8 + 2 + 2 * 5 + 5
+    assert len(doc["bindings"]) == len(t.bindings) == 7 + 3 + 2 * 5 + 5
     assert [e["internal"] for e in doc["exchanges"]].count(True) == 1
     assert {o["vhost"] for kind in doc.values() for o in kind} == {"v"}
 
@@ -213,3 +218,19 @@ def test_broker_topic_matching_agrees_with_the_level_patterns(broker, max_level)
                 got[body.decode()].add(level_bit)
         assert got == sent
         ch.exchange_delete(ex)
+
+
+def test_the_waiting_streams_cover_a_lap_and_keep_a_span_and_an_hour():
+    """One stream per band up to the chain's lap (4^b s each), one of done records, all
+    behind `<prefix>.waiting` by band; retention: the band's span plus an hour."""
+    t = build(ChainSettings(prefix="d"))  # a lap of 2^20 - 1 s: bands 0 to 10
+    streams = {q.name: dict(q.arguments) for q in t.queues if q.role == "waiting"}
+    assert list(streams) == [f"d.waiting.{b:02d}" for b in range(11)] + ["d.waiting.done"]
+    assert streams["d.waiting.00"] == {"x-queue-type": "stream", "x-max-age": "3601s",
+                                       "x-stream-max-segment-size-bytes": 4_000_000}
+    assert streams["d.waiting.10"]["x-max-age"] == f"{4**10 + 3600}s" and streams["d.waiting.done"]["x-max-age"] == \
+        "3600s"
+    assert {(b.routing_key, b.destination) for b in t.bindings_from("d.waiting")} == {
+        (name.rsplit(".", 1)[1], name) for name in streams}
+    # more levels, more bands (a chain of other settings adds to what is there)
+    assert len([q for q in build(ChainSettings(prefix="d", max_level=28)).queues if q.role == "waiting"]) == 16

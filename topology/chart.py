@@ -2,11 +2,12 @@
 holds no second copy of the topology's logic:
 
 - `files/topology.json`: for each queue type x zero-bits mode, the operator resources
-  (topology/operator.py) of the fixed objects, of each level 0..37 and of each meditation
-  size, with the prefix, the resolution and the cancellations stream's retention as the only
-  placeholders and every number that scales with the resolution given in units. The chart's
-  template only picks the levels below maxLevel and the meditation of maxLevel, substitutes,
-  and multiplies.
+  (topology/operator.py) of the fixed objects, of each level 0..37, of each meditation size
+  and of each band of the waiting streams, with the prefix, the resolution and the
+  cancellations stream's retention as the only placeholders and every number that scales
+  with the resolution given in units. The chart's template only picks the levels below
+  maxLevel, the meditation of maxLevel and the bands a lap needs, substitutes, and
+  multiplies.
 - the `allOf` of `values.schema.json`: for each max level, the resolutions above which
   RabbitMQ's 10-year TTL cap rules it out (settings.max_level_for), and the choices of
   queueType and zeroBits.
@@ -19,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
+from topology import waiting as index
 from topology.model import build
 from topology.names import generation
 from topology.operator import ClusterReference, resources
@@ -47,10 +49,14 @@ def _rendered(chain: ChainSettings) -> Dict[Tuple[str, str], Json]:
 
 
 def _group(chain: ChainSettings, d: Json) -> Tuple[str, int]:
-    """Which part of the chain an object belongs to: ("fixed", 0), ("level", k) or
-    ("meditation", max_level), by the names the topology gives them."""
+    """Which part of the chain an object belongs to: ("fixed", 0), ("level", k),
+    ("meditation", max_level) or ("waiting", band), by the names the topology gives them."""
     n = chain.names
     name = d["spec"].get("name") or d["spec"]["source"]
+    stream = d["spec"].get("name") or d["spec"].get("destination")
+    for b in range(index.BANDS):
+        if stream == n.waiting_stream(index.band_key(b)):
+            return "waiting", b
     if name in (chain.meditation, n.gateways(chain.max_level)):  # the objects of one max level
         return "meditation", chain.max_level
     for k in range(chain.max_level):
@@ -101,7 +107,16 @@ def chain_data(queue_type: str, zero_bits: str) -> Json:
     fixed: List[Json] = []
     levels: List[List[Json]] = [[] for _ in range(top)]
     meditation: List[List[Json]] = [[] for _ in range(top)]
+    waiting: List[List[Json]] = [[] for _ in range(index.BANDS)]
     seen = set()
+    # (every band: a lap of nearly 10 years, the longest RabbitMQ allows, needs all of them)
+    longest = ChainSettings(prefix=_MARK, max_level=18, resolution_ms=1_200_000, queue_type=queue_type,
+                            zero_bits=zero_bits)
+    for key, d in _rendered(longest).items():
+        group, b = _group(longest, d)
+        if group == "waiting":
+            seen.add(key)
+            waiting[b].append(_symbolic(d, 1_200_000, queue_type, zero_bits, {}))
     for size in range(1, top + 1):
         one = ChainSettings(prefix=_MARK, max_level=size, resolution_ms=1, queue_type=queue_type, zero_bits=zero_bits)
         two = _rendered(ChainSettings(prefix=_MARK, max_level=size, resolution_ms=2, queue_type=queue_type,
@@ -118,9 +133,13 @@ def chain_data(queue_type: str, zero_bits: str) -> Json:
                 fixed.append(entry)
             elif group == "level":
                 levels[k].append(entry)
+            elif group == "waiting":
+                raise AssertionError(f"band {k} missing from the longest chain's")
             else:
                 meditation[k - 1].append(entry)
-    return {"fixed": fixed, "levels": levels, "meditation": meditation}
+    if not all(waiting):
+        raise AssertionError("a band has no objects")
+    return {"fixed": fixed, "levels": levels, "meditation": meditation, "waiting": waiting}
 
 
 def chart_data() -> Json:
@@ -129,7 +148,8 @@ def chart_data() -> Json:
                  f"Placeholders: {PREFIX} (the prefix), {RESOLUTION} (resolutionMs) and {CANCEL_MAX_AGE} (the "
                  "cancellations stream's x-max-age: 2^maxLevel x resolutionMs + 1 day, in s); unitsArguments are "
                  "queue arguments in units of resolutionMs. levels[k]: the objects of level k; meditation[n-1]: "
-                 "the meditation objects of maxLevel n.",
+                 "the meditation objects of maxLevel n; waiting[b]: the waiting stream of band b, for laps "
+                 "((2^maxLevel - 1) x resolutionMs) above 4^(b-1) s.",
         "chains": {f"{q}-{z}": chain_data(q, z) for q in QUEUE_TYPES for z in ZERO_BITS},
     }
 
@@ -177,7 +197,8 @@ def data_text() -> str:
     chains = list(data["chains"].items())
     for i, (name, chain) in enumerate(chains):
         lines.append(f"{json.dumps(name)}: {{")
-        parts = [("fixed", [chain["fixed"]]), ("levels", chain["levels"]), ("meditation", chain["meditation"])]
+        parts = [("fixed", [chain["fixed"]]), ("levels", chain["levels"]), ("meditation", chain["meditation"]),
+                 ("waiting", chain["waiting"])]
         for j, (part, groups) in enumerate(parts):
             lines.append(f'"{part}": [' if part != "fixed" else '"fixed":')
             for g, group in enumerate(groups):

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Dict, Mapping, Optional, Tuple
 
+from topology import waiting as index
 from topology.encoding import level_pattern
 from topology.settings import ChainSettings
 
@@ -26,7 +27,7 @@ AT_LEAST_ONCE = {"x-dead-letter-strategy": "at-least-once", "x-overflow": "rejec
 
 # What each queue is for: `status` and `migrate` read these, not the names.
 ROLES = ("check-in", "returning", "distributor", "parking", "parked", "meditation", "delay", "pass",
-         "registry", "presence", "cancellations", "retry")
+         "registry", "presence", "cancellations", "retry", "waiting")
 # The record of declared chains is a stream: any number of readers can read it from the
 # start at the same time without taking anything away (a queue read with basic.get hides
 # what one reader holds from the others, and on 4.x counts each look against the delivery
@@ -198,6 +199,10 @@ def build(settings: ChainSettings, cancel_window: Optional[int] = None) -> Topol
         # Failed messages to retry later: the dead-letter exchange of the users' queues
         # (docs/retries.md); no arguments, so a plain declare of it succeeds.
         Exchange(n.retry, "fanout"),
+        # The index of what waits (topology/waiting.py): one stream per band and one of done
+        # records, behind one exchange keyed by band (no wildcards: a direct exchange, declared
+        # as a topic one like the others).
+        Exchange(n.waiting, "topic"),
     ] + [Exchange(n.level(k), "topic", catch) for k in range(settings.max_level)]
 
     queues = [
@@ -226,6 +231,12 @@ def build(settings: ChainSettings, cancel_window: Optional[int] = None) -> Topol
         Binding(n.retry, n.retry),
         Binding(n.cancellations, n.cancellations),
     ]
+    # every wait of this chain fits its bands: a lap, or one pass (the lead and carrier wait a
+    # pass adds beyond a lap go in the top band: a reader reads a minute more than a span)
+    for key in [index.band_key(b) for b in range(index.bands(settings))] + [index.DONE]:
+        queues.append(Queue(n.waiting_stream(key), {"x-queue-type": "stream", "x-max-age": f"{index.max_age_s(key)}s",
+                                                    "x-stream-max-segment-size-bytes": index.SEGMENT_BYTES}, "waiting"))
+        bindings.append(Binding(n.waiting, n.waiting_stream(key), key))
     if settings.queue_type != "quorum":  # the chain's own exits (names.exit_distributor)
         for name, role, internal in ((n.exit_returning(settings.queue_type), "returning", True),
                                      (n.exit_distributor(settings.queue_type), "distributor", False)):

@@ -102,6 +102,16 @@ class Names:
         return self._("retry")
 
     @property
+    def waiting(self) -> str:
+        """Exchange (topic, exact keys) in front of the waiting streams: the index of what waits, which
+        `delay-gateway pending` reads (gateway/core/waiting.py)."""
+        return self._("waiting")
+
+    def waiting_stream(self, key: str) -> str:
+        """A waiting stream, by its routing key: a band ("00", "01", ...) or "done"."""
+        return f"{self.waiting}.{key}"
+
+    @property
     def registry(self) -> str:
         """The stream that records each chain declared under this prefix."""
         return self._("chains")

@@ -180,6 +180,7 @@ def test_settings_are_the_gateways_options_and_its_parser_reads_them(tmp_path):
     values = {"prefix": "px", "maxLevel": 7, "resolutionMs": 250, "queueType": "classic", "zeroBits": "exchange",
               "leadMs": 120, "prefetch": 5, "distributorPrefetch": 600, "stampDueAt": True, "metricsPort": 9100,
               "logLevel": "debug", "logFormat": "console", "retire": False, "retireAfterSeconds": 30,
+              "pendingIndex": False,
               "carrierMessages": 50, "carrierWaitMs": 7, "carrierBytes": 65536, "confirmTimeoutSeconds": 9,
               "retryBaseMs": 250, "retryFactor": 2.5, "retryCapMs": 60000, "retryAttempts": 4, "retryJitter": 0.5,
               "retryPolicies": [{"queue": "q.*", "attempts": 1}], "retryQueues": "q.*,jobs",

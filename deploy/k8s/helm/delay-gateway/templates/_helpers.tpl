@@ -81,6 +81,7 @@ DELAY_GATEWAY_LOG_FORMAT: {{ .Values.logFormat | quote }}
 DELAY_GATEWAY_CONFIRM_TIMEOUT: {{ .Values.confirmTimeoutSeconds | toString | quote }}
 DELAY_GATEWAY_RETIRE: {{ .Values.retire | toString | quote }}
 DELAY_GATEWAY_RETIRE_AFTER: {{ .Values.retireAfterSeconds | toString | quote }}
+DELAY_GATEWAY_PENDING_INDEX: {{ .Values.pendingIndex | toString | quote }}
 DELAY_GATEWAY_RETRY_BASE_MS: {{ int64 .Values.retryBaseMs | quote }}
 DELAY_GATEWAY_RETRY_FACTOR: {{ .Values.retryFactor | toString | quote }}
 DELAY_GATEWAY_RETRY_CAP_MS: {{ int64 .Values.retryCapMs | quote }}
