@@ -21,6 +21,11 @@ class Way(str, Enum):
     RECHECK = "recheck"  # reached the distributor far too early: back into the chain
     HANDED_BACK = "handed back"  # held when the gateway stopped: back to the distributor queue
     CANCEL = "cancel"  # a cancel's record, into the cancellations stream
+    INDEX = "index"  # a record of what waits, into a waiting stream (waiting.py)
+
+
+STAYS = (Way.CHAIN, Way.MEDITATION, Way.DISTRIBUTOR, Way.RECHECK)  # sent on to wait
+LEAVES = (Way.DELIVERED, Way.RETRIED, Way.PARKED)  # sent on to leave the gateway
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,9 @@ no read time (in a queue since before this version) is cancelled by any cancel h
 id: it was accepted before any cancel could be.
 """
 
+import base64
+import struct
+import zlib
 from collections import deque
 from dataclasses import dataclass
 from typing import Deque, Dict, Optional, Tuple
@@ -39,6 +42,29 @@ RECORD_AT = "x-gateway-cancelled-us"
 RECORD_ARRIVED = "x-gateway-cancel-arrived-ms"
 # On a record a gateway appends to find the stream's end (see broker/cancelling.py).
 RECORD_MARK = "x-gateway-mark"
+
+
+def handle(read_us: int, routing_key: bytes) -> str:
+    """What `delay-gateway pending` lists a message by when it has no message id, and what a
+    cancel names to cancel exactly that message (any message, id or not): its read time and
+    its routing key's checksum, as '@' and 20 letters and digits."""
+    raw = _HANDLE.pack(read_us, zlib.crc32(routing_key))
+    return "@" + base64.b32encode(raw).decode("ascii").rstrip("=").lower()
+
+
+def handle_read_us(text: bytes) -> Optional[int]:
+    """The read time a handle names; None if `text` is not a handle."""
+    if not text.startswith(b"@") or len(text) != HANDLE_BYTES:
+        return None
+    try:
+        raw = base64.b32decode(text[1:].upper() + b"====")
+    except ValueError:
+        return None
+    return int(_HANDLE.unpack(raw)[0])
+
+
+_HANDLE = struct.Struct(">qI")
+HANDLE_BYTES = 21
 
 
 class BadCancel(ValueError):
@@ -165,6 +191,9 @@ class Store:
         self.window_us = window_ms * 1000
         self._held: Dict[bytes, Held] = {}
         self._order: Deque[Tuple[int, bytes]] = deque()  # as added: (read time, id)
+        # the read times the handles among the ids name (a message is looked up by its
+        # handle only when its read time is one of them: cheap for all the others)
+        self.handle_times: Dict[int, int] = {}
         self.added = 0
         self.newest_read_us = 0  # of every cancel held: where a new Sequencer starts
 
@@ -179,6 +208,9 @@ class Store:
         held = self._held.get(message_id)
         if held is None:
             held = self._held[message_id] = Held()
+            named = handle_read_us(message_id)
+            if named is not None:
+                self.handle_times[named] = self.handle_times.get(named, 0) + 1
         held.add(at)
         self.newest_read_us = max(self.newest_read_us, at.read_us)
         self._order.append((at.read_us, message_id))
@@ -202,6 +234,11 @@ class Store:
             if held is not None and held.newest_read_us == at:
                 del self._held[mid]
                 gone += 1
+                named = handle_read_us(mid)
+                if named is not None:
+                    left = self.handle_times.pop(named) - 1
+                    if left:
+                        self.handle_times[named] = left
         return gone
 
     @property

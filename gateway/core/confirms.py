@@ -24,6 +24,9 @@ class Publication(Generic[P]):
     refused: int = 0  # how often the broker refused it (basic.nack)
     returned: bool = False  # came back unroutable
     parking: bool = False  # it is already a parked copy
+    # A record beside the messages (the index of what waits): returned or refused by the
+    # broker, it is dropped, and its deliveries go on as if it had been confirmed.
+    side: bool = False
     sent_ms: int = 0  # when it was sent (set by whoever has the clock)
 
 
@@ -38,6 +41,7 @@ class Outcome(Generic[P]):
     guilty: List[Publication[P]] = field(default_factory=list)  # refused by the broker: park it
     reject: List[int] = field(default_factory=list)  # nack without requeue: the broker dead-letters them
     confirmed: List[Publication[P]] = field(default_factory=list)  # acknowledged by the broker
+    dropped: List[Publication[P]] = field(default_factory=list)  # side records the broker would not take
 
 
 class Window(Generic[P]):
@@ -81,7 +85,9 @@ class Window(Generic[P]):
                 pub.refused += 1
                 out.refused.append(pub)
                 continue
-            if pub.returned and not pub.parking:
+            if pub.returned and pub.side:
+                out.dropped.append(pub)
+            elif pub.returned and not pub.parking:
                 out.returned.append(pub)  # the consumer publishes a parked copy for its tags
             out.confirmed.append(pub)
         out.send = self._pump()

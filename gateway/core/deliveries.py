@@ -183,14 +183,15 @@ class Deliveries(Generic[P, H]):
 
     # -- publishes ------------------------------------------------------------------------
     def publish(self, tags: Tuple[int, ...], payload: P, finishing: Optional[Iterable[int]] = None,
-                parking: bool = False) -> Outcome[P]:
+                parking: bool = False, side: bool = False) -> Outcome[P]:
         """Publish `payload` for these deliveries; for those in `finishing` (default: all) it
-        is the last publish they will become."""
+        is the last publish they will become. A `side` record (confirms.Publication) is
+        dropped if the broker will not take it."""
         for tag in tags:
             self._deliveries[tag].pending += 1
         for tag in (tags if finishing is None else finishing):
             self._deliveries[tag].finished = True
-        return self._window.add(Publication(tuple(tags), payload, parking=parking))
+        return self._window.add(Publication(tuple(tags), payload, parking=parking, side=side))
 
     def retry(self, pub: Publication[P]) -> Outcome[P]:
         """Send a refused publication again (its deliveries still wait for it)."""
@@ -228,7 +229,14 @@ class Deliveries(Generic[P, H]):
         """The broker closed the publishing channel (the connection is still open)."""
         out = self._window.closed()
         for pub in out.guilty:
-            if pub.parking:  # even its parked copy is refused: let the broker dead-letter it
+            if pub.side:  # a record the broker refuses: without it, as if confirmed
+                out.dropped.append(pub)
+                for tag in pub.tags:
+                    d = self._deliveries.get(tag)
+                    if d is not None:
+                        d.pending -= 1
+                        self._settle(tag, d)
+            elif pub.parking:  # even its parked copy is refused: let the broker dead-letter it
                 out.reject.extend(t for t in pub.tags if t in self._deliveries)
                 for tag in out.reject:
                     self.reject(tag)
@@ -236,7 +244,7 @@ class Deliveries(Generic[P, H]):
                 for tag in pub.tags:
                     if tag in self._deliveries:
                         self._deliveries[tag].pending -= 1
-        out.guilty = [p for p in out.guilty if not p.parking]
+        out.guilty = [p for p in out.guilty if not p.parking and not p.side]
         return out
 
     # -- the consuming channel ------------------------------------------------------------

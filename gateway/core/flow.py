@@ -29,12 +29,14 @@ from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from topology.names import Names
 
-from gateway.core import envelope, handlers
-from gateway.core.actions import Delivery, Enqueue, Forward, Way
+from gateway.core import envelope, handlers, waiting
+from gateway.core.actions import LEAVES, STAYS, Delivery, Enqueue, Forward, Way
 from gateway.core.effects import Effects, Handler, Member, Observer, Payload, Sent
 from gateway.core.carrier import Batch, Batcher, Entry
 from gateway.core.deliveries import Deliveries, Outcome
+from gateway.core.wire import Properties
 
+RECORD = Properties.build(delivery_mode=2)  # a record of what waits (streams keep everything anyway)
 ACK_FLUSH_MS = 5  # acknowledgements wait this long for others to share one frame
 ACK_BATCH = 500  # ... or until this many are due
 # A publish the broker refuses (basic.nack: a quorum queue without a leader during a
@@ -53,8 +55,10 @@ class Flow:
 
     def __init__(self, queue: str, names: Names, handler: Handler, observer: Observer,
                  batcher: Optional[Batcher] = None, still_wanted: Optional[Callable[[Forward], bool]] = None,
-                 prefetch: int = 0) -> None:
+                 prefetch: int = 0, recorder: Optional[waiting.Recorder] = None) -> None:
         self._names, self._handler, self._observer = names, handler, observer
+        self._recorder = recorder  # the index of what waits (None: not kept)
+        self._refused_records = 0
         # With this many deliveries outstanding the broker sends no more until we acknowledge
         # some: open batches then close at once, as no message can join them (0: no limit).
         self._prefetch = prefetch
@@ -95,7 +99,9 @@ class Flow:
     def next_wake(self) -> Optional[int]:
         """When the next `tick` is due (epoch ms), if any."""
         at = self.ledger.next_due()
-        for t in (self._batcher.next_deadline(), self._flush_at, min((at for at, _ in self._retries), default=None)):
+        recorded = self._recorder.next_deadline() if self._recorder is not None else None
+        for t in (self._batcher.next_deadline(), self._flush_at, min((at for at, _ in self._retries), default=None),
+                  recorded):
             if t is not None and (at is None or t < at):
                 at = t
         return at
@@ -135,6 +141,7 @@ class Flow:
                 self._flush_batch(batch, now, out)
         if fence:
             self._open_fences(out)
+        self._record(now, out)
         return out
 
     def publishing_opened(self, now: int) -> Effects:
@@ -147,6 +154,8 @@ class Flow:
         self._refusal = refusal
         out = Effects()
         self._apply(self.ledger.channel_closed(), now, out)
+        self._ack_soon(now, out)  # (a record the broker refused: its deliveries may be done)
+        self._record(now, out)
         return out
 
     def publishing_gone(self) -> None:
@@ -167,6 +176,7 @@ class Flow:
         self._apply(self.ledger.confirmed(seq, multiple, ack), now, out)
         self._ack_soon(now, out)
         self._open_fences(out)  # (a delivery before a fence may have been given up)
+        self._record(now, out)
         self._maybe_finished(out)
         return out
 
@@ -180,6 +190,7 @@ class Flow:
             tag, forward = self._fenced.popleft()
             self._send([tag], forward, [(tag, None)], now, out)
         self._open_fences(out)
+        self._record(now, out)
         self._maybe_finished(out)
         return out
 
@@ -191,6 +202,7 @@ class Flow:
         if self._flush_at is not None and now >= self._flush_at:
             self._flush(out)
         self._retry_due(now, out)
+        self._record(now, out)
         return out
 
     def drain(self, now: int) -> Effects:
@@ -207,6 +219,7 @@ class Flow:
         for tag, release in held:
             assert release.entry is not None  # (only the distributor holds, one entry each)
             self._send([tag], handlers.hand_back(self._names, release.entry), [(tag, release.entry)], now, out)
+        self._record(now, out)
         self._observer.note("info", "stopping", returned=len(held), unconfirmed=self.ledger.unconfirmed)
         self._maybe_finished(out)
         return out
@@ -272,6 +285,26 @@ class Flow:
         outcome = self.ledger.publish(tuple(dict.fromkeys(tags)), Payload(forward, members), finishing,
                                       parking=forward.outcome is Way.PARKED)
         self._apply(outcome, now, out)
+        if self._recorder is not None:
+            if forward.outcome in STAYS:
+                self._recorder.waits(forward.outcome is Way.MEDITATION, members, now)
+            elif forward.outcome in LEAVES:
+                self._recorder.left(members, now)
+
+    def _record(self, now: int, out: Effects) -> None:
+        """Publish what the recorder holds (waiting.Recorder): after the messages it speaks
+        of, on the same channel; the entries for their deliveries, the done keys for none."""
+        if self._recorder is None:
+            return
+        for key, tags, body in self._recorder.take_entries():
+            live = tuple(t for t in dict.fromkeys(tags) if t in self.ledger)
+            record = Forward(self._names.waiting, key.encode(), RECORD, body, Way.INDEX, mandatory=True)
+            self._apply(self.ledger.publish(live, Payload(record, [(t, None) for t in live]), (), side=True),
+                        now, out)
+        done = self._recorder.take_done(now, self._draining)
+        if done is not None:
+            record = Forward(self._names.waiting, waiting.DONE.encode(), RECORD, done, Way.INDEX, mandatory=True)
+            self._apply(self.ledger.publish((), Payload(record, []), (), side=True), now, out)
 
     def _give_up(self, tag: int) -> None:
         """The delivery is gone (the broker dead-letters it): none of its messages may be sent."""
@@ -311,6 +344,11 @@ class Flow:
         for pub in outcome.confirmed:
             if not pub.returned:
                 self._observer.landed(pub.payload.forward)
+        for pub in outcome.dropped:
+            self._refused_records += 1
+            if self._refused_records == 1:  # said once: the same cause refuses them all
+                self._observer.note("warning", "waiting_record_refused", stream=self._names.waiting_stream(
+                    pub.payload.forward.routing_key.decode()), fix="run `delay-gateway declare` with this version")
         for pub in outcome.refused:
             if pub.refused > REFUSED_RECONNECT:
                 self._observer.note("error", "broker_keeps_refusing", refusals=pub.refused)
@@ -344,5 +382,7 @@ class Flow:
             copies = [parked(entry)] if entry is not None else self._park(self._delivered[tag], reason)
             for copy in copies:
                 self._observer.forwarded(copy)
+                if self._recorder is not None:
+                    self._recorder.left([(tag, copy.entry)], now)
                 self._apply(self.ledger.publish((tag,), Payload(copy, [(tag, copy.entry)]), (), parking=True),
                             now, out)
