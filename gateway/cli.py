@@ -20,7 +20,7 @@ from topology.retirement import DeleteExchange, DeleteQueue, MarkRetired, SealQu
 
 from gateway.broker import cancelling, upkeep
 from gateway import logs
-from gateway.commands import cancel, explain, move, parked, selftest, status
+from gateway.commands import cancel, explain, move, parked, pending, selftest, status
 from gateway.exits import EXIT_NO_BROKER, EXIT_REFUSED
 from gateway.broker.amqp import BrokerError, Trouble, blocking_channel
 from gateway.clock import wall_ms
@@ -275,6 +275,9 @@ def status_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--interval", type=argument(number(0.0, above=True)), default=2.0, metavar="SECONDS",
                    help="with --watch: seconds between refreshes (default 2)")
     p.add_argument("--json", action="store_true", help="print JSON (one document per refresh)")
+    p.add_argument("--index", action=argparse.BooleanOptionalAction, default=True,
+                   help="count the messages that wait one by one, from the index of what waits (default; reading "
+                        "it takes a few seconds with millions waiting): --no-index counts queues only")
     p.add_argument("--metrics-url", metavar="URL[,URL...]",
                    help="the gateways' metrics endpoints (http://host:port), to count the messages the "
                         "distributor holds: AMQP cannot see them")
@@ -371,6 +374,11 @@ def cmd_parked(args) -> int:
                                                          tls_from(args)), chain_from(args))
 
 
+def cmd_pending(args) -> int:
+    return pending.command(args, lambda: blocking_channel(urls_from(args), f"delay-gateway pending {args.action}",
+                                                          tls_from(args)))
+
+
 def cmd_selftest(args) -> int:
     return selftest.run(args, lambda: blocking_channel(urls_from(args), "delay-gateway selftest",
                                                        tls_from(args)), chain_from(args))
@@ -434,6 +442,9 @@ COMMANDS = {
                       cmd_cancel, cancel.add_arguments),
     "parked": Command("list parked messages, or replay them once their cause is fixed", BROKER + ("chain",),
                       cmd_parked, actions=parked.ACTIONS),
+    "pending": Command("list, count, cancel or export the messages that wait, by id, routing key, due time or "
+                       "header (docs/operating.md: Seeing what waits)", BROKER + ("chain", "cancel"), cmd_pending,
+                       actions=pending.ACTIONS),
     "selftest": Command("publish one delayed message through the running gateway and wait for it at pick-up",
                         BROKER + ("chain",), cmd_selftest, selftest.add_arguments),
     "move-from-plugin": Command("move the delayed-message plugin's waiting messages into the gateway, due "

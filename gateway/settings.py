@@ -174,6 +174,9 @@ OPTIONS: Tuple[Option, ...] = (
            metavar="SECONDS"),
     Option("retire", True, boolean, "remove chains of other settings once no gateway uses them and they are "
            "empty (docs/operating.md: Changing the chain)", "run", "retire"),
+    Option("pending_index", True, boolean, "write down each message sent on to wait, and each that leaves, in "
+           "the waiting streams: what `delay-gateway pending list` shows (off: it shows nothing this gateway sends on)",
+           "run", "pendingIndex"),
     # retire: old chains
     Option("retire_after", 600.0, number(0),
            "safety margin: a chain is retired after no gateway has used it for this long, and each of its "
@@ -311,6 +314,7 @@ class Settings:
     connect_timeout: float = default("connect_timeout")
     confirm_timeout: float = default("confirm_timeout")
     retire: bool = default("retire")
+    pending_index: bool = default("pending_index")
     retire_after: float = default("retire_after")
     cancel_retention: float = default("cancel_retention")
     retry_base_ms: int = default("retry_base_ms")

@@ -17,7 +17,7 @@ ENV = {"DELAY_GATEWAY_URL": "amqp://a/,amqp://b/", "DELAY_GATEWAY_PREFIX": "px",
        "DELAY_GATEWAY_STAMP_DUE_AT": "true", "DELAY_GATEWAY_DECLARE": "false",
        "DELAY_GATEWAY_METRICS_PORT": "9999", "DELAY_GATEWAY_CONNECT_TIMEOUT": "12.5",
        "DELAY_GATEWAY_LOG_LEVEL": "warning", "DELAY_GATEWAY_LOG_FORMAT": "json",
-       "DELAY_GATEWAY_RETIRE": "false", "DELAY_GATEWAY_RETIRE_AFTER": "30",
+       "DELAY_GATEWAY_RETIRE": "false", "DELAY_GATEWAY_RETIRE_AFTER": "30", "DELAY_GATEWAY_PENDING_INDEX": "false",
        "DELAY_GATEWAY_CARRIER_MESSAGES": "50", "DELAY_GATEWAY_CARRIER_WAIT_MS": "7",
        "DELAY_GATEWAY_CARRIER_BYTES": "65536", "DELAY_GATEWAY_CONFIRM_TIMEOUT": "9",
        "DELAY_GATEWAY_CANCEL_RETENTION": "3600", "DELAY_GATEWAY_RETRY_BASE_MS": "250",
@@ -37,6 +37,7 @@ def test_every_setting_reads_its_environment_variable_and_a_flag_beats_it():
     assert (s.role, s.prefetch, s.distributor_prefetch, s.lead_ms) == ("distributor", 5, 6, 70)
     assert (s.stamp_due_at, s.declare, s.metrics_port, s.connect_timeout) == (True, False, 9999, 12.5)
     assert (s.log_level, s.log_format, s.retire, s.retire_after) == ("warning", "json", False, 30.0)
+    assert s.pending_index is False
     assert (s.carrier_messages, s.carrier_wait_ms, s.carrier_bytes, s.confirm_timeout) == (50, 7, 65536, 9.0)
     assert s.cancel_retention == 3600.0
     assert (s.retry_base_ms, s.retry_factor, s.retry_cap_ms, s.retry_attempts, s.retry_jitter, s.retry_queues) == \
@@ -71,7 +72,7 @@ def test_every_bad_environment_value_is_one_line_and_exit_2_for_every_command(co
         option = next(o for o in OPTIONS if o.env == name)
         if not COMMANDS[command].takes(option):
             continue  # a command that does not take the option does not read it (test_cli_errors)
-        args = [command] + {"explain": ["100"], "parked": ["list"]}.get(command, [])
+        args = [command] + {"explain": ["100"], "parked": ["list"], "pending": ["count"]}.get(command, [])
         code = main(args, environ={name: value})
         err = capsys.readouterr().err
         assert code == 2, (command, name)

@@ -64,6 +64,9 @@ class Judge:
     def __call__(self, entry: Entry, where: str) -> bool:
         if not len(self.store):  # the usual case: no cancel in the window, nothing to read
             return False
+        if entry.accepted_us in self.store.handle_times and self.store.get(
+                cancels.handle(entry.accepted_us, entry.routing_key).encode("ascii")) is not None:
+            return self._dropped(entry, where, None)  # cancelled by its handle: exactly this message
         message_id = entry.user.get("message_id")
         held = self.store.get(message_id) if message_id else None
         if held is None:
@@ -74,10 +77,13 @@ class Judge:
         taken_in = None if entry.accepted_us is None else cancels.Time(entry.accepted_us, stamp)
         if not held.cancels(taken_in):
             return False
+        return self._dropped(entry, where, held.newest_read_us, taken_in.arrived_ms if taken_in else None)
+
+    def _dropped(self, entry: Entry, where: str, cancelled_us: Optional[int], arrived_ms: Optional[int] = None) -> bool:
         self.metrics.cancelled.labels(where).inc()
         self.log.info("cancelled_message_dropped", message_id=entry.user.text("message_id"), where=where,
-                      due_ms=entry.due_ms, cancelled_us=held.newest_read_us, accepted_us=entry.accepted_us,
-                      arrived_ms=taken_in and taken_in.arrived_ms)
+                      due_ms=entry.due_ms, cancelled_us=cancelled_us, accepted_us=entry.accepted_us,
+                      arrived_ms=arrived_ms)
         return True
 
 

@@ -27,6 +27,7 @@ from gateway.core.actions import Action, Delivery, Forward, Way
 from gateway.core.carrier import Batcher
 from gateway.core.effects import Effects, Handler
 from gateway.core.flow import Flow
+from gateway.core.waiting import Recorder
 from gateway.metrics import Metrics
 
 # Channel errors that no message causes: the topology or the permissions are wrong, and
@@ -78,14 +79,15 @@ class Pipe:
                  names: Names, clock: Callable[[], int] = wall_ms,
                  on_fatal: Optional[Callable[[Exception], None]] = None,
                  batcher: Optional[Batcher] = None, still_wanted: Optional[Callable[[Forward], bool]] = None,
-                 on_caught_up: Optional[Callable[[], None]] = None) -> None:
+                 on_caught_up: Optional[Callable[[], None]] = None, recorder: Optional[Recorder] = None) -> None:
         self._connection, self.queue, self._prefetch, self._clock = connection, queue, prefetch, clock
         self._cork = codec.cork(connection)  # what an event makes us send goes out in one write
         self._on_fatal = on_fatal or (lambda exc: None)
         self._log = structlog.get_logger("gateway").bind(queue=queue)
         # A debug event costs structlog's processors even when the level filters it out later.
         self._debug = logging.getLogger("gateway").isEnabledFor(logging.DEBUG)
-        self.flow = Flow(queue, names, handler, Telemetry(queue, metrics, self._log), batcher, still_wanted, prefetch)
+        self.flow = Flow(queue, names, handler, Telemetry(queue, metrics, self._log), batcher, still_wanted, prefetch,
+                         recorder)
         metrics.held.labels(queue).set_function(lambda: self.flow.held)
         self._consume: Optional[Channel] = None
         self._publish: Optional[Channel] = None

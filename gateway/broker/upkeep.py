@@ -1,5 +1,6 @@
 """The gateway's housekeeping beside its consumers: being counted as a user of its chain,
-recording the chain in the registry, and retiring chains no gateway uses any more.
+recording the chain in the registry, retiring chains no gateway uses any more, and saying
+it is alive.
 
 It runs in a thread of its own with its own connection (`start`, called once from
 worker.main), so the consumers never wait for it and it never touches their connection:
@@ -12,7 +13,9 @@ worker.main), so the consumers never wait for it and it never touches their conn
   have had no gateway for `--retire-after` seconds (topology/retirement.py says how);
 - every 15 s it counts the ready messages of the gateway's own queues (one passive declare
   each) for the metric `delay_gateway_queue_messages`, which the alerts on a check-in
-  backlog read.
+  backlog read;
+- every 5 s, with the index of what waits on, it beats into the done stream
+  (broker/waiting.py: Beats), so that a reader knows which gateways keep up.
 
 Automatic rather than a separate step because a `helm upgrade` that changes the chain is
 then complete by itself: old replicas stop, their chain drains into the shared queues and
@@ -36,6 +39,7 @@ from topology.retirement import Step, Unused, plan
 
 from gateway.broker import codec
 from gateway.broker.amqp import classify, parameters, unreachable
+from gateway.broker.waiting import Beats
 from gateway.clock import wall_ms
 from gateway.metrics import Metrics
 from gateway.settings import Settings, redact
@@ -130,8 +134,9 @@ def retire_once(connection, prefix: str, own: ChainKey, unused: Unused, grace_ms
 
 
 class Upkeep:
-    def __init__(self, settings: Settings, stop: threading.Event, metrics: Optional[Metrics] = None) -> None:
-        self.settings, self.stop, self.metrics = settings, stop, metrics
+    def __init__(self, settings: Settings, stop: threading.Event, metrics: Optional[Metrics] = None,
+                 beats: Optional[Beats] = None) -> None:
+        self.settings, self.stop, self.metrics, self.beats = settings, stop, metrics, beats
         self.chain = settings.chain
         self.key = ChainKey.of(self.chain)
         self.names = self.chain.names
@@ -169,6 +174,8 @@ class Upkeep:
                 self.log.exception("upkeep_failed")
             finally:
                 self.attached.clear()
+                if self.beats is not None:
+                    self.beats.forget()
                 if self.metrics is not None:  # no connection: no counts, rather than old ones
                     self.metrics.queue_messages.clear()
                 if connection.is_open:
@@ -225,6 +232,8 @@ class Upkeep:
                 if self.metrics is not None and time.monotonic() - counted_at >= COUNT_EVERY_S:
                     counted_at = time.monotonic()
                     count_queues(prober, queues, self.metrics)
+                if self.beats is not None:
+                    self.beats.maybe(connection)
                 connection.process_data_events(time_limit=min(0.2, max(0.0, deadline - time.monotonic())))
 
     def _report(self, event: str, **fields) -> None:
@@ -233,8 +242,9 @@ class Upkeep:
         getattr(self.log, level)(event, **fields)
 
 
-def start(settings: Settings, stop: threading.Event, metrics: Optional[Metrics] = None) -> Upkeep:
+def start(settings: Settings, stop: threading.Event, metrics: Optional[Metrics] = None,
+          beats: Optional[Beats] = None) -> Upkeep:
     """Run the upkeep in a daemon thread until `stop` is set."""
-    upkeep = Upkeep(settings, stop, metrics)
+    upkeep = Upkeep(settings, stop, metrics, beats)
     threading.Thread(target=upkeep.run, name="upkeep", daemon=True).start()
     return upkeep

@@ -18,6 +18,7 @@ import structlog
 from topology import build
 from topology.broker.declare import TopologyConflict, declare, verify
 from topology.settings import QUEUE_TYPES
+from topology.waiting import bands
 
 from gateway import health as health_http
 from gateway import stopping
@@ -32,7 +33,9 @@ from gateway.broker import cancelling
 from gateway.broker.cancelling import Judge
 from gateway.broker.consumer import Pipe
 from gateway.broker.retrying import counting_retries
+from gateway.broker.waiting import Beats
 from gateway.core.handlers import CheckIn, Distributor, Parking, Retry, Returning
+from gateway.core.waiting import Recorder
 from gateway.health import Health
 from gateway.metrics import Metrics
 from gateway.settings import Settings, redact
@@ -48,7 +51,7 @@ class Session:
 
     def __init__(self, url: str, settings: Settings, metrics: Metrics, health: Health,
                  stop: threading.Event, exits: Sequence[str] = (), judge: Optional[Judge] = None,
-                 sequence: Optional[Sequencer] = None) -> None:
+                 sequence: Optional[Sequencer] = None, beats: Optional[Beats] = None) -> None:
         self.judge = judge  # whether a message was cancelled (cancelling.py); None: not asked
         self.sequence = sequence  # check-in's read times, one sequence for the process
         self.url, self.settings, self.metrics, self.health, self.stop_event = url, settings, metrics, health, stop
@@ -61,6 +64,7 @@ class Session:
         self._stopping = False
         self._opened_all = False
         self.check_in: Optional[CheckIn] = None
+        self.beats = beats  # the index of what waits: this session says what its distributor holds
 
     def run(self) -> None:
         """Returns when the connection closes."""
@@ -81,9 +85,10 @@ class Session:
             batcher = Batcher(s.carrier_messages, s.carrier_bytes, s.carrier_wait_ms) if batched else None
             still_wanted = handler.still_wanted if isinstance(handler, Distributor) and self.judge is not None \
                 else None
+            recorder = Recorder(bands(chain), chain.meditation_ms) if s.pending_index else None
             self.pipes.append(Pipe(connection, queue, handler, prefetch, self.metrics, names,
                                    on_fatal=self._on_fatal, batcher=batcher, still_wanted=still_wanted,
-                                   on_caught_up=on_caught_up))
+                                   on_caught_up=on_caught_up, recorder=recorder))
 
         returning = [names.returning] + [q for q in self.exits if q.startswith(names.returning + ".")]
         distributors = [names.distributor] + [q for q in self.exits if q.startswith(names.distributor + ".")]
@@ -109,6 +114,10 @@ class Session:
                 pipe(queue, Distributor(chain, s.lead_ms, s.stamp_due_at, self.judge),
                      s.distributor_prefetch)
             pipe(names.parking, Parking(names), s.prefetch)
+        if self.beats is not None:
+            held = [p.flow.ledger for p in self.pipes if p.queue in distributors]
+            # (read from the upkeep thread: the earliest due time of a heap, one list index)
+            self.beats.low = lambda: min((t for t in (h.next_due() for h in held) if t is not None), default=None)
         for p in self.pipes[:1] if gate else self.pipes:
             p.open()
         if gate:
@@ -254,8 +263,10 @@ def main(settings: Settings) -> int:
         "starting", role=settings.role, brokers=[redact(u) for u in settings.urls], prefix=c.prefix,
         max_level=c.max_level, resolution_ms=c.resolution_ms, queue_type=c.queue_type, zero_bits=c.zero_bits)
     from gateway.broker import upkeep
-    upkeep.start(settings, stop, metrics)  # counted as a user of the chain; retires unused chains; counts queues
-    return run(settings, stop, metrics, health, cancelling.start(settings, metrics, stop))
+    beats = Beats(settings.chain.names, settings.role) if settings.pending_index else None
+    # counted as a user of the chain; retires unused chains; counts queues; beats
+    upkeep.start(settings, stop, metrics, beats)
+    return run(settings, stop, metrics, health, cancelling.start(settings, metrics, stop), beats)
 
 
 class Preparation:
@@ -299,7 +310,7 @@ class Preparation:
 
 
 def run(settings: Settings, stop: threading.Event, metrics: Metrics, health: Health,
-        cancels: Optional[cancelling.Follower] = None) -> int:
+        cancels: Optional[cancelling.Follower] = None, beats: Optional[Beats] = None) -> int:
     """0 once stopped; EXIT_NO_BROKER after connect_timeout without a broker; EXIT_REFUSED
     after FATAL_ATTEMPTS troubles that cannot heal."""
     log = structlog.get_logger("gateway")
@@ -314,7 +325,8 @@ def run(settings: Settings, stop: threading.Event, metrics: Metrics, health: Hea
             if not prepared.on(url, stop):
                 break
             session = Session(url, settings, metrics, health, stop, other_exits(url, settings),
-                              Judge(cancels.store, metrics) if cancels is not None else None, prepared.sequence)
+                              Judge(cancels.store, metrics) if cancels is not None else None, prepared.sequence,
+                              beats)
             session.run()
             trouble = classify(session.error, url) if session.error is not None else None
         except TopologyConflict as exc:

@@ -32,6 +32,8 @@ from topology.settings import MAX_LEVELS, QUEUE_TYPES
 
 from gateway import stopping
 from gateway.broker import cancelling, stamp
+from gateway.broker import waiting as index
+from gateway.core import cancels, waiting
 from gateway.settings import default
 
 HORIZONS: Tuple[Tuple[str, int], ...] = (
@@ -90,6 +92,9 @@ class Report:
     cancellations: Optional[Dict[str, Any]] = None
     # per source queue: scheduled, delivered, gave_up (from --metrics-url; docs/retries.md)
     retries: Optional[Dict[str, Dict[str, int]]] = None
+    # the publishers' messages that wait, from the index (gateway/core/waiting.py): total,
+    # due_within (cumulative, by HORIZONS' labels and "later"), exact and why not; None: not read
+    waiting: Optional[Dict[str, Any]] = None
 
     @property
     def missing(self) -> bool:
@@ -311,9 +316,12 @@ def text(r: Report) -> str:
     held = next(row for row in r.rows if row.role == "held")
     total = f"{r.total}" + ("" if held.messages is not None else " + held")
     lines.append(f"{'total':<{width}}  {total:>9}")
-    lines += ["", f"{'due within':<12} {'at least':>9} {'at most':>9}"]
+    counted = (r.waiting or {}).get("due_within")
+    lines += ["", f"{'due within':<12} {'at least':>9} {'at most':>9}" + (f" {'messages':>9}" if counted else "")]
     for w in r.due_within:
-        lines.append(f"{w.within:<12} {w.at_least:>9} {w.at_most:>9}")
+        lines.append(f"{w.within:<12} {w.at_least:>9} {w.at_most:>9}" + (f" {counted[w.within]:>9}" if counted else ""))
+    if r.waiting is not None:
+        lines.append(_waiting_line(r.waiting))
     if r.cancellations is not None:
         lines += ["", f"cancellations: {r.cancellations['held']} message id(s) cancelled within the retention "
                       f"window of {human_ms(r.cancellations['window_ms'])}",
@@ -330,6 +338,14 @@ def text(r: Report) -> str:
     for problem in r.problems:
         lines.append(f"problem: {problem}")
     return "\n".join(lines) + "\n"
+
+
+def _waiting_line(w: Dict[str, Any]) -> str:
+    if w.get("total") is None:
+        return f"messages: {w['why']}"
+    how = "exact" if w["exact"] else f"not exact: {w['why']}"
+    return (f"messages: {w['total']} waiting, counted one by one from the index of what waits ({how}; "
+            "`delay-gateway pending` lists them)")
 
 
 def _promise(c: Dict[str, Any]) -> str:
@@ -353,7 +369,7 @@ def as_json(r: Report, indent: Optional[int] = 2) -> str:
            "chains": [chain(c) for c in r.chains], "queues": [asdict(row) for row in r.rows],
            "due_within": [asdict(w) for w in r.due_within], "held_source": r.held_source,
            "distributor_consumers": r.distributor_consumers, "problems": r.problems, "notes": r.notes,
-           "cancellations": r.cancellations, "retries": r.retries}
+           "cancellations": r.cancellations, "retries": r.retries, "waiting": r.waiting}
     return json.dumps(doc, indent=indent) + "\n"
 
 
@@ -469,7 +485,10 @@ def one(connection, args, own: ChainKey, now_ms: int,
     lead_ms = getattr(args, "lead_ms", default("lead_ms"))
     r = report(args.prefix, own, lead_ms, registry, chains, observed, held, source, now_ms, carried)
     window_ms = cancelling.retention_ms(own.settings(args.prefix), getattr(args, "cancel_retention", 0.0))
-    held_ids = {mid for mid, _ in cancelling.read(connection, Names(args.prefix), window_ms)}
+    records = cancelling.read(connection, Names(args.prefix), window_ms)
+    held_ids = {mid for mid, _ in records}
+    if getattr(args, "index", True) and not r.missing:
+        r.waiting = waiting_messages(connection, Names(args.prefix), records, window_ms, now_ms)
     check_in = observed.queues.get(Names(args.prefix).check_in)
     promise, problem = cancel_guarantee(stamping[1], stamping[0], check_in.consumers if check_in else None)
     r.cancellations = {"held": len(held_ids), "window_ms": window_ms, **promise}
@@ -477,6 +496,26 @@ def one(connection, args, own: ChainKey, now_ms: int,
     if problem:
         r.problems.append(problem)
     return r
+
+
+def waiting_messages(connection, names: Names, records: Sequence[Tuple[bytes, cancels.Time]], window_ms: int,
+                     now_ms: int) -> Dict[str, Any]:
+    """The messages that wait, from the index, by due time (cumulative, as `due_within`)."""
+    store = cancels.Store(window_ms)
+    for mid, at in records:
+        store.add(mid, at, now_ms)
+    ranges = [(label, ms) for label, ms in HORIZONS] + [("later", None)]
+    try:
+        view, found = index.read(connection, names, now_ms, lambda at: waiting.View(
+            now_ms, at, waiting.cancelled_by(store, now_ms), lambda m: True, 0, lambda m: None, ranges))
+    except index.Missing:
+        return {"total": None, "exact": False, "why": "the index of what waits is not declared (run `delay-gateway "
+                                                        "declare` with this version)"}
+    cumulative, running = {}, 0
+    for (label, _), n in zip(ranges, view.counts.counts, strict=True):
+        running += n if label != "later" else 0
+        cumulative[label] = running if label != "later" else n
+    return {"total": view.total, "due_within": cumulative, "exact": found.horizon.exact, "why": found.horizon.why}
 
 
 def command(args, open_channel, own: ChainKey, clock) -> int:
