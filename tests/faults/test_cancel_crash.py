@@ -7,12 +7,9 @@ On every suite broker: the private node without the arrival stamp (3.10, and 4.3
 interceptor off, as a broker has it by default), and the session's 4.3 node with the stamp
 on. About 12 s a case."""
 
-import socket
 import subprocess
-import threading
 import time
-from typing import Dict, List, Optional, Tuple
-from urllib.parse import urlsplit
+from typing import Dict, List
 
 import pika
 import pytest
@@ -20,6 +17,7 @@ import pytest
 from topology import ChainSettings
 
 from ..support import GatewayProcess, Receiver, connect, report_figures
+from .proxy import Proxy
 from ..support import RMQ4
 
 # 4 levels of 200 ms: the chain holds up to 3 s; longer delays lap meditation first.
@@ -56,79 +54,6 @@ def cancel_and_publish(url: str, chain: ChainSettings, items: List[tuple]) -> No
                 _, mid, delay, body = item
                 ch.basic_publish(chain.names.check_in, "k", body, pika.BasicProperties(
                     message_id=mid, headers={"x-delay": delay}, delivery_mode=2), mandatory=True)
-
-
-class Proxy:
-    """The gateway's way to the broker: a TCP forwarder whose connections the test cuts at
-    once (rabbitmqctl close_connection takes a second to start: too late for the worst
-    moment). New connections keep being accepted."""
-
-    def __init__(self, url: str) -> None:
-        parts = urlsplit(url)
-        self.target = (parts.hostname, parts.port or 5672)
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.url = url.replace(f":{self.target[1]}/", f":{self.port}/")
-        self.pairs: List[socket.socket] = []
-        self.accepted = 0
-        self.trip: Optional[Tuple[int, int]] = None  # (connection number from 1, bytes it sends): then cut
-        self.lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def cut_at(self, connection: int, sent_bytes: int) -> None:
-        """Cut every connection once connection number `connection` (1 = the first accepted)
-        has sent `sent_bytes` towards the broker: the same moment on a busy machine too."""
-        self.trip = (connection, sent_bytes)
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection(self.target)
-            with self.lock:
-                self.pairs += [client, server]
-                self.accepted += 1
-                number = self.accepted
-            threading.Thread(target=self._pipe, args=(client, server, number), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(server, client, 0), daemon=True).start()
-
-    def _pipe(self, a: socket.socket, b: socket.socket, number: int) -> None:
-        sent = 0
-        try:
-            while True:
-                data = a.recv(65536)
-                if not data:
-                    break
-                if number and self.trip and self.trip[0] == number and sent + len(data) >= self.trip[1]:
-                    b.sendall(data[:max(0, self.trip[1] - sent)])
-                    self.trip = None
-                    self.cut()
-                    break
-                b.sendall(data)
-                sent += len(data)
-        except OSError:
-            pass
-        for s in (a, b):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def cut(self) -> int:
-        with self.lock:
-            pairs, self.pairs = self.pairs, []
-        for s in pairs:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        return len(pairs) // 2
-
-    def close(self) -> None:
-        self.listener.close()
-        self.cut()
 
 
 def run_case(url: str, chain: ChainSettings, how: str, label: str) -> None:

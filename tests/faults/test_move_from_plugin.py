@@ -198,7 +198,7 @@ def test_a_lost_connection_moves_nothing_twice_but_the_batch_and_loses_nothing(o
                                                                               plugin_tables):
     """The connection cut while a batch is being published: the command stops (exit 1) with
     that batch still in the plugin's table; run again, everything arrives."""
-    from .test_cancel_crash import Proxy
+    from .proxy import Proxy
     chain = node_chain()
     plugin_shape.create(plugin_tables)
     start = int(time.time() * 1000)

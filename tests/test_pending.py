@@ -1,0 +1,236 @@
+"""`delay-gateway pending` end to end, on every suite broker: the messages that wait are
+listed exactly (through meditation laps, a retry, cancels by id and by handle), after a
+gateway is killed and its connections cut mid-batch with two replicas, and `pending
+cancel` cancels what its filters select and nothing else. Hostile ids and keys are listed
+safely in every format."""
+
+import base64
+import collections
+import csv
+import io
+import json
+import subprocess
+import sys
+import threading
+from typing import List, Optional
+
+import pika
+import pytest
+
+from gateway.broker import codec
+from gateway.core.wire import Properties, Table, long
+
+from .faults.proxy import Proxy
+from .support import ROOT, Receiver, broker_url, chain_args, connect, drain, now_ms, report_figures, wait_until
+
+RETRY_POLICY = [{"queue": "*.jobs", "base_ms": 40_000, "jitter": 0}]
+
+
+def cli(chain, *args: str, url: Optional[str] = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gateway", *args, *chain_args(chain), "--url", url or broker_url()],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def listed(chain, *filters: str, url: Optional[str] = None) -> List[dict]:
+    r = cli(chain, "pending", "list", "--json", "--limit", "0", *filters, url=url)
+    assert r.returncode == 0, r.stderr
+    return [json.loads(line) for line in r.stdout.splitlines()]
+
+
+def counted(chain, *filters: str) -> dict:
+    r = cli(chain, "pending", "count", "--json", *filters)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def publish(chain, messages, url: Optional[str] = None) -> None:
+    """(routing key, message id or None, due epoch ms), confirmed, in order."""
+    with connect(url) as c:
+        ch = c.channel()
+        ch.confirm_delivery()
+        for key, mid, due in messages:
+            ch.basic_publish(chain.names.check_in, key, b"body-" + key.encode(), pika.BasicProperties(
+                message_id=mid, delivery_mode=2, headers={"x-deliver-at": due}), mandatory=True)
+
+
+def ids_of(rows: List[dict]) -> List[str]:
+    return sorted(r["message_id"] or r["handle"] for r in rows)
+
+
+def test_what_waits_is_listed_exactly_through_laps_a_retry_and_cancels(make_chain, run_gateway):
+    """A chain of 4 levels x 250 ms (laps of 3.75 s): delays of 0.5 s to 400 days, one
+    without an id, one cancelled by its id, then one by its handle, and a retry. Each list
+    is taken while nothing falls due, and shows exactly what waits, with its due time."""
+    chain = make_chain(max_level=4, resolution_ms=250)
+    run_gateway(chain, "--retry-policies", json.dumps(RETRY_POLICY))
+    receiver = Receiver(chain)
+    t0 = now_ms()
+    due = {"now": t0 + 500, "b": t0 + 6000, "c": t0 + 12_000, "d": t0 + 20_000, "year": t0 + 400 * 86_400_000,
+           "cancel-me": t0 + 9500}
+    publish(chain, [(f"orders.{mid}", mid, at) for mid, at in due.items()] + [("orders.noid", None, t0 + 14_000)])
+    assert cli(chain, "cancel", "cancel-me").stdout.startswith("cancel-me: cancelled at ")
+    with connect() as c:  # a consumer rejects a job: it comes back in 40 s
+        ch = c.channel()
+        jobs = f"{chain.prefix}.jobs"
+        ch.queue_declare(jobs, durable=True, arguments={"x-queue-type": "quorum",
+                                                        "x-dead-letter-exchange": chain.names.retry})
+        ch.confirm_delivery()
+        ch.basic_publish("", jobs, b"job", pika.BasicProperties(message_id="job-1", delivery_mode=2))
+        method, _, _ = ch.basic_get(jobs)
+        ch.basic_reject(method.delivery_tag, requeue=False)
+    wait_until(lambda: counted(chain, "--retries")["total"] == 1, 15, 0.2, "the retry in the index")
+    assert [m.properties.message_id for m in receiver.collect(1, 10)] == ["now"]
+
+    first = listed(chain)
+    assert ids_of(first) == sorted(["b", "c", "d", "year", "job-1", first_handle(first)]), first
+    for row in first:
+        if row["message_id"] in due:
+            assert row["due_ms"] == due[row["message_id"]] and row["routing_key"] == f"orders.{row['message_id']}"
+            assert row["size"] == len(b"body-orders.") + len(row["message_id"]) and row["retry_attempt"] is None
+    [job] = listed(chain, "--retries")
+    assert (job["message_id"], job["routing_key"], job["retry_queue"], job["retry_attempt"]) == \
+        ("job-1", jobs, jobs, 1)
+    assert counted(chain)["total"] == len(first)
+
+    # b arrives at 6 s; c and d lap meditation meanwhile (laps of 3.75 s): still listed, once
+    assert [m.properties.message_id for m in receiver.collect(2, 15)][1:] == ["b"]
+    noid = first_handle(first)
+    second = listed(chain)
+    assert ids_of(second) == sorted(["c", "d", "year", "job-1", noid]), second
+    out = cli(chain, "cancel", noid)  # the one without an id, by its handle
+    assert out.returncode == 0 and out.stdout.startswith(f"{noid}: cancelled at "), out.stdout + out.stderr
+    assert ids_of(listed(chain)) == sorted(["c", "d", "year", "job-1"])
+
+    # c and d arrive after their laps; nothing else does (cancel-me at 9.5 s, noid at 14 s)
+    got = [m.properties.message_id for m in receiver.collect(4, 25)]
+    assert got[2:] == ["c", "d"], got
+    assert ids_of(listed(chain)) == sorted(["year", "job-1"])
+    assert drain(receiver.channel, receiver.queue) == []
+    report_figures("pending figures", f"listed through laps: {len(first)}, {len(second)}, then 2; "
+                                      f"cancelled by id and by handle")
+    receiver.close()
+
+
+def first_handle(rows: List[dict]) -> str:
+    [handle] = [r["handle"] for r in rows if r["message_id"] is None]
+    return handle
+
+
+def test_pending_cancel_cancels_what_its_filters_select_and_nothing_else(make_chain, run_gateway):
+    """`--key 'orders.42.#'`: the three of customer 42 (one without an id) are cancelled;
+    orders.421.x, a bystander due just after them, arrives on time, as does orders.43.y."""
+    chain = make_chain(max_level=4, resolution_ms=250)
+    run_gateway(chain)
+    receiver = Receiver(chain)
+    t0 = now_ms()
+    publish(chain, [("orders.42.a", "42-a", t0 + 12_000), ("orders.42.b", "42-b", t0 + 12_000),
+                    ("orders.42.c", None, t0 + 12_000), ("orders.421.x", "421-x", t0 + 12_500),
+                    ("orders.43.y", "43-y", t0 + 12_500)])
+    wait_until(lambda: counted(chain)["total"] == 5, 15, 0.2, "the five in the index")
+    dry = cli(chain, "pending", "cancel", "--key", "orders.42.#")
+    assert dry.returncode == 0 and dry.stdout.startswith("3 waiting message(s) match, for example:"), dry.stdout
+    assert "nothing cancelled: add --yes to cancel these 3" in dry.stdout
+    assert counted(chain)["total"] == 5
+    done = cli(chain, "pending", "cancel", "--key", "orders.42.#", "--yes")
+    assert done.returncode == 0 and done.stdout.rstrip().endswith("3 of 3 cancelled"), done.stdout + done.stderr
+    assert ids_of(listed(chain)) == ["421-x", "43-y"]
+    assert now_ms() < t0 + 12_000, "too slow to cancel before they were due"
+    got = receiver.collect(2, 30)
+    late = [m.at_ms - t0 - 12_500 for m in got]
+    assert sorted(m.properties.message_id for m in got) == ["421-x", "43-y"] and all(ms >= 0 for ms in late), late
+    # (customer 42's were due half a second earlier: released before these, had they not been cancelled)
+    assert drain(receiver.channel, receiver.queue) == []
+    receiver.close()
+
+
+def test_nothing_waiting_is_missing_after_a_kill_and_cut_connections_with_two_replicas(make_chain, run_gateway):
+    """Two gateways share the queues. Replica A is SIGKILLed halfway through a batch; then
+    replica B's connections are cut mid-batch (by the bytes it sent); A starts again. The
+    list taken then, before anything is due, holds each message as many times as it is
+    then delivered: duplicates of the kill's batch included, nothing missing."""
+    chain = make_chain(max_level=5, resolution_ms=500)  # laps of 15.5 s: the later half laps once
+    proxy = Proxy(broker_url())
+    replicas = [run_gateway(chain, "--carrier-wait-ms", "50", url=proxy.url) for _ in range(2)]
+    receiver = Receiver(chain)
+    t0 = now_ms()
+    batch = 600
+    due = [t0 + 30_000 + (n % 2) * 8000 for n in range(2 * batch)]  # a third of a lap apart
+    sent = threading.Event()
+
+    def publisher() -> None:
+        with connect() as c:
+            ch = c.channel()
+            ch.confirm_delivery()
+            for n, at in enumerate(due):
+                ch.basic_publish(chain.names.check_in, f"load.{n % 7}", b"x", pika.BasicProperties(
+                    message_id=f"m-{n}", delivery_mode=2, headers={"x-deliver-at": at}), mandatory=True)
+                if n == batch // 2:
+                    replicas[0].kill()
+                if n == batch:
+                    proxy.cut()  # B's connections, mid-batch
+        sent.set()
+
+    thread = threading.Thread(target=publisher, daemon=True)
+    thread.start()
+    wait_until(sent.is_set, 60, 0.1, "the batches published")
+    replicas.append(run_gateway(chain, "--carrier-wait-ms", "50", url=proxy.url))
+
+    totals: List[int] = []
+
+    def settled() -> bool:
+        with connect() as c:
+            left = c.channel().queue_declare(chain.names.check_in, passive=True).method.message_count
+        totals.append(counted(chain)["total"])
+        return left == 0 and totals[-1] >= len(due) and totals[-2:] == [totals[-1]] * 2
+    wait_until(settled, 30, 0.5, "check-in read, and the index holding every message")
+    rows = listed(chain)
+    assert now_ms() < t0 + 30_000, "the list came too late to be taken before anything was due"
+    got = receiver.collect(len(rows), 90)
+    receiver.collect(10**6, 1.5)  # (any copy more than listed would show here)
+    listed_ids = collections.Counter(r["message_id"] for r in rows)
+    delivered = collections.Counter(m.properties.message_id for m in got)
+    assert set(delivered) == {f"m-{n}" for n in range(len(due))}, "lost"
+    assert listed_ids == delivered, (listed_ids - delivered, delivered - listed_ids)
+    report_figures("pending figures", f"kill + cut with two replicas: sent {len(due)}, listed {len(rows)} "
+                                      f"(duplicates {len(rows) - len(due)}), delivered {sum(delivered.values())}")
+    proxy.close()
+    receiver.close()
+
+
+HOSTILE_IDS = ["x" * 255, "tab\there", "line\nbreak\rcarriage", "\x1b[2Jclear", "comma,\"quote\"", "é-ünïcödé"]
+
+
+def test_hostile_ids_and_keys_are_listed_safely_in_every_format(make_chain, run_gateway):
+    chain = make_chain(max_level=3, resolution_ms=1000)
+    run_gateway(chain)
+    t0 = now_ms()
+    publish(chain, [(f"k.{n}\t\x07", mid, t0 + 600_000) for n, mid in enumerate(HOSTILE_IDS)])
+    wait_until(lambda: counted(chain)["total"] == len(HOSTILE_IDS), 15, 0.2, "all in the index")
+    table = cli(chain, "pending", "list")
+    assert table.returncode == 0, table.stderr
+    assert not any(c in table.stdout for c in "\x1b\x07\r\t"), repr(table.stdout)
+    assert len(table.stdout.splitlines()) == 1 + len(HOSTILE_IDS) + 2  # a line each, however hostile
+    rows = listed(chain)
+    assert sorted(r["message_id"] for r in rows) == sorted(HOSTILE_IDS)
+    assert sorted(r["routing_key"] for r in rows) == sorted(f"k.{n}\t\x07" for n in range(len(HOSTILE_IDS)))
+    out = subprocess.run([sys.executable, "-m", "gateway", "pending", "list", "--csv", *chain_args(chain),
+                          "--url", broker_url()], cwd=ROOT, capture_output=True, timeout=120)  # (bytes: \r kept)
+    parsed = list(csv.DictReader(io.StringIO(out.stdout.decode("utf-8"), newline="")))
+    assert sorted(r["message_id"] for r in parsed) == sorted(HOSTILE_IDS)
+
+
+@pytest.mark.brokers("rmq3.10", "rmq4.0", reason="RabbitMQ 4.3 refuses a routing key or message id that is not "
+                                                 "UTF-8 (501 FRAME_ERROR)")
+def test_bytes_that_are_not_utf8_come_back_exactly_in_json(make_chain, run_gateway):
+    chain = make_chain(max_level=3, resolution_ms=1000)
+    run_gateway(chain)
+    key, mid = b"k.\xff\xfe.bin", b"id-\xc3\x28"
+    with connect() as c:
+        ch = c.channel()
+        ch.confirm_delivery()
+        ch.basic_publish(chain.names.check_in, key, b"x", codec.WireProperties(Properties.build(
+            message_id=mid, headers=Table([long("x-deliver-at", now_ms() + 600_000)]))), mandatory=True)
+    [row] = wait_until(lambda: listed(chain), 15, 0.2, "listed")
+    assert base64.b64decode(row["routing_key_base64"]) == key and base64.b64decode(row["message_id_base64"]) == mid
+    table = cli(chain, "pending", "list")
+    assert "k.\\xff\\xfe.bin" in table.stdout, table.stdout
