@@ -103,6 +103,13 @@ def parser(environ) -> argparse.ArgumentParser:
                    help="how long to measure the idle broker's CPU before each run (default 2)")
     p.add_argument("--max-in-memory-length", type=int,
                    help="pending: apply this quorum max-in-memory-length as a policy on the bench chain")
+    p.add_argument("--compare-index", action="store_true",
+                   help="also run each gateway load with the index of what waits off (--no-pending-index), "
+                        "alternating: what keeping it costs")
+    p.add_argument("--flow-seconds", type=_positive(float), default=3600.0,
+                   help="waiting: how long the paced flow (--rate) passes beside what waits (default 3600)")
+    p.add_argument("--check-every", type=_positive(float), default=300.0,
+                   help="waiting: time `pending count` and `pending list` this often during the flow (default 300)")
     return p
 
 
@@ -204,7 +211,8 @@ def main(argv: Optional[Sequence[str]] = None, environ=None) -> int:
                   gateway_args=gateway_args, split_roles=args.split_roles,
                   receiver_queue_type=args.receiver_queue_type, max_level=args.max_level,
                   resolution_ms=args.resolution_ms, idle_s=args.idle_seconds,
-                  max_in_memory_length=args.max_in_memory_length, log=log)
+                  max_in_memory_length=args.max_in_memory_length, index_off=args.compare_index, log=log,
+                  extra={"flow_seconds": args.flow_seconds, "check_every": args.check_every})
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": machine(), "rabbitmq": broker.version(), "url": where,
             "command": "python -m bench " + shlex.join(sys.argv[1:] if argv is None else argv),

@@ -54,6 +54,7 @@ class Context:
     max_level: int = 20
     resolution_ms: int = 1000
     max_in_memory_length: Optional[int] = None  # pending: set as a policy on the chain
+    index_off: bool = False  # also each gateway load with the index of what waits off (--compare-index)
     idle_s: float = 2.0  # the idle broker's CPU is measured this long before each run
     log: Callable[[str], None] = print
     extra: Dict[str, object] = field(default_factory=dict)
@@ -96,7 +97,8 @@ class Load:
 
 
 def gateway_targets(ctx: Context, headers: Optional[Sequence[str]] = None) -> List[Target]:
-    return [Target("gateway", h, qt, zb) for qt, zb in ctx.topologies() for h in (headers or ctx.headers)]
+    return [Target("gateway", h, qt, zb, index) for qt, zb in ctx.topologies() for h in (headers or ctx.headers)
+            for index in ((True, False) if ctx.index_off else (True,))]
 
 
 def schedule(targets: Sequence[Target], rounds: int, plugin: bool, kombu: bool = False) -> List[Tuple[int, Target]]:
@@ -117,8 +119,8 @@ def open_system(ctx: Context, target: Target, tag: str):
         return Plugin(ctx.url, unique_prefix(tag))
     if target.system == "kombu":
         return Kombu(ctx.url, unique_prefix(tag), ctx.receiver_queue_type)
-    return Gateway(ctx.url, ctx.chain(tag, target.queue_type, target.zero_bits), ctx.gateway_args,
-                   ctx.split_roles)
+    args = [*ctx.gateway_args, *(() if target.index else ("--no-pending-index",))]
+    return Gateway(ctx.url, ctx.chain(tag, target.queue_type, target.zero_bits), args, ctx.split_roles)
 
 
 def _psutil_process(pid: int):
@@ -644,7 +646,13 @@ def naive(ctx: Context) -> List[dict]:
                         "lateness_ms": thin([r - d for r, d in zip(data["recv"], data["due"], strict=False)])}}]
 
 
+def waiting(ctx: Context) -> List[dict]:
+    from .waiting import waiting as run  # (its own module: the index of what waits at scale)
+    return run(ctx)
+
+
 SCENARIOS = {"paced": paced, "burst": burst, "at-once": at_once, "pending": pending, "steady": steady,
-             "roles": roles, "ceiling": ceiling, "naive": naive, "floor": floor}
+             "roles": roles, "ceiling": ceiling, "naive": naive, "floor": floor, "waiting": waiting}
 # Names for several at once.
-GROUPS = {"issue": ["paced", "burst", "at-once", "floor"], "all": [s for s in SCENARIOS if s != "pending"]}
+GROUPS = {"issue": ["paced", "burst", "at-once", "floor"],
+          "all": [s for s in SCENARIOS if s not in ("pending", "waiting")]}

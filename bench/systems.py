@@ -35,6 +35,7 @@ class Target:
     header: str = DELAY
     queue_type: Optional[str] = None  # gateway only
     zero_bits: Optional[str] = None
+    index: bool = True  # gateway only: the index of what waits on (--compare-index runs it off too)
 
     @property
     def label(self) -> str:
@@ -42,7 +43,7 @@ class Target:
             return f"plugin ({self.header})"
         if self.system == "kombu":
             return "kombu native delayed delivery (whole seconds)"
-        return f"gateway {self.queue_type}/{self.zero_bits} ({self.header})"
+        return f"gateway {self.queue_type}/{self.zero_bits} ({self.header})" + ("" if self.index else ", index off")
 
 
 def headers_for(header: str, published_ms: float, delay_ms: int):

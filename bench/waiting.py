@@ -1,0 +1,143 @@
+"""The `waiting` scenario: the index of what waits at scale. A million messages wait (due in
+1 to 400 days, a thousand routing keys), then a paced flow of short delays passes beside
+them; before and every few minutes during the flow, `delay-gateway pending count` and
+`pending list --key ...` are timed as a user runs them (their own processes: wall time and
+peak memory), with the gateway's memory and, at the end, the disk the waiting streams take
+on the broker."""
+
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Dict, List, Optional
+
+import pika
+
+from topology import ChainSettings
+
+from .clients import Publisher, Receiver, body, declare_receiver_queue, now_ms
+from .launcher import ROOT, chain_args
+from .scenarios import Context, _delete_queue, _psutil_process
+from .stats import lateness_stats
+from .systems import Gateway
+
+DAY_MS = 86_400_000
+KEYS = 1000  # orders.0.reminder ... orders.999.reminder
+
+
+def waiting(ctx: Context) -> List[dict]:
+    n = ctx.n(1_000_000)
+    rate = ctx.rate or 1000.0
+    flow_s = float(ctx.extra.get("flow_seconds", 3600.0))
+    every_s = float(ctx.extra.get("check_every", 300.0))
+    chain = ctx.chain("waiting", "quorum", "queue")
+    system = Gateway(ctx.url, chain, ctx.gateway_args)
+    flow_queue = f"{chain.prefix}.receiver"
+    try:
+        gateway = _psutil_process(system.processes[0].proc.pid)
+        rss0 = _rss(gateway)
+        rnd = random.Random(11)
+        start = now_ms()
+
+        def make(i: int):
+            due = start + rnd.randint(DAY_MS, 400 * DAY_MS)
+            return (chain.names.check_in, f"orders.{i % KEYS}.reminder", pika.BasicProperties(
+                delivery_mode=2, message_id=f"w-{i}", headers={"x-deliver-at": due}), body(i, due, ctx.size), due)
+
+        ctx.log(f"  waiting: publishing {n} messages due in 1-400 days")
+        pub = Publisher(ctx.url, n, make).run()
+        deadline = time.monotonic() + 1800
+        while system.forwarded(chain.names.check_in) < pub.acked and time.monotonic() < deadline:
+            time.sleep(1)
+        ctx.log(f"    published {pub.acked} in {pub.seconds:.0f} s; checked in")
+        checks = [_check(ctx, chain, gateway, "before the flow", 0.0)]
+        declare_receiver_queue(ctx.url, flow_queue, ctx.receiver_queue_type, chain.names.pick_up, "flow.#")
+        flow_n = int(rate * flow_s)
+        receiver = Receiver(ctx.url, flow_queue, ctx.out_dir, flow_n)
+        flow_rnd = random.Random(12)
+
+        def flow_message(i: int):
+            published = now_ms()
+            delay = flow_rnd.randint(2000, 10_000)
+            return (chain.names.check_in, f"flow.{i % 10}", pika.BasicProperties(
+                delivery_mode=2, message_id=f"f-{i}", headers={"x-delay": delay}),
+                body(i, published + delay, ctx.size), published + delay)
+
+        flow = Publisher(ctx.url, flow_n, flow_message, rate=rate)
+        runner = threading.Thread(target=flow.run, daemon=True)
+        t0 = time.monotonic()
+        runner.start()
+        ctx.log(f"    a flow of {rate:.0f} msg/s (2-10 s delays) for {flow_s:.0f} s")
+        while runner.is_alive():
+            runner.join(max(0.0, every_s - (time.monotonic() - t0) % every_s))
+            if runner.is_alive():
+                checks.append(_check(ctx, chain, gateway, "during the flow", time.monotonic() - t0))
+        receiver.wait(30)
+        data = receiver.stop()
+        checks.append(_check(ctx, chain, gateway, "after the flow", time.monotonic() - t0))
+        disk = _streams_disk(ctx, chain)
+        r = {"scenario": "waiting", "messages": n, "size": ctx.size, "publish_rate": round(pub.rate_achieved, 1),
+             "flow_rate": rate, "flow_seconds": flow_s, "flow_published": flow.acked,
+             "flow": lateness_stats(data, flow.acked), "gateway_rss_mb_start": rss0,
+             "checks": checks, "streams_disk_mb": disk}
+        ctx.log(f"    streams on disk: {disk}")
+        return [r]
+    finally:
+        system.close()
+        _delete_queue(ctx.url, flow_queue)
+
+
+def _rss(process) -> Optional[float]:
+    try:
+        return round(process.memory_info().rss / 2**20, 1) if process is not None else None
+    except Exception:  # (gone)
+        return None
+
+
+def _timed(args: List[str]) -> Dict[str, object]:
+    """A command as a user runs it: wall time, its own peak memory, its first line."""
+    with tempfile.TemporaryFile("w+") as out:
+        t = time.monotonic()
+        proc = subprocess.Popen([sys.executable, "-m", "gateway", *args], cwd=ROOT, stdout=out,
+                                stderr=subprocess.STDOUT, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)
+        seconds = time.monotonic() - t
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        lines = out.read().strip().splitlines()
+    return {"seconds": round(seconds, 2), "peak_rss_mb": round(usage.ru_maxrss / 1024, 1), "exit": proc.returncode,
+            "said": lines[0] if lines else ""}
+
+
+def _check(ctx: Context, chain: ChainSettings, gateway, when: str, at_s: float) -> dict:
+    base = [*chain_args(chain), "--url", ctx.url]
+    count = _timed(["pending", "count", *base])
+    listing = _timed(["pending", "list", "--key", "orders.42.#", "--limit", "100", *base])
+    found = {"when": when, "at_s": round(at_s), "gateway_rss_mb": _rss(gateway), "count": count, "list": listing}
+    ctx.log(f"    {when} ({at_s:.0f} s): count {count['seconds']} s ({count['said']}), list --key "
+            f"{listing['seconds']} s ({count['peak_rss_mb']} / {listing['peak_rss_mb']} MB at most); gateway RSS "
+            f"{found['gateway_rss_mb']} MB")
+    return found
+
+
+def _streams_disk(ctx: Context, chain: ChainSettings) -> Optional[Dict[str, float]]:
+    """MB on disk of each waiting stream (the node's stream directory, by queue name)."""
+    out = ctx.broker.ctl("eval", "rabbit_mnesia:dir().")
+    if not out:
+        return None
+    root = os.path.join(out.strip().strip('"'), "stream")
+    sizes: Dict[str, float] = {}
+    try:
+        start = "__" + chain.names.waiting.replace(".", "_") + "_"  # (a stream's directory: __<name>_<time>)
+        for entry in os.listdir(root):
+            if entry.startswith(start):
+                total = 0
+                for folder, _, files in os.walk(os.path.join(root, entry)):
+                    total += sum(os.path.getsize(os.path.join(folder, f)) for f in files)
+                sizes[entry[len(start):].rsplit("_", 1)[0]] = round(total / 2**20, 1)
+    except OSError:
+        return None
+    return sizes
