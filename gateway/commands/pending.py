@@ -157,10 +157,10 @@ def relative(ms: int) -> str:
     later, left = ms >= 0, abs(ms)
     parts: List[str] = []
     for unit, size in (("d", 86_400_000), ("h", 3_600_000), ("min", 60_000), ("s", 1000)):
-        if left >= size and len(parts) < 2:
+        if parts or left >= size:  # the first unit there is, and the one after it
             parts.append(f"{left // size} {unit}")
             left %= size
-        elif parts:
+        if len(parts) == 2:
             break
     said = " ".join(parts) or f"{left} ms"
     return f"in {said}" if later else f"overdue {said}"

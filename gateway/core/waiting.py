@@ -239,7 +239,7 @@ def topic_pattern(pattern: str) -> Callable[[bytes], bool]:
 class Selection:
     """What `pending` selects: every filter given must hold."""
 
-    ids: Tuple[bytes, ...] = ()  # exact, or a prefix where it ends with '*'
+    ids: Tuple[bytes, ...] = ()  # exact, or a prefix where it ends with '*'; a handle ('@...') any message's
     key: Optional[str] = None  # an AMQP topic pattern on the routing key it arrives with
     due_after_ms: Optional[int] = None
     due_before_ms: Optional[int] = None
@@ -260,7 +260,7 @@ class Selection:
             return False
         if self._key is not None and not self._key(m.routing_key):
             return False
-        if self.ids and not any(_id_matches(i, m.ident) or _id_matches(i, m.handle.encode("ascii"))
+        if self.ids and not any(_id_matches(i, m.handle.encode("ascii") if i.startswith(b"@") else m.ident)
                                 for i in self.ids):
             return False
         if self.headers:
@@ -334,7 +334,8 @@ class Counts:
 
 RANGES: Tuple[Tuple[str, Optional[int]], ...] = (
     ("overdue", 0), ("within 1 minute", 60_000), ("within 1 hour", 3_600_000), ("within 1 day", 86_400_000),
-    ("within 30 days", 30 * 86_400_000), ("within 1 year", 365 * 86_400_000), ("later", None))
+    ("within 1 week", 7 * 86_400_000), ("within 30 days", 30 * 86_400_000), ("within 1 year", 365 * 86_400_000),
+    ("later", None))
 
 
 class View:
