@@ -28,6 +28,7 @@ from collections import Counter, deque
 from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from topology.names import Names
+from topology.waiting import DONE
 
 from gateway.core import envelope, handlers, waiting
 from gateway.core.actions import LEAVES, STAYS, Delivery, Enqueue, Forward, Way
@@ -303,7 +304,7 @@ class Flow:
                         now, out)
         done = self._recorder.take_done(now, self._draining)
         if done is not None:
-            record = Forward(self._names.waiting, waiting.DONE.encode(), RECORD, done, Way.INDEX, mandatory=True)
+            record = Forward(self._names.waiting, DONE.encode(), RECORD, done, Way.INDEX, mandatory=True)
             self._apply(self.ledger.publish((), Payload(record, []), (), side=True), now, out)
 
     def _give_up(self, tag: int) -> None:

@@ -34,15 +34,13 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
-from gateway.core import cancels, envelope
+from topology.waiting import RETENTION_SLACK_MS, band, band_key, span_ms
+
+from gateway.core import cancels, envelope, retries
 from gateway.core.carrier import Entry
 from gateway.core.wire import Properties, Table
-from topology.waiting import DONE, RETENTION_SLACK_MS, band, band_key, span_ms
 
-__all__ = ["DONE", "band", "band_key", "span_ms"]
-
-# -- bands (topology/waiting.py: the streams) --------------------------------------------------
-# -- records ---------------------------------------------------------------------------------
+# -- records (the streams, by band: topology/waiting.py) -------------------------------------
 ENTRIES = b"DGW1"
 DONE_KEYS = b"DGD1"
 BEAT = b"DGB1"
@@ -72,7 +70,7 @@ def entry_record(e: Entry, until_ms: int) -> bytes:
     flags = HAS_ID if mid_raw else 0
     if e.exchange == "":
         flags |= RETRY
-        found = e.user.headers.get("x-retry-attempt")
+        found = e.user.headers.get(retries.ATTEMPT)
         attempt = found if isinstance(found, int) and not isinstance(found, bool) and 0 < found < 65536 else 0
     raw = e.user.raw
     return _FIXED.pack(e.accepted_us, e.due_ms, until_ms, len(e.body), attempt, flags, len(mid_raw),
