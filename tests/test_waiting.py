@@ -61,13 +61,13 @@ def test_entries_read_back_exactly(items):
         assert m.props == e.user.raw and m.retry == (e.exchange == "")
         attempt = e.user.headers.get("x-retry-attempt")
         assert m.retry_attempt == (attempt if m.retry and 0 < attempt < 65536 else None)
-        assert m.key == waiting.key_of(e.accepted_us, e.routing_key)
+        assert m.key == waiting.key_of(e.accepted_us, cancels.checksum(e.routing_key, e.user.raw, e.body))
 
 
 def test_done_keys_and_beats_read_back_and_nothing_else_reads_as_them():
     a, b = entry(b"a", read_us=1), entry(b"b", read_us=2)
     assert waiting.done_keys(waiting.pack_done([waiting.done_key(a), waiting.done_key(b)])) == \
-        [waiting.key_of(1, b"a"), waiting.key_of(2, b"b")]
+        [waiting.key_of(1, waiting.checksum(a)), waiting.key_of(2, waiting.checksum(b))]
     assert waiting.done_key(entry(read_us=None)) is None  # (from before read times were kept: never indexed)
     beat = waiting.beat(waiting.pack_beat(b"g" * 16, 3, NOW - 5, NOW))
     assert beat == waiting.Beat(b"g" * 16, 3, NOW - 5, NOW)
@@ -77,9 +77,9 @@ def test_done_keys_and_beats_read_back_and_nothing_else_reads_as_them():
 
 
 @settings(max_examples=examples(200))
-@given(st.integers(0, 2**62), keys)
-def test_a_handle_names_its_read_time_and_is_a_message_id(read_us, key):
-    h = cancels.handle(read_us, key).encode("ascii")
+@given(st.integers(0, 2**62), st.integers(0, 2**32 - 1))
+def test_a_handle_names_its_read_time_and_is_a_message_id(read_us, crc):
+    h = cancels.handle(read_us, crc).encode("ascii")
     assert len(h) == cancels.HANDLE_BYTES and cancels.handle_read_us(h) == read_us
     assert cancels.checked_id(h) == h
     assert cancels.handle_read_us(b"order-42") is None and cancels.handle_read_us(b"@" + b"!" * 20) is None
@@ -87,7 +87,7 @@ def test_a_handle_names_its_read_time_and_is_a_message_id(read_us, key):
 
 def test_a_store_knows_the_read_times_its_handles_name_until_it_forgets_them():
     store = cancels.Store(window_ms=1000)
-    h = cancels.handle(5, b"k").encode("ascii")
+    h = cancels.handle(5, 7).encode("ascii")
     store.add(h, cancels.Time(NOW * 1000), NOW)
     store.add(b"plain-id", cancels.Time(NOW * 1000), NOW)
     assert store.handle_times == {5: 1}
@@ -147,7 +147,7 @@ def test_overdue_within_the_horizon_waits_and_leaves_when_done():
     v.finish()
     assert v.total == 1 and v.counts.counts[0] == 1  # overdue
     v = view()
-    v.add_done([waiting.key_of(e.accepted_us, e.routing_key)])
+    v.add_done([waiting.key_of(e.accepted_us, waiting.checksum(e))])
     v.add(listed(e, e.due_ms))
     v.finish()
     assert v.total == 0
@@ -171,6 +171,17 @@ def test_a_copy_read_again_after_a_crash_is_listed_as_the_copy_it_is():
     assert v.total == 2
 
 
+def test_two_processes_reading_in_the_same_microsecond_list_two_messages():
+    """Read times of two gateways meet (each counts from its millisecond); a message's key,
+    property or body tells them apart, even on the same routing key."""
+    a, b = entry(b"load.1", b"m-1", read_us=NOW * 1000), entry(b"load.1", b"m-2", read_us=NOW * 1000)
+    v = view()
+    v.add(listed(a, a.due_ms))
+    v.add(listed(b, b.due_ms))
+    v.finish()
+    assert v.total == 2
+
+
 def test_cancels_by_id_after_the_message_and_by_handle_always():
     store = cancels.Store(window_ms=10**9)
     t = NOW * 1000
@@ -178,7 +189,7 @@ def test_cancels_by_id_after_the_message_and_by_handle_always():
                                        entry(b"k", b"y", read_us=t + 30), entry(b"k", b"z", read_us=t + 40))
     store.add(b"x", cancels.Time(t + 11), NOW)
     store.add(b"y", cancels.Time(t + 29), NOW)  # before the message (a reschedule): it stays
-    store.add(cancels.handle(t + 20, b"k").encode(), cancels.Time(t + 1), NOW)
+    store.add(cancels.handle(t + 20, waiting.checksum(by_handle)).encode(), cancels.Time(t + 1), NOW)
     v = view(cancelled=waiting.cancelled_by(store, NOW))
     for e in (by_id, by_handle, after, spared):
         v.add(listed(e, e.due_ms))
@@ -204,7 +215,7 @@ def test_filters_combine_and_the_soonest_due_are_kept():
     assert chosen(headers=(("customer", "42"),)) == [4, 3]
     assert chosen(headers=(("customer", "42"), ("tier", "gold"))) == [3]
     assert chosen(ids=(b"a*",)) == [2, 1] and chosen(ids=(b"a1", b"r1")) == [5, 1]
-    assert chosen(ids=(cancels.handle(4, b"orders.42.other").encode(),)) == [4]
+    assert chosen(ids=(cancels.handle(4, waiting.checksum(ms[3])).encode(),)) == [4]
     assert chosen(retries=True) == [5]
     v = view(limit=2)
     for e in ms:
@@ -257,7 +268,7 @@ class Broker:
                 self.index.append(m.key)
             return
         for e in handlers.entries(Delivery(forward.exchange, forward.routing_key, forward.props, forward.body)):
-            self.chain.append(waiting.key_of(e.accepted_us, e.routing_key))
+            self.chain.append(waiting.key_of(e.accepted_us, waiting.checksum(e)))
 
 
 def run_check_in(count: int, seed: int, crashes: int) -> Broker:
@@ -359,7 +370,7 @@ def test_the_distributor_records_what_leaves_within_its_flush():
     out = flow.tick(NOW + 100 + waiting.DONE_FLUSH_MS)
     [done] = out.publish
     assert done.side and done.tags == () and waiting.done_keys(done.payload.forward.body) == \
-        [waiting.key_of(e.accepted_us, e.routing_key)]
+        [waiting.key_of(e.accepted_us, waiting.checksum(e))]
 
 
 def test_the_model_finds_a_recorder_that_loses_entries(monkeypatch):

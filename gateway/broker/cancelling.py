@@ -64,8 +64,8 @@ class Judge:
     def __call__(self, entry: Entry, where: str) -> bool:
         if not len(self.store):  # the usual case: no cancel in the window, nothing to read
             return False
-        if entry.accepted_us in self.store.handle_times and self.store.get(
-                cancels.handle(entry.accepted_us, entry.routing_key).encode("ascii")) is not None:
+        if entry.accepted_us in self.store.handle_times and self.store.get(cancels.handle(
+                entry.accepted_us, cancels.checksum(entry.routing_key, entry.user.raw, entry.body)).encode("ascii")):
             return self._dropped(entry, where, None)  # cancelled by its handle: exactly this message
         message_id = entry.user.get("message_id")
         held = self.store.get(message_id) if message_id else None

@@ -44,11 +44,17 @@ RECORD_ARRIVED = "x-gateway-cancel-arrived-ms"
 RECORD_MARK = "x-gateway-mark"
 
 
-def handle(read_us: int, routing_key: bytes) -> str:
+def checksum(routing_key: bytes, props: bytes, body: bytes) -> int:
+    """What tells two messages read in the same microsecond apart (two processes' read times
+    can meet): a CRC-32 of the message's routing key, properties and body."""
+    return zlib.crc32(body, zlib.crc32(props, zlib.crc32(routing_key)))
+
+
+def handle(read_us: int, crc: int) -> str:
     """What `delay-gateway pending` lists a message by when it has no message id, and what a
     cancel names to cancel exactly that message (any message, id or not): its read time and
-    its routing key's checksum, as '@' and 20 letters and digits."""
-    raw = _HANDLE.pack(read_us, zlib.crc32(routing_key))
+    its `checksum`, as '@' and 20 letters and digits."""
+    raw = _HANDLE.pack(read_us, crc)
     return "@" + base64.b32encode(raw).decode("ascii").rstrip("=").lower()
 
 

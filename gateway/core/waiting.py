@@ -18,11 +18,12 @@ what waits, and of what has passed through only a band's span plus a minute; a m
 that waits for years is written once per meditation lap, and each stream keeps no more
 than its span plus a margin (`RETENTION_SLACK_MS`).
 
-A message is identified by its read time and routing key (`key_of`), the same wherever it
-is: a meditation lap's entry and the next one's are one message, the later one wins; a
-redelivery after a crash has a read time of its own, and is listed as the copy it is. One
-with no message id is listed by its *handle* (`handle`), which `cancel` accepts: a cancel
-of a handle cancels exactly that message.
+A message is identified by its read time and a checksum of its routing key, properties and
+body (`key_of`; two processes' read times can meet), the same wherever it is: a meditation
+lap's entry and the next one's are one message, the later one wins; a redelivery after a
+crash has a read time of its own, and is listed as the copy it is. One with no message id
+is listed by its *handle* (`cancels.handle`), which `cancel` accepts: a cancel of a handle
+cancels exactly that message.
 
 Nothing here does I/O: gateway/broker/waiting.py reads the streams, flow.Flow writes them.
 """
@@ -30,7 +31,6 @@ Nothing here does I/O: gateway/broker/waiting.py reads the streams, flow.Flow wr
 import heapq
 import re
 import struct
-import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
@@ -44,9 +44,9 @@ from gateway.core.wire import Properties, Table
 ENTRIES = b"DGW1"
 DONE_KEYS = b"DGD1"
 BEAT = b"DGB1"
-# read time (us), due (ms), until (ms), body size, retry attempt (0: not a retry),
-# flags, and the lengths of the message id, routing key and properties that follow
-_FIXED = struct.Struct(">qqqIHBBBI")
+# read time (us), checksum (cancels.checksum), due (ms), until (ms), body size, retry attempt
+# (0: not a retry), flags, and the lengths of the message id, routing key and properties that follow
+_FIXED = struct.Struct(">qIqqIHBBBI")
 _COUNT = struct.Struct(">I")
 _KEY = struct.Struct(">qI")
 _BEAT = struct.Struct(">16sBqq")
@@ -55,10 +55,15 @@ HAS_ID = 2  # flags: the message has a message id
 ROLE_CHECK_IN, ROLE_DISTRIBUTOR = 1, 2  # a beat's roles, as bits
 
 
-def key_of(read_us: int, routing_key: bytes) -> int:
-    """A message's identity in the index (its read time is unique within a process; two
-    processes reading in the same microsecond are told apart by the routing key)."""
-    return (read_us << 32) | zlib.crc32(routing_key)
+def key_of(read_us: int, crc: int) -> int:
+    """A message's identity in the index: its read time (unique within a process) and its
+    checksum (cancels.checksum), which tells apart two processes' messages read in the same
+    microsecond."""
+    return (read_us << 32) | crc
+
+
+def checksum(e: Entry) -> int:
+    return cancels.checksum(e.routing_key, e.user.raw, e.body)
 
 
 def entry_record(e: Entry, until_ms: int) -> bytes:
@@ -73,7 +78,7 @@ def entry_record(e: Entry, until_ms: int) -> bytes:
         found = e.user.headers.get(retries.ATTEMPT)
         attempt = found if isinstance(found, int) and not isinstance(found, bool) and 0 < found < 65536 else 0
     raw = e.user.raw
-    return _FIXED.pack(e.accepted_us, e.due_ms, until_ms, len(e.body), attempt, flags, len(mid_raw),
+    return _FIXED.pack(e.accepted_us, checksum(e), e.due_ms, until_ms, len(e.body), attempt, flags, len(mid_raw),
                        len(e.routing_key), len(raw)) + mid_raw + e.routing_key + raw
 
 
@@ -85,7 +90,7 @@ def pack_entries(records: Sequence[bytes]) -> bytes:
 
 def done_key(e: Entry) -> Optional[bytes]:
     """What a done record says of one message (None: not indexed, it has no read time)."""
-    return None if e.accepted_us is None else _KEY.pack(e.accepted_us, zlib.crc32(e.routing_key))
+    return None if e.accepted_us is None else _KEY.pack(e.accepted_us, checksum(e))
 
 
 def pack_done(keys: Sequence[bytes]) -> bytes:
@@ -103,6 +108,7 @@ class Listed:
     """One message that waits, as `pending` shows it."""
 
     read_us: int
+    crc: int  # cancels.checksum
     due_ms: int
     until_ms: int
     size: int
@@ -114,11 +120,11 @@ class Listed:
 
     @property
     def key(self) -> int:
-        return key_of(self.read_us, self.routing_key)
+        return key_of(self.read_us, self.crc)
 
     @property
     def handle(self) -> str:
-        return cancels.handle(self.read_us, self.routing_key)
+        return cancels.handle(self.read_us, self.crc)
 
     @property
     def ident(self) -> bytes:
@@ -140,7 +146,7 @@ def entries(body: bytes) -> Iterator[Listed]:
     if end > len(body):
         return
     offset = end
-    for read_us, due, until, size, attempt, flags, id_len, key_len, props_len in \
+    for read_us, crc, due, until, size, attempt, flags, id_len, key_len, props_len in \
             _FIXED.iter_unpack(body[start:end]):
         mid = body[offset:offset + id_len] if flags & HAS_ID else None
         offset += id_len
@@ -150,7 +156,7 @@ def entries(body: bytes) -> Iterator[Listed]:
         offset += props_len
         if offset > len(body):
             return
-        yield Listed(read_us, due, until, size, attempt or None if flags & RETRY else None, bool(flags & RETRY),
+        yield Listed(read_us, crc, due, until, size, attempt or None if flags & RETRY else None, bool(flags & RETRY),
                      mid, rk, props)
 
 
@@ -365,7 +371,7 @@ class View:
 
     def add(self, m: Listed) -> None:
         self.read += 1
-        k = key_of(m.read_us, m.routing_key)
+        k = key_of(m.read_us, m.crc)
         if m.until_ms >= self.now_ms:
             if k in self._current:
                 return
