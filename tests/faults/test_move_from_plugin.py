@@ -25,13 +25,16 @@ from .. import plugin_shape
 from ..support import GatewayProcess, connect, report_figures, same_entries, wait_until
 from .nodes import CTL
 
-NEAR, FAR = 9_900, 100
+# The mover moves in due order: the near messages (delivered, and checked as they arrive) go
+# in its first batches, the far ones (counted where they wait) after them.
+NEAR, FAR = 3_000, 7_000
 BATCH = 1000
 CUT_BATCH = 1500
-# The near messages are due from this long after the test fills the tables: on a busy machine
-# filling, the dry run and two runs of the mover take a while, and what is due within the
-# mover's --leave-due-within-ms by then is left to the plugin (which is not there to deliver it).
-NEAR_FROM_MS = 60_000
+# The near messages are due from this long after the test fills the tables, over NEAR_SPAN_MS:
+# on a busy machine filling, the dry run and two runs of the mover take a while (CI measured
+# 92 messages a second), and what is due within the mover's --leave-due-within-ms when it
+# reads it is left to the plugin, which is not there to deliver it.
+NEAR_FROM_MS, NEAR_SPAN_MS = 75_000, 10_000
 LEAVE = ("--leave-due-within-ms", "1000")
 EXCHANGE = "plugin.delayed"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -119,8 +122,8 @@ def test_every_waiting_message_moves_through_a_kill(own_node, node_chain, plugin
     # them to the plugin, which is not there to deliver them).
     gateway = GatewayProcess(chain, url=own_node.url).wait_ready()
     start = int(time.time() * 1000)
-    near = [(start + NEAR_FROM_MS + (i * 7919) % 25_000, i % 3, KEYS[i % 3]) for i in range(NEAR)]
-    far = [(start + 2 * 3_600_000 + i * 4 * 86_400_000, i % 3, KEYS[i % 3]) for i in range(FAR)]
+    near = [(start + NEAR_FROM_MS + (i * 7919) % NEAR_SPAN_MS, i % 3, KEYS[i % 3]) for i in range(NEAR)]
+    far = [(start + 2 * 3_600_000 + i * 86_400_000, i % 3, KEYS[i % 3]) for i in range(FAR)]
     plugin_shape.fill(plugin_tables, "/", EXCHANGE, [t.raw for t in TEMPLATES], near + far)
     due = {f"m-{i}": d for i, (d, _, _) in enumerate(near + far)}
     try:
@@ -130,7 +133,8 @@ def test_every_waiting_message_moves_through_a_kill(own_node, node_chain, plugin
         assert dry["by_due"]["from 1 s to 1 min"] + dry["by_due"]["from 1 min to 1 h"] == NEAR, dry
 
         # SIGKILL once a batch is confirmed and its removal from the plugin's table has begun
-        # (the one window that can duplicate), then run again to the end.
+        # (the one window that can duplicate), then run again to the end. (A busy machine may
+        # see a later batch's removal first: still one of the near ones.)
         first = mover(own_node, chain, *LEAVE)
         pgid = os.getpgid(first.pid)
         wait_until(lambda: first.poll() is not None or removal_under_way(pgid), 120, 0.001,
@@ -141,7 +145,7 @@ def test_every_waiting_message_moves_through_a_kill(own_node, node_chain, plugin
         code, moved, err = move(own_node, chain, *LEAVE)
         assert code == 0, err
         got = receive(own_node.url, queue, set(due) - {f"m-{NEAR + i}" for i in range(FAR)},
-                      timeout=max(30.0, (start + NEAR_FROM_MS + 30_000) / 1000 - time.time() + 90))
+                      timeout=max(30.0, (start + NEAR_FROM_MS + NEAR_SPAN_MS) / 1000 - time.time() + 90))
         held = status_total(own_node, chain)
     finally:
         gateway.terminate()
@@ -204,17 +208,16 @@ def status_total(node, chain) -> int:
 def test_a_lost_connection_moves_nothing_twice_but_the_batch_and_loses_nothing(own_node, node_chain,
                                                                               plugin_tables):
     """The connection cut while a batch is being published: the command stops (exit 1) with
-    that batch still in the plugin's table; run again, everything arrives."""
+    that batch still in the plugin's table; run again, everything waits in the gateway, the
+    cut batch at most twice. (Due in hours: where they wait is what is checked, with
+    `pending list` and `status`; delivery and its timing are the test above's.)"""
     from .proxy import Proxy
     chain = node_chain()
     plugin_shape.create(plugin_tables)
     start = int(time.time() * 1000)
-    messages = [(start + 40_000 + (i * 7919) % 5_000, i % 3, KEYS[i % 3]) for i in range(2 * CUT_BATCH)]
+    messages = [(start + 3_600_000 + (i * 7919) % 600_000, i % 3, KEYS[i % 3]) for i in range(2 * CUT_BATCH)]
     plugin_shape.fill(plugin_tables, "/", EXCHANGE, [t.raw for t in TEMPLATES], messages)
-    with connect(own_node.url) as c:
-        ch = c.channel()
-        queue = ch.queue_declare("", durable=True).method.queue
-        ch.queue_bind(queue, chain.names.pick_up, "#")
+    expected = {f"m-{i}" for i in range(len(messages))}
     gateway = GatewayProcess(chain, url=own_node.url).wait_ready()
     proxy = Proxy(own_node.url)
     # its second connection publishes the first batch (the first checked the topology): cut
@@ -224,28 +227,35 @@ def test_a_lost_connection_moves_nothing_twice_but_the_batch_and_loses_nothing(o
         argv, env = ctl_of(own_node)
         first = subprocess.Popen(
             [sys.executable, "-m", "gateway", "move-from-plugin", "--url", proxy.url, "--prefix", chain.prefix,
-             "--rabbitmqctl", shlex.join(argv), "--batch", str(CUT_BATCH), "--leave-due-within-ms", "1000"],
+             "--rabbitmqctl", shlex.join(argv), "--batch", str(CUT_BATCH)],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         _, err = first.communicate(timeout=120)
         assert first.returncode == 1, err
         assert "run again" in err and len(err.strip().splitlines()) == 1, err
-        code, moved, err = move(own_node, chain, "--leave-due-within-ms", "1000")
+        code, moved, err = move(own_node, chain)
         assert code == 0, err
-        # (nothing left to a plugin that is not there to deliver it, on a slow machine too)
         assert moved["left_to_plugin"] == 0 and moved["still_movable"] == 0, moved
-        got = receive(own_node.url, queue, {f"m-{i}" for i in range(len(messages))},
-                      timeout=(start + 45_000) / 1000 - time.time() + 30)
+        ids: List[str] = []
+
+        def all_listed() -> bool:
+            ids[:] = pending_ids(own_node, chain)
+            return expected <= set(ids)
+        wait_until(all_listed, 60, 0.5, "every moved message listed as waiting")
+        held = status_total(own_node, chain)
     finally:
         gateway.terminate()
         proxy.close()
-    ids = [m for m, _, _, _ in got]
-    due = {f"m-{i}": d for i, (d, _, _) in enumerate(messages)}
     report_figures("move figures", f"move-from-plugin-connection-cut broker={own_node.runtime.label} "
-                   f"waiting={len(messages)} moved_on_rerun={moved['moved']} lost={len(set(due) - set(ids))} "
-                   f"duplicates={len(ids) - len(set(ids))}")
-    assert set(ids) == set(due)
-    assert all(at >= due[m] for m, at, _, _ in got)
-    assert len(ids) - len(set(ids)) <= CUT_BATCH
+                   f"waiting={len(messages)} moved_on_rerun={moved['moved']} listed={len(ids)} held={held}")
+    assert set(ids) == expected
+    assert len(messages) <= held <= len(messages) + CUT_BATCH, held
+
+
+def pending_ids(node, chain) -> List[str]:
+    r = subprocess.run([sys.executable, "-m", "gateway", "pending", "list", "--url", node.url, "--prefix",
+                        chain.prefix, "--json", "--limit", "0"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return [json.loads(line)["message_id"] for line in r.stdout.splitlines() if line.strip()]
 
 
 def refusal(node, chain) -> str:
