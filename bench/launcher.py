@@ -112,13 +112,9 @@ class GatewayProcess:
         return self.get("/readyz")[0] == 200
 
     def metric(self, name: str, **labels: str) -> float:
-        """The value of one sample on /metrics (0 when absent)."""
-        wanted = name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else "")
-        for line in self.get("/metrics")[1].splitlines():
-            sample, _, value = line.rpartition(" ")
-            if sample == wanted:
-                return float(value)
-        return 0.0
+        """The sum of the samples on /metrics of `name` that carry these labels (others, such
+        as `vhost`, of any value); 0 when there are none."""
+        return sum(value for have, value in self.samples(name) if labels.items() <= have.items())
 
     def samples(self, name: str) -> List[Tuple[Dict[str, str], float]]:
         """Every sample of one metric on /metrics, with its labels (empty when it does not answer)."""

@@ -27,7 +27,7 @@ from gateway.clock import wall_ms
 from gateway.core import limits
 from gateway.broker.publish import Publisher, parse_headers
 from gateway.settings import (OPTIONS, Option, UsageError, add_options, argument, chain_from, integer, number,
-                              settings_from, tls_from, urls_from)
+                              per_vhost, settings_from, tls_from, urls_from)
 
 
 @dataclass(frozen=True)
@@ -140,22 +140,29 @@ def main(argv: Optional[Sequence[str]] = None, environ=None) -> int:
 
 # -- run ------------------------------------------------------------------------------------
 def cmd_run(args) -> int:
+    settings = settings_from(args)
+    if settings.vhosts:
+        from gateway.broker.vhosts import serve
+        return serve(settings)
     from gateway.broker.worker import main as run_worker
-    return run_worker(settings_from(args))
+    return run_worker(settings)
 
 
 # -- topology -------------------------------------------------------------------------------
 def cmd_declare(args) -> int:
     chain = chain_from(args)
     topology = build(chain, cancelling.retention_ms(chain, args.cancel_retention))
-    with blocking_channel(urls_from(args), tls=tls_from(args)) as channel:
-        declare(channel, topology)
-        records = read_registry(channel.connection, chain.names)
-        upkeep.record_chain(channel.connection, chain.prefix, ChainKey.of(chain),
-                            None if records is None else fold(records))
-    print(f"declared {len(topology.exchanges)} exchanges, {len(topology.queues)} queues, "
-          f"{len(topology.bindings)} bindings with prefix {topology.settings.prefix!r} "
-          f"(chain {chain.generation}, {chain.max_level} levels)")
+    # --vhosts: the same topology in each, one line each (unset: the URL's own, said as before)
+    for vhost, where in per_vhost(urls_from(args, many=True), args.vhosts):
+        with blocking_channel(where, tls=tls_from(args)) as channel:
+            declare(channel, topology)
+            records = read_registry(channel.connection, chain.names)
+            upkeep.record_chain(channel.connection, chain.prefix, ChainKey.of(chain),
+                                None if records is None else fold(records))
+        print(f"declared {len(topology.exchanges)} exchanges, {len(topology.queues)} queues, "
+              f"{len(topology.bindings)} bindings with prefix {topology.settings.prefix!r} "
+              f"(chain {chain.generation}, {chain.max_level} levels)"
+              + ("" if vhost is None else f" in virtual host {vhost!r}"), flush=True)
     return 0
 
 
@@ -380,8 +387,13 @@ def cmd_pending(args) -> int:
 
 
 def cmd_selftest(args) -> int:
-    return selftest.run(args, lambda: blocking_channel(urls_from(args), "delay-gateway selftest",
-                                                       tls_from(args)), chain_from(args))
+    # (--vhosts: each in turn, as `helm test` checks a release that serves several)
+    for _, urls in per_vhost(urls_from(args, many=True), args.vhosts):
+        code = selftest.run(args, lambda urls=urls: blocking_channel(urls, "delay-gateway selftest", tls_from(args)),
+                            chain_from(args))
+        if code:
+            return code
+    return 0
 
 
 def demo_arguments(p: argparse.ArgumentParser) -> None:

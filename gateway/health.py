@@ -3,6 +3,7 @@ consuming), for Kubernetes probes and for tests and the benchmark to wait on."""
 
 import threading
 import time
+from typing import Union
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -36,7 +37,26 @@ class Health:
             return stalled < STALL_S, self._ready, self._why, stalled
 
 
-def serve(port: int, registry, health: Health, addr: str = "0.0.0.0") -> ThreadingHTTPServer:
+class Parts:
+    """A process serving several virtual hosts: one Health per vhost, read as one. Alive while
+    every part reports; ready while every part is ready or refused (a refused vhost is reported
+    on its own, and must not hold back a rollout of the others), and at least one is ready."""
+
+    def __init__(self, names) -> None:
+        self.parts = {name: Health() for name in names}
+        self.refused = {name: False for name in names}
+
+    def status(self):
+        states = {name: part.status() for name, part in self.parts.items()}
+        stalled = max(s[3] for s in states.values())
+        serving = [name for name, s in states.items() if s[1]]
+        waiting = [f"{name}: {s[2]}" for name, s in states.items() if not s[1] and not self.refused[name]]
+        ready = bool(serving) and not waiting
+        why = "; ".join(waiting) or ("" if ready else "every virtual host refused")
+        return stalled < STALL_S, ready, why, stalled
+
+
+def serve(port: int, registry, health: Union[Health, "Parts"], addr: str = "0.0.0.0") -> ThreadingHTTPServer:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (the http.server name)
             alive, ready, why, stalled = health.status()

@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Dict, Iterable, Mapping, Optional, Sequence, Tuple
-from urllib.parse import quote, urlsplit, urlunsplit
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 from topology import ChainSettings
 
@@ -88,6 +88,25 @@ def text(value: str) -> str:
     return value
 
 
+VHOST_MAX_BYTES = 255  # connection.open's virtual host is an AMQP short string
+
+
+def vhost_list(value: str) -> Tuple[str, ...]:
+    """Virtual host names, comma-separated (empty: the URL's own)."""
+    if not value.strip():
+        return ()
+    names = tuple(v.strip() for v in value.split(","))
+    for name in names:
+        if not name:
+            raise ValueError(f"{value!r} has an empty name: separate the virtual hosts with single commas")
+        if len(name.encode("utf-8")) > VHOST_MAX_BYTES:
+            raise ValueError(f"{name[:20]!r}... is longer than {VHOST_MAX_BYTES} bytes, which no virtual host can be")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"{', '.join(map(repr, twice))} named twice: name each virtual host once")
+    return names
+
+
 def optional_path(value: str) -> Optional[str]:
     return value or None
 
@@ -102,6 +121,7 @@ class Option:
     helm: Optional[str] = None  # the chart's value name, where the chart sets it
     metavar: Optional[str] = None
     choices: Optional[Sequence[str]] = None
+    aliases: Tuple[str, ...] = ()  # more flags for the same setting
 
     @property
     def flag(self) -> str:
@@ -120,6 +140,10 @@ OPTIONS: Tuple[Option, ...] = (
     Option("password_file", None, optional_path,
            "read the password from this file (a mounted secret); it replaces the password of every URL",
            "broker", metavar="PATH"),
+    Option("vhosts", (), vhost_list,
+           "virtual hosts, comma-separated: `run`, `declare` and `selftest` serve each, with its own topology "
+           "under the prefix; the other commands work on one (--vhost NAME); empty: the URL's own", "broker", "vhosts",
+           metavar="NAMES", aliases=("--vhost",)),
     Option("tls_ca_file", None, optional_path,
            "for amqps:// URLs: CA certificates (PEM) that signed the broker's certificate; default: the system's",
            "broker", metavar="PATH"),
@@ -249,7 +273,7 @@ def add_options(parser: argparse.ArgumentParser, groups: Iterable[str], environ:
                 # so a flag beats a bad environment value and the error names the variable.
                 kwargs["default"] = raw
                 kwargs["type"] = _checked(o, o.env)
-            g.add_argument(o.flag, **kwargs)
+            g.add_argument(o.flag, *o.aliases, **kwargs)
 
 
 def _checked(o: Option, env: Optional[str], error=argparse.ArgumentTypeError) -> Callable[[str], Any]:
@@ -264,6 +288,8 @@ def _checked(o: Option, env: Optional[str], error=argparse.ArgumentTypeError) ->
 
 
 def _shown(value: Any) -> str:
+    if isinstance(value, tuple):
+        return ",".join(value)
     return "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
@@ -300,6 +326,7 @@ def default(name: str) -> Any:
 class Settings:
     chain: ChainSettings = field(default_factory=ChainSettings)
     urls: Tuple[str, ...] = (DEFAULT_URL,)
+    vhosts: Tuple[str, ...] = ()  # empty: the URL's own, served as before
     tls: Tls = field(default_factory=Tls)
     role: str = default("role")
     prefetch: int = default("prefetch")
@@ -353,12 +380,16 @@ def chain_from(args: argparse.Namespace) -> ChainSettings:
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
-    own = {f.name for f in dataclasses.fields(Settings)} - {"chain", "urls", "tls"}
-    return Settings(chain=chain_from(args), urls=urls_from(args), tls=tls_from(args),
+    own = {f.name for f in dataclasses.fields(Settings)} - {"chain", "urls", "tls", "vhosts"}
+    return Settings(chain=chain_from(args), urls=urls_from(args, many=True), tls=tls_from(args),
+                    vhosts=getattr(args, "vhosts", ()),
                     **{name: getattr(args, name) for name in own if hasattr(args, name)})
 
 
-def urls_from(args: argparse.Namespace) -> Tuple[str, ...]:
+def urls_from(args: argparse.Namespace, many: bool = False) -> Tuple[str, ...]:
+    """The broker URLs, each with the one virtual host --vhost names (when it names one).
+    `many`: a command that serves every vhost of --vhosts itself (the URLs are left as given);
+    any other refuses a list of several."""
     urls = tuple(u.strip() for u in args.url.split(",") if u.strip())
     if not urls:
         raise UsageError("--url: no broker URL given")
@@ -372,7 +403,31 @@ def urls_from(args: argparse.Namespace) -> Tuple[str, ...]:
         plain = [redact(u) for u in urls if not u.startswith("amqps://")]
         if plain:
             raise UsageError(f"TLS options given but not every URL is amqps://: {', '.join(plain)}")
-    return urls
+    vhosts = getattr(args, "vhosts", ())
+    if many or not vhosts:
+        return urls
+    if len(vhosts) > 1:
+        raise UsageError(f"--vhosts names {len(vhosts)} virtual hosts ({', '.join(vhosts)}; from DELAY_GATEWAY_VHOSTS "
+                         "unless given as a flag) and this command works on one: name it with --vhost NAME")
+    return tuple(with_vhost(u, vhosts[0]) for u in urls)
+
+
+def per_vhost(urls: Sequence[str], vhosts: Sequence[str]) -> Tuple[Tuple[Optional[str], Tuple[str, ...]], ...]:
+    """(vhost, the URLs with it) for each of `vhosts`; none named: (None, the URLs as given)."""
+    if not vhosts:
+        return ((None, tuple(urls)),)
+    return tuple((v, tuple(with_vhost(u, v) for u in urls)) for v in vhosts)
+
+
+def with_vhost(url: str, vhost: str) -> str:
+    """`url` with `vhost` as its virtual host (its path), percent-encoded (/ is %2F)."""
+    return urlunsplit(urlsplit(url)._replace(path="/" + quote(vhost, safe="")))
+
+
+def vhost_of(url: str) -> str:
+    """The virtual host an AMQP URL names: its path, decoded; / when it has none."""
+    path = urlsplit(url).path
+    return unquote(path[1:]) if len(path) > 1 else "/"
 
 
 def tls_from(args: argparse.Namespace) -> Tls:

@@ -31,7 +31,7 @@ def started(queue: str, handler, batcher=None):
 
 
 def held_gauge(metrics: Metrics, queue: str) -> float:
-    return metrics.registry.get_sample_value("delay_gateway_held_messages", {"queue": queue})
+    return metrics.registry.get_sample_value("delay_gateway_held_messages", {"vhost": "/", "queue": queue})
 
 
 def in_gateway_format(conn: FakeConnection, due_in_ms: int, key: bytes = b"orders.eu") -> Properties:

@@ -345,7 +345,7 @@ class Driver(RuleBasedStateMachine):
 
     @invariant()
     def held_gauge_equals_holds(self) -> None:
-        gauge = self.metrics.registry.get_sample_value("delay_gateway_held_messages", {"queue": QUEUE})
+        gauge = self.metrics.registry.get_sample_value("delay_gateway_held_messages", {"vhost": "/", "queue": QUEUE})
         assert gauge == self.pipe.flow.held == self.pipe.flow.ledger.held
 
     @invariant()

@@ -23,7 +23,7 @@ ENV = {"DELAY_GATEWAY_URL": "amqp://a/,amqp://b/", "DELAY_GATEWAY_PREFIX": "px",
        "DELAY_GATEWAY_CANCEL_RETENTION": "3600", "DELAY_GATEWAY_RETRY_BASE_MS": "250",
        "DELAY_GATEWAY_RETRY_FACTOR": "3", "DELAY_GATEWAY_RETRY_CAP_MS": "60000", "DELAY_GATEWAY_RETRY_ATTEMPTS": "4",
        "DELAY_GATEWAY_RETRY_JITTER": "0.5", "DELAY_GATEWAY_RETRY_POLICIES": '[{"queue": "q.*", "attempts": 1}]',
-       "DELAY_GATEWAY_RETRY_QUEUES": "q.*,jobs"}
+       "DELAY_GATEWAY_RETRY_QUEUES": "q.*,jobs", "DELAY_GATEWAY_VHOSTS": "orders, billing"}
 
 
 def test_every_setting_reads_its_environment_variable_and_a_flag_beats_it():
@@ -32,6 +32,7 @@ def test_every_setting_reads_its_environment_variable_and_a_flag_beats_it():
         "DELAY_GATEWAY_TLS_KEY_FILE"}  # files: tested with real files in test_faults_units
     s = settings_from(parser(ENV).parse_args(["run"]))
     assert s.urls == ("amqp://a/", "amqp://b/")
+    assert s.vhosts == ("orders", "billing")
     assert (s.chain.prefix, s.chain.max_level, s.chain.resolution_ms) == ("px", 7, 250)
     assert (s.chain.queue_type, s.chain.zero_bits) == ("classic", "exchange")
     assert (s.role, s.prefetch, s.distributor_prefetch, s.lead_ms) == ("distributor", 5, 6, 70)

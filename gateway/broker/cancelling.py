@@ -18,6 +18,7 @@ restarted gateway, or a replica started after a cancel, knows every cancel of th
 before it reads a single message.
 """
 
+import contextvars
 import datetime
 import itertools
 import threading
@@ -271,5 +272,7 @@ def start(settings: Settings, metrics: Metrics, stop: threading.Event) -> Follow
     """Follow the cancellations in a daemon thread until `stop` is set."""
     store = Store(retention_ms(settings.chain, settings.cancel_retention))
     follower = Follower(settings, store, metrics, stop)
-    threading.Thread(target=follower.run, name="cancellations", daemon=True).start()
+    # (in a copy of this context: the log fields bound here, such as the vhost, are the thread's too)
+    threading.Thread(target=contextvars.copy_context().run, args=(follower.run,), name="cancellations",
+                     daemon=True).start()
     return follower

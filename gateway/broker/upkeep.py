@@ -23,6 +23,7 @@ is removed once empty, with nothing for a person to remember. `delay-gateway mig
 the same retirement once, for deployments that turn it off.
 """
 
+import contextvars
 import itertools
 import threading
 import time
@@ -246,5 +247,7 @@ def start(settings: Settings, stop: threading.Event, metrics: Optional[Metrics] 
           beats: Optional[Beats] = None) -> Upkeep:
     """Run the upkeep in a daemon thread until `stop` is set."""
     upkeep = Upkeep(settings, stop, metrics, beats)
-    threading.Thread(target=upkeep.run, name="upkeep", daemon=True).start()
+    # (in a copy of this context: the log fields bound here, such as the vhost, are the thread's too)
+    threading.Thread(target=contextvars.copy_context().run, args=(upkeep.run,), name="upkeep",
+                     daemon=True).start()
     return upkeep

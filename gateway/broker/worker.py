@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 import time
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import pika
 import structlog
@@ -38,7 +38,7 @@ from gateway.core.handlers import CheckIn, Distributor, Parking, Retry, Returnin
 from gateway.core.waiting import Recorder
 from gateway.health import Health
 from gateway.metrics import Metrics
-from gateway.settings import Settings, redact
+from gateway.settings import Settings, redact, vhost_of
 
 STOP_POLL_S = 0.2
 STOP_GRACE_S = 10.0
@@ -51,7 +51,9 @@ class Session:
 
     def __init__(self, url: str, settings: Settings, metrics: Metrics, health: Health,
                  stop: threading.Event, exits: Sequence[str] = (), judge: Optional[Judge] = None,
-                 sequence: Optional[Sequencer] = None, beats: Optional[Beats] = None) -> None:
+                 sequence: Optional[Sequencer] = None, beats: Optional[Beats] = None,
+                 on_ready: Optional[Callable[[], None]] = None) -> None:
+        self.on_ready = on_ready  # called once consuming every queue (vhosts.py: a refused vhost is back)
         self.judge = judge  # whether a message was cancelled (cancelling.py); None: not asked
         self.sequence = sequence  # check-in's read times, one sequence for the process
         self.url, self.settings, self.metrics, self.health, self.stop_event = url, settings, metrics, health, stop
@@ -150,6 +152,8 @@ class Session:
         if ready and self.ready_since is None:
             self.ready_since = time.monotonic()
             self.log.info("ready", queues=[p.queue for p in self.pipes])
+            if self.on_ready is not None:
+                self.on_ready()
         self.health.ready(ready, "" if ready else "connecting to the queues")
         self.metrics.ready.labels(self.settings.role).set(int(ready))
         self.connection.ioloop.call_later(STOP_POLL_S, self._watch)
@@ -251,22 +255,46 @@ def exists(url: str, settings: Settings, queue: str) -> bool:
 
 
 def main(settings: Settings) -> int:
-    """`delay-gateway run`: the consumers until SIGTERM or SIGINT."""
-    metrics, health = Metrics(), Health()
+    """`delay-gateway run`: the consumers until SIGTERM or SIGINT (of the URLs' own virtual
+    host; several: vhosts.py)."""
+    metrics, health = Metrics(vhost=vhost_of(settings.urls[0])), Health()
     if settings.metrics_port:
         health_http.serve(settings.metrics_port, metrics.registry, health)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, stopping.setter(stop))
+    starting(settings)
+    return one(settings, stop, metrics, health)
+
+
+def starting(settings: Settings, **fields) -> None:
     c = settings.chain
     structlog.get_logger("gateway").info(
         "starting", role=settings.role, brokers=[redact(u) for u in settings.urls], prefix=c.prefix,
-        max_level=c.max_level, resolution_ms=c.resolution_ms, queue_type=c.queue_type, zero_bits=c.zero_bits)
+        max_level=c.max_level, resolution_ms=c.resolution_ms, queue_type=c.queue_type, zero_bits=c.zero_bits,
+        **fields)
+
+
+def one(settings: Settings, stop: threading.Event, metrics: Metrics, health: Health,
+        refusals: Optional["Refusals"] = None) -> int:
+    """The consumers of one virtual host (the URLs'), with their upkeep and cancellations."""
     from gateway.broker import upkeep
     beats = Beats(settings.chain.names, settings.role) if settings.pending_index else None
     # counted as a user of the chain; retires unused chains; counts queues; beats
     upkeep.start(settings, stop, metrics, beats)
-    return run(settings, stop, metrics, health, cancelling.start(settings, metrics, stop), beats)
+    return run(settings, stop, metrics, health, cancelling.start(settings, metrics, stop), beats, refusals)
+
+
+class Refusals:
+    """How a vhost among several meets a refusal that does not heal (vhosts.py): `tolerate`
+    says whether to try again (True) or to give up as a process of one vhost does; `back`
+    is called once it consumes again."""
+
+    def tolerate(self, trouble: Trouble, retry_in_s: float) -> bool:
+        raise NotImplementedError
+
+    def back(self) -> None:
+        raise NotImplementedError
 
 
 class Preparation:
@@ -310,9 +338,11 @@ class Preparation:
 
 
 def run(settings: Settings, stop: threading.Event, metrics: Metrics, health: Health,
-        cancels: Optional[cancelling.Follower] = None, beats: Optional[Beats] = None) -> int:
+        cancels: Optional[cancelling.Follower] = None, beats: Optional[Beats] = None,
+        refusals: Optional[Refusals] = None) -> int:
     """0 once stopped; EXIT_NO_BROKER after connect_timeout without a broker; EXIT_REFUSED
-    after FATAL_ATTEMPTS troubles that cannot heal."""
+    after FATAL_ATTEMPTS troubles that cannot heal (unless `refusals` tolerates them: then
+    it tries again, with backoff)."""
     log = structlog.get_logger("gateway")
     metrics.ready.labels(settings.role).set(0)  # 0 from the start: an alert sees a process that never gets ready
     urls = itertools.cycle(settings.urls)
@@ -326,7 +356,7 @@ def run(settings: Settings, stop: threading.Event, metrics: Metrics, health: Hea
                 break
             session = Session(url, settings, metrics, health, stop, other_exits(url, settings),
                               Judge(cancels.store, metrics) if cancels is not None else None, prepared.sequence,
-                              beats)
+                              beats, refusals.back if refusals is not None else None)
             session.run()
             trouble = classify(session.error, url) if session.error is not None else None
         except TopologyConflict as exc:
@@ -339,6 +369,11 @@ def run(settings: Settings, stop: threading.Event, metrics: Metrics, health: Hea
             break
         health.beat()
         then = reconnects.after(trouble, session is not None and session.stable)
+        if then.exit_code == EXIT_REFUSED and trouble is not None and refusals is not None:
+            wait_s = reconnects.backoff.next(False)
+            if refusals.tolerate(trouble, wait_s):  # (it says so, once)
+                stop.wait(wait_s)
+                continue
         if trouble is not None and not trouble.heals:
             # (one line per attempt, its retry included: `reconnecting` would say it again)
             log.error("broker_refused", error=trouble.message, attempt=then.refused, of=FATAL_ATTEMPTS,

@@ -36,6 +36,7 @@ CASES = [{}] + [{"maxLevel": level, "zeroBits": zero_bits, "topology": topology}
 # Settings whose chart default differs from the gateway's, and why
 CHART_DEFAULTS = {"metricsPort": 9090,  # the probes need the health endpoints
                   "retryPolicies": [],  # a list in the chart, its JSON for the gateway
+                  "vhosts": [],  # a list in the chart, comma-separated for the gateway
                   "logFormat": "json"}  # explicit: no terminal in a pod
 
 
@@ -184,6 +185,7 @@ def test_settings_are_the_gateways_options_and_its_parser_reads_them(tmp_path):
               "carrierMessages": 50, "carrierWaitMs": 7, "carrierBytes": 65536, "confirmTimeoutSeconds": 9,
               "retryBaseMs": 250, "retryFactor": 2.5, "retryCapMs": 60000, "retryAttempts": 4, "retryJitter": 0.5,
               "retryPolicies": [{"queue": "q.*", "attempts": 1}], "retryQueues": "q.*,jobs",
+              "vhosts": ["orders", "billing/eu"],
               "tls": {"caSecret": "rabbit-ca", "clientSecret": "gateway-cert"}}
     docs = render(values)
     [config_map] = by_kind(docs, "ConfigMap").values()
@@ -193,7 +195,8 @@ def test_settings_are_the_gateways_options_and_its_parser_reads_them(tmp_path):
     for o in helm_options:
         assert defaults[o.helm] == CHART_DEFAULTS.get(o.helm, o.default), o.helm
         value = values[o.helm]
-        assert config_map["data"][o.env] == (str(value).lower() if isinstance(value, bool) else json.dumps(
+        assert config_map["data"][o.env] == (str(value).lower() if isinstance(value, bool) else ",".join(value)
+                                             if o.helm == "vhosts" else json.dumps(
             value, separators=(",", ":"), sort_keys=True) if isinstance(value, list) else str(value))
     password = tmp_path / "password"
     password.write_text("s3cret\n")
@@ -218,7 +221,7 @@ def test_settings_are_the_gateways_options_and_its_parser_reads_them(tmp_path):
             assert s.chain == chain and s.role == doc["metadata"]["name"].replace("delay-gateway-", "")
             assert (s.lead_ms, s.prefetch, s.distributor_prefetch, s.stamp_due_at, s.metrics_port) == \
                 (120, 5, 600, True, 9100)
-            assert s.urls == ("amqps://gw:s3cret@rabbit/",)
+            assert s.urls == ("amqps://gw:s3cret@rabbit/",) and s.vhosts == ("orders", "billing/eu")
             assert s.tls.ca_file.endswith("ca.crt") and s.tls.key_file.endswith("tls.key")
             assert container["ports"] == [{"name": "metrics", "containerPort": 9100, "protocol": "TCP"}]
 

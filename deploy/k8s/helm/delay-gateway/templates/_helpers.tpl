@@ -63,6 +63,7 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
      that has a Helm value name); the ConfigMap holds them, the topology Job sets them
      directly (it runs before an upgrade changes the ConfigMap). */}}
 {{- define "delay-gateway.settings" -}}
+DELAY_GATEWAY_VHOSTS: {{ join "," .Values.vhosts | quote }}
 DELAY_GATEWAY_PREFIX: {{ .Values.prefix | quote }}
 DELAY_GATEWAY_MAX_LEVEL: {{ int64 .Values.maxLevel | quote }}
 DELAY_GATEWAY_RESOLUTION_MS: {{ int64 .Values.resolutionMs | quote }}
