@@ -9,7 +9,7 @@ import pytest
 from gateway.broker import plugin_table
 from gateway.broker.plugin_table import ENTRY_SHAPE, INDEX_SHAPE, SHELL_SAFE, PluginMessage, Probe, Table, Waiting
 from gateway.commands.move import count, outgoing, ranges, refused
-from gateway.core import wire
+from gateway.core import cancels, wire
 from gateway.core.envelope import Inside
 
 NOW = 1_800_000_000_000
@@ -37,12 +37,16 @@ def test_count_sorts_every_key_once():
 def test_what_is_published_is_the_entry_in_the_gateways_format():
     props = wire.Properties.build(message_id=b"m-1", user_id=b"alice", headers=wire.Table([wire.long("x-delay", 5)]))
     entry = PluginMessage(NOW + 60_000, b"order.1", props.raw, b"body", "ref")
-    [(exchange, key, sent, body)] = list(outgoing([entry], "delay.distributor"))
+    read = cancels.Sequencer()
+    [(exchange, key, sent, body), (_, _, again, _)] = list(outgoing([entry, entry], "delay.distributor", read, NOW))
     inside = Inside(sent)
     assert (exchange, key, body) == ("delay.distributor", "", b"body")
     assert inside.due_ms == NOW + 60_000 and inside.routing_key == b"order.1"
     assert inside.user == props.replace(user_id=None)  # every other byte as the plugin held it
-    assert inside.accepted_us is None  # any cancel held for its id applies (docs/cancelling.md)
+    # Listed by a read time of its own, below every cancel's: any cancel held for its id
+    # applies (docs/migrating-from-the-plugin.md); each message its own, in the move's order.
+    assert inside.accepted_us == -NOW * 1000 and Inside(again).accepted_us == -NOW * 1000 - 1
+    assert cancels.after(cancels.Time(1), cancels.Time(inside.accepted_us))
 
 
 def table(**changes) -> Table:

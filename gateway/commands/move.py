@@ -12,6 +12,11 @@ removed when the command stopped (at most --batch messages, each with its messag
 
 Entries due within --leave-due-within-ms are left for the plugin to deliver itself: moving
 them would race its timer (a message delivered by both).
+
+Each moved message carries a read time as check-in gives one (what the index of what waits
+and a handle name it by), but negative: the move's own, strictly increasing, negated. A
+message the plugin held was published before any cancel the gateway could have recorded,
+and a negative read time says so to every cancel (cancels.after), as the docs promise.
 """
 
 import argparse
@@ -32,7 +37,7 @@ from gateway.broker.amqp import blocking_channel
 from gateway.broker.plugin_table import REFS_PER_REMOVE, PluginMessage, PluginError, PluginTables, Probe, Waiting
 from gateway.broker.window import Outgoing, PublishError, WindowPublisher
 from gateway.clock import wall_ms
-from gateway.core import envelope
+from gateway.core import cancels, envelope
 from gateway.core.wire import Properties
 from gateway.settings import Tls, argument, integer
 
@@ -92,13 +97,15 @@ def count(waiting: Sequence[Waiting], now_ms: int, leave_ms: int, vhost: str, ex
     return c
 
 
-def outgoing(entries: Sequence[PluginMessage], distributor: str) -> Iterator[Outgoing]:
+def outgoing(entries: Sequence[PluginMessage], distributor: str, read: cancels.Sequencer,
+             now_ms: int) -> Iterator[Outgoing]:
     """Each entry in the gateway's format, for the distributor: its due time, routing key and
     the publisher's properties as the plugin holds them (but `user_id`, which the broker
-    checks against the gateway's own login, and any dead-letter history)."""
+    checks against the gateway's own login, and any dead-letter history), and its read
+    time, negative (the module doc)."""
     for e in entries:
         user = envelope.for_pick_up(Properties.parse(e.properties))
-        yield distributor, "", envelope.inside(user, e.routing_key, e.due_ms), e.body
+        yield distributor, "", envelope.inside(user, e.routing_key, e.due_ms, accepted_us=-read(now_ms)), e.body
 
 
 # -- command line ---------------------------------------------------------------------------
@@ -188,6 +195,7 @@ def move(tables: PluginTables, probe: Probe, urls: Sequence[str], tls: Tls, chai
          args: argparse.Namespace, expected: int) -> Tuple[int, float]:
     """Every movable entry, batch by batch; (moved, seconds). Progress on stderr."""
     start, moved = time.monotonic(), 0
+    read = cancels.Sequencer()
     for table in probe.tables:
         cursor: Optional[str] = ""
         while cursor is not None:
@@ -195,7 +203,8 @@ def move(tables: PluginTables, probe: Probe, urls: Sequence[str], tls: Tls, chai
                                          args.batch, cursor)
             if not batch:
                 continue
-            WindowPublisher(urls, outgoing(batch, chain.names.distributor), "delay-gateway move-from-plugin", tls,
+            WindowPublisher(urls, outgoing(batch, chain.names.distributor, read, wall_ms()),
+                            "delay-gateway move-from-plugin", tls,
                             unroutable=f"{chain.names.distributor} routed a message to no queue",
                             unroutable_hint="run `delay-gateway declare` with the same --prefix",
                             queue=chain.names.distributor).run()
