@@ -124,13 +124,13 @@ def main(argv: Optional[Sequence[str]] = None, environ=None) -> int:
     try:
         return COMMANDS[args.command].run(args)
     except UsageError as exc:
-        print(f"delay-gateway {args.command}: error: {exc}", file=sys.stderr)
+        logs.last_line(f"delay-gateway {args.command}: error: {exc}")
         return 2
     except TopologyConflict as exc:
-        print(f"delay-gateway {args.command}: {exc}", file=sys.stderr)
+        logs.last_line(f"delay-gateway {args.command}: {exc}")
         return EXIT_REFUSED
     except BrokerError as exc:
-        print(f"delay-gateway {args.command}: {exc}", file=sys.stderr)
+        logs.last_line(f"delay-gateway {args.command}: {exc}")
         return EXIT_NO_BROKER if exc.trouble.heals else EXIT_REFUSED
     except BrokenPipeError:  # `... | head` stopped reading: what it read is what was wanted
         # Python flushes stdout once more at exit; point it at nothing so that flush cannot fail.

@@ -39,3 +39,18 @@ def configure(level: str = "info", fmt: str = "auto") -> None:
     # --log-level debug shows pika's warnings and errors as well.
     debug = root.level <= logging.DEBUG
     logging.getLogger("pika").setLevel(logging.WARNING if debug else logging.CRITICAL + 1)
+
+
+def last_line(text: str) -> None:
+    """A command's closing line on stderr, written whole: a log line from another thread
+    (upkeep, cancellations) never lands inside it, as it could between print's text and its
+    newline."""
+    handlers = logging.getLogger().handlers
+    for h in handlers:
+        h.acquire()
+    try:
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+    finally:
+        for h in reversed(handlers):
+            h.release()

@@ -7,7 +7,6 @@ line that says what to fix.
 import itertools
 import random
 import signal
-import sys
 import threading
 import time
 from typing import Callable, List, Optional, Sequence
@@ -21,7 +20,7 @@ from topology.settings import QUEUE_TYPES
 from topology.waiting import bands
 
 from gateway import health as health_http
-from gateway import stopping
+from gateway import logs, stopping
 from gateway.broker import codec, stamp
 from gateway.exits import EXIT_NO_BROKER, EXIT_REFUSED
 from gateway.broker.amqp import BrokerError, Trouble, blocking_channel, classify, parameters
@@ -379,13 +378,13 @@ def run(settings: Settings, stop: threading.Event, metrics: Metrics, health: Hea
             log.error("broker_refused", error=trouble.message, attempt=then.refused, of=FATAL_ATTEMPTS,
                       **({} if then.exit_code is not None else {"retry_in_s": round(then.wait_s, 2)}))
         if then.exit_code == EXIT_REFUSED and trouble is not None:
-            print(f"delay-gateway run: {trouble.message}", flush=True, file=sys.stderr)
+            logs.last_line(f"delay-gateway run: {trouble.message}")
             return then.exit_code
         if then.exit_code == EXIT_NO_BROKER:
             error = trouble.message if trouble else "no connection"
             log.error("giving_up", seconds=settings.connect_timeout, error=error)
-            print(f"delay-gateway run: no broker for {settings.connect_timeout:g} s (--connect-timeout), giving up: "
-                  f"{error}", flush=True, file=sys.stderr)
+            logs.last_line(f"delay-gateway run: no broker for {settings.connect_timeout:g} s (--connect-timeout), "
+                           f"giving up: {error}")
             return then.exit_code
         if trouble is None or trouble.heals:
             log.warning("reconnecting", after_s=round(then.wait_s, 2), error=trouble.message if trouble else None)
