@@ -105,7 +105,35 @@ def pytest_collection_modifyitems(config, items):
         keep.append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
-        items[:] = keep
+    # The longest files first: the workers (one file each at a time) then end together, not
+    # with one of them running a long file alone (2 minutes less of a 20-minute run).
+    items[:] = sorted(keep, key=lambda item: LONGEST_FIRST.get(_file_of(item), len(LONGEST_FIRST)))
+
+
+# The files that take longest (seconds in a full run on 2 cores, 2026-11-26), in that order.
+LONGEST_FIRST = {name: rank for rank, name in enumerate([
+    "faults/test_broker.py",  # 315
+    "faults/test_move_from_plugin.py",  # 300
+    "faults/test_cluster.py",  # 289
+    "test_delivery.py",  # 243
+    "test_pending.py",  # 238
+    "spark/test_schedule.py",  # 236
+    "test_bench.py",  # 220
+    "faults/test_cancel_crash.py",  # 212
+    "test_vhosts.py",  # 211
+    "test_cancel.py",  # 205
+    "faults/test_security.py",  # 198
+    "test_live_change.py",  # 180
+    "spark/test_report.py",
+    "faults/test_refusals.py",
+    "faults/test_retry_faults.py",
+    "spark/test_units.py",
+])}
+
+
+def _file_of(item) -> str:
+    path = str(item.fspath)
+    return path[path.rindex("/tests/") + len("/tests/"):] if "/tests/" in path else path
 
 
 def checked_runtime(label: str) -> Runtime:
