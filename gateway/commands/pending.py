@@ -211,8 +211,11 @@ def command(args: argparse.Namespace, channel_factory: Callable) -> int:
     window_ms = cancelling.retention_ms(chain, getattr(args, "cancel_retention", 0.0))
     exporting: Optional[Exporter] = Exporter(args.out) if args.action == "export" else None
     selected: Dict[str, Listed] = {}
+    # (a count keeps none of them, an export writes each as it comes, a cancel keeps one per
+    # handle; only a list keeps messages, --limit of them)
     each: Optional[Callable[[Listed], object]] = exporting.write if exporting is not None else \
-        (lambda m: selected.setdefault(m.handle, m)) if args.action == "cancel" else None
+        (lambda m: selected.setdefault(m.handle, m)) if args.action == "cancel" else \
+        (lambda m: None) if args.action == "count" else None
     with channel_factory() as channel:
         store = cancels.Store(window_ms)
         for mid, at in cancelling.read(channel.connection, names, window_ms):
