@@ -99,6 +99,12 @@ def parser(environ) -> argparse.ArgumentParser:
                    help="run check-in and distributor as two processes (default: one `run`, both roles)")
     p.add_argument("--receiver-queue-type", choices=("quorum", "classic"), default="quorum",
                    help="the type of the receiving user's durable queue (default quorum)")
+    p.add_argument("--ceiling-rates", type=_rates, default=[1000, 2000, 3000, 4500, 6000],
+                   help="ceiling: the rising paced rates, msg/s (default 1000,2000,3000,4500,6000)")
+    p.add_argument("--ceiling-seconds", type=_positive(float), default=10.0,
+                   help="ceiling: seconds of publishing at each rate (default 10)")
+    p.add_argument("--idle-window", type=_positive(float), default=60.0,
+                   help="idle: seconds over which the idle gateway's CPU is measured (default 60)")
     p.add_argument("--idle-seconds", type=_positive(float), default=2.0,
                    help="how long to measure the idle broker's CPU before each run (default 2)")
     p.add_argument("--max-in-memory-length", type=int,
@@ -212,7 +218,9 @@ def main(argv: Optional[Sequence[str]] = None, environ=None) -> int:
                   receiver_queue_type=args.receiver_queue_type, max_level=args.max_level,
                   resolution_ms=args.resolution_ms, idle_s=args.idle_seconds,
                   max_in_memory_length=args.max_in_memory_length, index_off=args.compare_index, log=log,
-                  extra={"flow_seconds": args.flow_seconds, "check_every": args.check_every})
+                  extra={"flow_seconds": args.flow_seconds, "check_every": args.check_every,
+                         "ceiling_rates": args.ceiling_rates, "ceiling_seconds": args.ceiling_seconds,
+                         "idle_window": args.idle_window})
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": machine(), "rabbitmq": broker.version(), "url": where,
             "command": "python -m bench " + shlex.join(sys.argv[1:] if argv is None else argv),

@@ -4,7 +4,7 @@ import json
 import os
 from typing import Dict, List, Optional
 
-DELAYED = ("paced", "burst", "at-once", "steady")
+DELAYED = ("paced", "burst", "at-once", "steady", "trickle")
 
 
 def write(out_dir: str, results: Dict[str, List[dict]], meta: dict) -> List[str]:
@@ -48,7 +48,7 @@ def delayed_table(runs: List[dict]) -> List[str]:
     head = ["round", "target", "messages", "published/s", "check-in drain/s", "p50 ms", "p90 ms", "p99 ms",
             "max ms", "early", "lost", "dup", "queue writes/msg", "WAL entries/msg", "Mnesia log writes/msg",
             "broker CPU µs/msg",
-            "gateway CPU µs/msg", "load avg mean (max)"]
+            "gateway CPU µs/msg", "gateway wake-ups/msg", "load avg mean (max)"]
     lines = [_row(head), "|" + "---|" * len(head)]
     for r in runs:
         lines.append(_row([
@@ -56,7 +56,8 @@ def delayed_table(runs: List[dict]) -> List[str]:
             _g(r, "checkin_drain_rate", "{:.0f}"), _g(r, "p50_ms"), _g(r, "p90_ms"), _g(r, "p99_ms"), _g(r, "max_ms"),
             r["early"], r["lost"], r["duplicates"], _g(r, "queue_writes_per_message"),
             _g(r, "wal_writes_per_message"), _g(r, "mnesia_log_writes_per_message"),
-            _g(r, "broker_cpu_us_per_message"), _g(r, "gateway_cpu_us_per_message"), _load(r)]))
+            _g(r, "broker_cpu_us_per_message"), _g(r, "gateway_cpu_us_per_message"),
+            _g(r, "gateway_wakeups_per_message"), _load(r)]))
     return lines
 
 
@@ -159,10 +160,18 @@ def markdown(results: Dict[str, List[dict]], meta: dict) -> str:
                          f"{r['seconds']} | {_g(r, 'rate', '{:.0f}')} | {_g(r, 'cpu_us_per_message')} | "
                          f"{_g(r, 'rate_per_core', '{:.0f}')} |")
         lines.append("")
-    if results.get("ceiling"):
-        lines += ["| ceiling | hops | messages | msg/s through all hops | hops/s | queue writes/s |",
+    lines += ceiling_lines(results.get("ceiling", []))
+    if results.get("idle"):
+        lines += ["| idle: target | seconds | gateway CPU, % of a core | event loop wake-ups/s | gateway RSS MiB |",
+                  "|---|---|---|---|---|"]
+        for r in results["idle"]:
+            lines.append(_row([r["label"], r["seconds"], r["gateway_cpu_pct"], r["gateway_wakeups_per_s"],
+                               _g(r, "gateway_rss_mib")]))
+        lines.append("")
+    if results.get("hops"):
+        lines += ["| broker alone | hops | messages | msg/s through all hops | hops/s | queue writes/s |",
                   "|---|---|---|---|---|---|"]
-        for r in results["ceiling"]:
+        for r in results["hops"]:
             lines.append(f"| {r['queue_type']} | {r['hops']} | {r['messages']} | {r['messages_per_s']:.0f} | "
                          f"{r['hops_per_s']:.0f} | {r['writes_per_s']:.0f} |")
         lines.append("")
@@ -184,13 +193,45 @@ def markdown(results: Dict[str, List[dict]], meta: dict) -> str:
     return "\n".join(lines)
 
 
+def ceiling_lines(runs: List[dict]) -> List[str]:
+    """Rising paced rates, every target at each: its p99, and its highest rate under the limit."""
+    if not runs:
+        return []
+    labels = list(dict.fromkeys(r["label"] for r in runs))
+    rates = list(dict.fromkeys(r["target_rate"] for r in runs))
+    limit = runs[0].get("p99_limit_ms", 100)
+    head = ["ceiling: target"] + [f"p99 ms at {rate:,.0f}/s" for rate in rates] + [f"highest rate, p99 < {limit:g} ms"]
+    lines = [_row(head), "|" + "---|" * len(head)]
+    cpu_lines = [_row(["gateway CPU µs/msg (wake-ups/msg)"] + [f"at {rate:,.0f}/s" for rate in rates]),
+                 "|" + "---|" * (len(rates) + 1)]
+    for label in labels:
+        at = {r["target_rate"]: r for r in runs if r["label"] == label}
+        cells = []
+        for rate in rates:
+            r = at.get(rate)
+            if r is None:
+                cells.append("-")
+                continue
+            lost = f", lost {r['lost']}" if r["lost"] else ""
+            early = f", early {r['early']}" if r["early"] else ""
+            slow = "" if r["publish_rate"] >= 0.95 * rate else f", published {r['publish_rate']:.0f}/s"
+            cells.append(f"{_g(r, 'p99_ms')}{lost}{early}{slow}")
+        best = next(iter(at.values())).get("best_rate")
+        lines.append(_row([label] + cells + [f"{best:,}/s" if best else "none tried"]))
+        if any(r.get("gateway_cpu_us_per_message") for r in at.values()):
+            cpu_lines.append(_row([label] + [
+                f"{_g(at[rate], 'gateway_cpu_us_per_message')} ({_g(at[rate], 'gateway_wakeups_per_message')})"
+                if rate in at else "-" for rate in rates]))
+    return lines + [""] + (cpu_lines + [""] if len(cpu_lines) > 2 else [])
+
+
 def _loads(values: Optional[list]) -> str:
     return "/".join(f"{v:.2f}" for v in values) if values else "?"
 
 
 def efficiency(results: Dict[str, List[dict]]) -> List[dict]:
     """Highest steady rate x measured queue writes per message / the broker's raw write rate."""
-    ceilings = {r["queue_type"]: r["writes_per_s"] for r in results.get("ceiling", [])}
+    ceilings = {r["queue_type"]: r["writes_per_s"] for r in results.get("hops", [])}
     out = []
     for r in results.get("steady", []):
         if (r.get("meets_p99_limit") and r.get("queue_type") in ceilings and r.get("target_rate") == r.get("best_rate")

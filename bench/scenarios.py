@@ -131,6 +131,17 @@ def _psutil_process(pid: int):
     return psutil.Process(pid)
 
 
+def wakeups(process) -> Optional[int]:
+    """How often the process's main thread (the gateway's event loop) went to sleep and woke:
+    its voluntary context switches (/proc/PID/status counts the main thread's)."""
+    if process is None:
+        return None
+    try:
+        return int(process.num_ctx_switches().voluntary)
+    except Exception:  # gone, or no such figure on this system
+        return None
+
+
 def _psutil_processes(ctx: Context, system) -> Dict[str, object]:
     procs: Dict[str, object] = {"broker": ctx.broker.process()}
     for i, p in enumerate(system.processes):
@@ -172,12 +183,19 @@ class _Costs:
         b1 = cpu_seconds(self.procs.get("broker"))
         self.idle_pct = round((b1 - b0) * 100 / idle_s, 1) if b0 is not None and b1 is not None else None
         self.cpu0 = {k: cpu_seconds(p) for k, p in self.procs.items()}
+        self.wakeups0 = {k: wakeups(p) for k, p in self.procs.items() if k.startswith("gateway")}
         self.t0 = time.monotonic()
 
     def stop(self) -> None:
         self.seconds = time.monotonic() - self.t0
         self.cpu1 = {k: cpu_seconds(p) for k, p in self.procs.items()}
+        self.wakeups1 = {k: wakeups(p) for k, p in self.procs.items() if k.startswith("gateway")}
         self.counters1 = self.ctx.broker.counters()
+
+    def gateway_wakeups(self) -> Optional[int]:
+        spent = [self.wakeups1[k] - self.wakeups0[k] for k in self.wakeups0
+                 if self.wakeups0[k] is not None and self.wakeups1.get(k) is not None]
+        return sum(spent) if spent else None
 
     def cpu(self, prefix: str) -> Optional[float]:
         spent = [self.cpu1[k] - self.cpu0[k] for k in self.procs
@@ -192,6 +210,7 @@ class _Costs:
                "broker_cpu_us_per_message": per_message(broker_cpu, messages, 1e6, 1),
                "gateway_cpu_seconds": None if gateway_cpu is None else round(gateway_cpu, 2),
                "gateway_cpu_us_per_message": per_message(gateway_cpu, messages, 1e6, 1),
+               "gateway_wakeups_per_message": per_message(self.gateway_wakeups(), messages, digits=2),
                "broker_counters": d}
         if d:
             out["queue_writes_per_message"] = per_message(d.get("routed", 0) + d.get("dead_lettered", 0), messages)
@@ -528,7 +547,7 @@ def _distributor_alone(ctx: Context, chain: ChainSettings, topology, n: int, sin
 
 
 # -- the broker alone ------------------------------------------------------------------------
-def ceiling(ctx: Context, hops: int = 8) -> List[dict]:
+def hops(ctx: Context, hops: int = 8) -> List[dict]:
     """The broker's raw rate: messages pumped through `hops` 1 ms TTL queues in a row."""
     n = ctx.n(20_000)
     out = []
@@ -559,12 +578,84 @@ def ceiling(ctx: Context, hops: int = 8) -> List[dict]:
         finally:
             for q in names:
                 _delete_queue(ctx.url, q)
-        r = {"scenario": "ceiling", "queue_type": qt, "messages": n, "hops": hops, "size": ctx.size,
+        r = {"scenario": "hops", "queue_type": qt, "messages": n, "hops": hops, "size": ctx.size,
              "arrived": arrived, "seconds": round(seconds, 2), "messages_per_s": round(arrived / seconds, 1),
              "hops_per_s": round(arrived * hops / seconds, 1),
              "writes_per_s": round(arrived * (hops + 1) / seconds, 1)}
-        ctx.log(f"  ceiling {qt}: {r['hops_per_s']:.0f} hops/s, {r['writes_per_s']:.0f} queue writes/s")
+        ctx.log(f"  hops {qt}: {r['hops_per_s']:.0f} hops/s, {r['writes_per_s']:.0f} queue writes/s")
         out.append(r)
+    return out
+
+
+def ceiling(ctx: Context, limit_ms: float = 100.0) -> List[dict]:
+    """Rising paced rates (`ceiling_rates`, delays 2-4 s, `ceiling_seconds` each), the plugin
+    or kombu's chain and the gateway side by side at each rate: the highest rate each
+    sustains with p99 under `limit_ms`, nothing lost or early. A target that misses at one
+    rate is not tried at the next."""
+    lo, hi = ctx.delays(2_000, 4_000)
+    rates: Sequence[int] = ctx.extra.get("ceiling_rates") or (1000, 2000, 3000, 4500, 6000)  # type: ignore[assignment]
+    seconds = float(ctx.extra.get("ceiling_seconds") or 10.0)  # type: ignore[arg-type]
+    targets = [t for _, t in schedule(gateway_targets(ctx, (DELAY,)), 1, ctx.plugin, ctx.kombu)]
+    alive = list(targets)
+    out: List[dict] = []
+    best: Dict[str, Optional[int]] = {t.label: None for t in targets}
+    for rate in rates:
+        for target in list(alive):
+            r = delayed_run(ctx, Load("ceiling", ctx.n(int(rate * seconds)), (lo, hi), rate=rate), target)
+            ok = (r.get("p99_ms", 1e9) < limit_ms and r["lost"] == 0 and r["early"] == 0
+                  and r["publish_rate"] >= 0.95 * rate)
+            r["meets_p99_limit"], r["p99_limit_ms"] = ok, limit_ms
+            out.append(r)
+            if ok:
+                best[target.label] = rate
+            else:
+                alive.remove(target)
+        if not alive:
+            break
+    for r in out:
+        r["best_rate"] = best[r["label"]]
+    return out
+
+
+def idle(ctx: Context) -> List[dict]:
+    """A gateway with nothing waiting and nothing arriving: its CPU (% of one core) and its
+    event loop's wake-ups per second over `idle_window` seconds (60), after it is ready."""
+    window = float(ctx.extra.get("idle_window") or 60.0)  # type: ignore[arg-type]
+    out = []
+    for target in gateway_targets(ctx, (DELAY,)):
+        system = open_system(ctx, target, "idle")
+        try:
+            proc = _psutil_processes(ctx, system)
+            gateways = {k: p for k, p in proc.items() if k.startswith("gateway")}
+            time.sleep(min(5.0, window))  # (its start-up settles: the first upkeep pass, the follower's catch-up)
+            cpu0 = {k: cpu_seconds(p) for k, p in gateways.items()}
+            wake0 = {k: wakeups(p) for k, p in gateways.items()}
+            rss = [p.memory_info().rss for p in gateways.values() if p is not None]
+            t0 = time.monotonic()
+            time.sleep(window)
+            seconds = time.monotonic() - t0
+            cpu = sum(cpu_seconds(p) - cpu0[k] for k, p in gateways.items() if p is not None)
+            woke = sum(wakeups(p) - wake0[k] for k, p in gateways.items() if p is not None)
+        finally:
+            system.close()
+        r = {"scenario": "idle", "label": target.label, "seconds": round(seconds, 1),
+             "gateway_cpu_pct": round(cpu * 100 / seconds, 2), "gateway_wakeups_per_s": round(woke / seconds, 1),
+             "gateway_rss_mib": round(sum(rss) / 2**20, 1) if rss else None}
+        ctx.log(f"  idle {target.label}: {r['gateway_cpu_pct']} % of a core, "
+                f"{r['gateway_wakeups_per_s']} wake-ups/s")
+        out.append(r)
+    return out
+
+
+def trickle(ctx: Context) -> List[dict]:
+    """Low paced rates (10 and 100 msg/s, delays 2-10 s, 30 s each), the gateway alone: what
+    it pays per wake-up rather than per message (with `idle` and `ceiling`, its CPU from 0
+    to thousands of messages a second)."""
+    out = []
+    for rate in (10, 100):
+        for target in gateway_targets(ctx, (DELAY,)):
+            out.append(delayed_run(ctx, Load("trickle", ctx.n(rate * 30), ctx.delays(2_000, 10_000), rate=rate),
+                                   target))
     return out
 
 
@@ -652,7 +743,8 @@ def waiting(ctx: Context) -> List[dict]:
 
 
 SCENARIOS = {"paced": paced, "burst": burst, "at-once": at_once, "pending": pending, "steady": steady,
-             "roles": roles, "ceiling": ceiling, "naive": naive, "floor": floor, "waiting": waiting}
+             "roles": roles, "ceiling": ceiling, "hops": hops, "idle": idle, "trickle": trickle, "naive": naive,
+             "floor": floor, "waiting": waiting}
 # Names for several at once.
-GROUPS = {"issue": ["paced", "burst", "at-once", "floor"],
+GROUPS = {"issue": ["paced", "burst", "at-once", "floor", "ceiling", "idle", "trickle"],
           "all": [s for s in SCENARIOS if s not in ("pending", "waiting")]}

@@ -72,11 +72,12 @@ def test_loads_side_by_side_with_the_plugin_absent(broker, broker_ctl, tmp_path)
 
 
 def test_every_other_scenario_runs(broker, tmp_path):
-    """burst, steady, pending, roles, ceiling and naive at tiny sizes, without rabbitmqctl
-    (no write counters: the figures say so rather than guess); about 50 s."""
-    proc = bench(tmp_path, "burst", "steady", "pending", "roles", "ceiling", "naive", "--headers", "x-delay",
-                 "--messages", "60", "--rates", "100", "--duration", "0.6", "--min-delay", "300",
-                 "--max-delay", "1500", "--rabbitmqctl", "none", "--idle-seconds", "0.2", timeout=280)
+    """burst, steady, pending, roles, hops, naive, ceiling, idle and trickle at tiny sizes,
+    without rabbitmqctl (no write counters: the figures say so rather than guess); about 80 s."""
+    proc = bench(tmp_path, "burst", "steady", "pending", "roles", "hops", "naive", "ceiling", "idle", "trickle",
+                 "--headers", "x-delay", "--messages", "60", "--rates", "100", "--duration", "0.6",
+                 "--ceiling-rates", "100,200", "--idle-window", "1", "--min-delay", "300",
+                 "--max-delay", "1500", "--rabbitmqctl", "none", "--idle-seconds", "0.2", timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "out" / "results.json").read_text())["results"]
     [burst] = results["burst"]
@@ -88,10 +89,19 @@ def test_every_other_scenario_runs(broker, tmp_path):
     assert pending["checked_in"] >= 60 and pending["before"]["broker_rss_mb"] > 0
     assert {r["role"] for r in results["roles"]} == {"check-in", "distributor"}
     assert all(r["done"] >= 60 for r in results["roles"]), results["roles"]
-    [ceiling] = results["ceiling"]
-    assert ceiling["arrived"] == 60 and ceiling["hops_per_s"] > 0
+    [hops] = results["hops"]
+    assert hops["arrived"] == 60 and hops["hops_per_s"] > 0
     [naive] = results["naive"]
     assert naive["lost"] == 0 and naive["early"] == 0
+    # rising rates until one misses p99 < 100 ms: every run tried says which rate is the best
+    ceiling = results["ceiling"]
+    assert [r["target_rate"] for r in ceiling][:1] == [100] and len({r["best_rate"] for r in ceiling}) == 1
+    assert all(r["lost"] == 0 and r["early"] == 0 and r["gateway_wakeups_per_message"] > 0 for r in ceiling), ceiling
+    [idle] = results["idle"]
+    assert idle["seconds"] >= 1 and 0 <= idle["gateway_cpu_pct"] < 100 and idle["gateway_wakeups_per_s"] > 0, idle
+    assert [r["target_rate"] for r in results["trickle"]] == [10, 100]
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert "ceiling: target" in md and "idle: target" in md and "trickle:" in md
 
 
 def test_kombu_chain_side_by_side_and_the_floor(broker, broker_ctl, tmp_path):
