@@ -149,6 +149,17 @@ def cpu_seconds(proc) -> Optional[float]:
         return None
 
 
+def system_seconds(proc) -> Optional[float]:
+    """The kernel's part of cpu_seconds: for the gateway, mostly its sockets' sends and reads
+    (on loopback the receiver's side of TCP is paid by the sender too)."""
+    if proc is None:
+        return None
+    try:
+        return float(proc.cpu_times().system)
+    except Exception:
+        return None
+
+
 def delta(after: Optional[Dict[str, int]], before: Optional[Dict[str, int]]) -> Optional[Dict[str, int]]:
     if not after or not before:
         return None

@@ -48,7 +48,7 @@ def delayed_table(runs: List[dict]) -> List[str]:
     head = ["round", "target", "messages", "published/s", "check-in drain/s", "p50 ms", "p90 ms", "p99 ms",
             "max ms", "early", "lost", "dup", "queue writes/msg", "WAL entries/msg", "Mnesia log writes/msg",
             "broker CPU µs/msg",
-            "gateway CPU µs/msg", "gateway wake-ups/msg", "load avg mean (max)"]
+            "gateway CPU µs/msg (kernel share)", "gateway wake-ups/msg", "load avg mean (max)"]
     lines = [_row(head), "|" + "---|" * len(head)]
     for r in runs:
         lines.append(_row([
@@ -56,9 +56,13 @@ def delayed_table(runs: List[dict]) -> List[str]:
             _g(r, "checkin_drain_rate", "{:.0f}"), _g(r, "p50_ms"), _g(r, "p90_ms"), _g(r, "p99_ms"), _g(r, "max_ms"),
             r["early"], r["lost"], r["duplicates"], _g(r, "queue_writes_per_message"),
             _g(r, "wal_writes_per_message"), _g(r, "mnesia_log_writes_per_message"),
-            _g(r, "broker_cpu_us_per_message"), _g(r, "gateway_cpu_us_per_message"),
-            _g(r, "gateway_wakeups_per_message"), _load(r)]))
+            _g(r, "broker_cpu_us_per_message"), _gateway_cpu(r), _g(r, "gateway_wakeups_per_message"), _load(r)]))
     return lines
+
+
+def _gateway_cpu(r: dict) -> str:
+    cpu, share = r.get("gateway_cpu_us_per_message"), r.get("gateway_cpu_system_share")
+    return "-" if cpu is None else f"{cpu:g}" + ("" if share is None else f" ({share:.0%})")
 
 
 def side_by_side(runs: List[dict]) -> List[str]:

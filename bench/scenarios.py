@@ -19,7 +19,7 @@ from topology.broker.declare import declare, delete
 
 from gateway.settings import default
 
-from .broker import Broker, cpu_seconds, delta
+from .broker import Broker, cpu_seconds, delta, system_seconds
 from .clients import Publisher, Receiver, blocking, body, declare_receiver_queue, now_ms
 from .launcher import GatewayProcess
 from .sampler import Sampler
@@ -184,13 +184,22 @@ class _Costs:
         self.idle_pct = round((b1 - b0) * 100 / idle_s, 1) if b0 is not None and b1 is not None else None
         self.cpu0 = {k: cpu_seconds(p) for k, p in self.procs.items()}
         self.wakeups0 = {k: wakeups(p) for k, p in self.procs.items() if k.startswith("gateway")}
+        self.system0 = {k: system_seconds(p) for k, p in self.procs.items() if k.startswith("gateway")}
         self.t0 = time.monotonic()
 
     def stop(self) -> None:
         self.seconds = time.monotonic() - self.t0
         self.cpu1 = {k: cpu_seconds(p) for k, p in self.procs.items()}
         self.wakeups1 = {k: wakeups(p) for k, p in self.procs.items() if k.startswith("gateway")}
+        self.system1 = {k: system_seconds(p) for k, p in self.procs.items() if k.startswith("gateway")}
         self.counters1 = self.ctx.broker.counters()
+
+    def gateway_system_share(self) -> Optional[float]:
+        """The kernel's share of the gateway processes' CPU time."""
+        spent = [self.system1[k] - self.system0[k] for k in self.system0
+                 if self.system0[k] is not None and self.system1.get(k) is not None]
+        total = self.cpu("gateway")
+        return round(sum(spent) / total, 2) if spent and total else None
 
     def gateway_wakeups(self) -> Optional[int]:
         spent = [self.wakeups1[k] - self.wakeups0[k] for k in self.wakeups0
@@ -211,6 +220,7 @@ class _Costs:
                "gateway_cpu_seconds": None if gateway_cpu is None else round(gateway_cpu, 2),
                "gateway_cpu_us_per_message": per_message(gateway_cpu, messages, 1e6, 1),
                "gateway_wakeups_per_message": per_message(self.gateway_wakeups(), messages, digits=2),
+               "gateway_cpu_system_share": self.gateway_system_share(),
                "broker_counters": d}
         if d:
             out["queue_writes_per_message"] = per_message(d.get("routed", 0) + d.get("dead_lettered", 0), messages)
