@@ -4,9 +4,10 @@ each event, and the values it works with (pure)."""
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Protocol, Sequence, Tuple
 
-from gateway.core.actions import Action, Delivery, Forward, Way
+from gateway.core.actions import Action, Delivery, Forward
 from gateway.core.carrier import Entry
 from gateway.core.confirms import Publication
+from gateway.core.routes import Way
 
 Member = Tuple[int, Optional[Entry]]  # a delivery tag, and the publisher's message if it is one
 Handler = Callable[[Delivery, int], List[Action]]  # a delivery, and the time it came (epoch ms)

@@ -27,7 +27,8 @@ from topology.encoding import units_for
 from topology.names import Names
 
 from gateway.core import cancels, carrier, envelope, retries
-from gateway.core.actions import Action, Delivery, Enqueue, Forward, Way
+from gateway.core.actions import Action, Delivery, Enqueue, Forward
+from gateway.core.routes import Way
 from gateway.core.carrier import Damaged, Entry
 from gateway.core.envelope import Inside, Unreadable
 from gateway.core.wire import Properties
