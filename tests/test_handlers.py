@@ -6,7 +6,8 @@ from pika import BasicProperties
 
 from gateway.core import carrier, envelope
 from gateway.broker import lazy_properties
-from gateway.core.actions import Delivery, Enqueue, Forward
+from gateway.core.actions import Enqueue, Forward
+from gateway.core.inputs import Delivery
 from gateway.core.routes import Way
 from gateway.core.carrier import Entry
 from gateway.core.envelope import Inside

@@ -12,7 +12,8 @@ from topology import ChainSettings
 from gateway.broker import lazy_properties
 from gateway.commands.parked import Parked, destination
 from gateway.core import carrier, envelope, handlers, retries
-from gateway.core.actions import Delivery, Enqueue, Forward
+from gateway.core.actions import Enqueue, Forward
+from gateway.core.inputs import Delivery
 from gateway.core.routes import Way
 from gateway.core.carrier import Entry
 from gateway.core.retries import BadPolicy, Policy, failure, policies, policy_for

@@ -37,7 +37,8 @@ from gateway.broker import lazy_properties, wire_connection
 from gateway.broker.amqp import Trouble, classify, parameters
 from gateway.clock import wall_ms
 from gateway.core import cancels, envelope
-from gateway.core.actions import Action, Delivery, Forward
+from gateway.core.actions import Action, Forward
+from gateway.core.inputs import Delivery
 from gateway.core.routes import Way
 from gateway.core.effects import Handler
 from gateway.core.carrier import Entry

@@ -23,7 +23,8 @@ from topology.names import Names
 from gateway.broker import lazy_properties, publish_frames, wire_connection
 from gateway.clock import wall_ms
 from gateway.core import envelope, retries
-from gateway.core.actions import Action, Delivery, Forward
+from gateway.core.actions import Action, Forward
+from gateway.core.inputs import Delivery
 from gateway.core.routes import Way
 from gateway.core.carrier import Batcher
 from gateway.core.effects import Effects, Handler

@@ -1,4 +1,4 @@
-"""The values that pass between a consumer and its handler (pure)."""
+"""What a handler decides for a delivery: the publishes a consumer's core carries out (pure)."""
 
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -6,15 +6,6 @@ from typing import Optional, Union
 from gateway.core.carrier import Entry
 from gateway.core.routes import Way
 from gateway.core.wire import Properties
-
-
-@dataclass(frozen=True)
-class Delivery:
-    exchange: str
-    routing_key: bytes
-    props: Properties
-    body: bytes
-    redelivered: bool = False
 
 
 @dataclass(frozen=True)

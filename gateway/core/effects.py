@@ -4,7 +4,8 @@ each event, and the values it works with (pure)."""
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Protocol, Sequence, Tuple
 
-from gateway.core.actions import Action, Delivery, Forward
+from gateway.core.actions import Action, Forward
+from gateway.core.inputs import Delivery
 from gateway.core.carrier import Entry
 from gateway.core.confirms import Publication
 from gateway.core.routes import Way

@@ -31,7 +31,8 @@ from topology.names import Names
 from topology.waiting import DONE
 
 from gateway.core import envelope, handlers, waiting
-from gateway.core.actions import Delivery, Enqueue, Forward
+from gateway.core.actions import Enqueue, Forward
+from gateway.core.inputs import Delivery
 from gateway.core.routes import LEAVES, STAYS, Way
 from gateway.core.effects import Effects, Handler, Member, Observer, Payload, Sent
 from gateway.core.carrier import Batch, Batcher, Entry
