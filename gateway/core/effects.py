@@ -27,7 +27,10 @@ Sent = Publication[Payload]
 
 @dataclass
 class Effects:
-    """What the adapter must do after an event, in this order."""
+    """What the adapter (broker.consumer.Pipe) must do after an event, in this order: the
+    core's last word, in the adapter's terms (frames to publish, delivery tags to acknowledge
+    or reject, steps of the connection). flow.Flow builds it from its own decisions and the
+    confirm window's answers (`confirms.Outcome`), which the adapter never sees."""
 
     publish: List[Sent] = field(default_factory=list)  # send each `payload.forward`, in order
     ack: List[Tuple[int, bool]] = field(default_factory=list)  # (delivery tag, multiple)
