@@ -19,7 +19,8 @@ from pika.exceptions import (AMQPConnectionError, AuthenticationError, ChannelCl
                              ConnectionClosedByBroker, ProbableAccessDeniedError, ProbableAuthenticationError)
 
 from gateway.broker import wire_connection
-from gateway.settings import Tls, UsageError, redact
+from gateway.settings import Tls, UsageError
+from gateway.urls import redact
 
 
 def parameters(url: str, name: str = "delay-gateway", tls: Optional[Tls] = None) -> pika.URLParameters:

@@ -44,7 +44,8 @@ from gateway.core.effects import Handler
 from gateway.core.carrier import Entry
 from gateway.core.cancels import Store
 from gateway.metrics import Metrics
-from gateway.settings import Settings, redact
+from gateway.settings import Settings
+from gateway.urls import redact
 
 PREFETCH = 2000
 PRUNE_EVERY_S = 1.0

@@ -43,7 +43,8 @@ from gateway.broker.amqp import classify, parameters, unreachable
 from gateway.broker.waiting import Beats
 from gateway.clock import wall_ms
 from gateway.metrics import Metrics
-from gateway.settings import Settings, redact
+from gateway.settings import Settings
+from gateway.urls import redact
 
 TICK_MAX_S = 30.0
 TICK_MIN_S = 0.5

@@ -22,7 +22,8 @@ from pika import spec
 
 from gateway.broker import lazy_properties, wire_connection
 from gateway.broker.amqp import parameters
-from gateway.settings import Tls, redact
+from gateway.settings import Tls
+from gateway.urls import redact
 
 # exchange, routing key, properties (pika's, with Python values; or bytes as they are), body
 Outgoing = Tuple[str, str, Any, bytes]

@@ -37,7 +37,8 @@ from gateway.core.handlers import CheckIn, Distributor, Parking, Retry, Returnin
 from gateway.core.waiting import Recorder
 from gateway.health import Health
 from gateway.metrics import Metrics
-from gateway.settings import Settings, redact, vhost_of
+from gateway.settings import Settings
+from gateway.urls import redact, vhost_of
 
 STOP_POLL_S = 0.2
 STOP_GRACE_S = 10.0

@@ -28,7 +28,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import structlog
 
 from gateway.clock import wall_ms
-from gateway.settings import UsageError, argument, integer, redact
+from gateway.settings import UsageError, argument, integer
+from gateway.urls import redact
 from gateway.spark import progress as progress_mod
 from gateway.spark import rows, table_job
 from gateway.spark.publisher import Target

@@ -13,7 +13,8 @@ from typing import Any, Callable, Dict, Sequence
 
 from topology.names import Names
 
-from gateway.settings import UsageError, chain_from, tls_from, urls_from
+from gateway.settings import UsageError, chain_from, tls_from
+from gateway.urls import urls_from
 from gateway.spark import require
 from gateway.spark.publisher import Target
 
