@@ -27,7 +27,8 @@ from gateway.clock import wall_ms
 from gateway.core import limits
 from gateway.broker.publish import Publisher, parse_headers
 from gateway.settings import (OPTIONS, Option, UsageError, add_options, argument, chain_from, integer, number,
-                              per_vhost, settings_from, tls_from, urls_from)
+                              settings_from, tls_from)
+from gateway.urls import per_vhost, urls_from
 
 
 @dataclass(frozen=True)

@@ -3,3 +3,7 @@
 those that will not (refused: a retry cannot help)."""
 
 EXIT_NO_BROKER, EXIT_REFUSED = 1, 3
+
+
+class UsageError(ValueError):
+    """A bad flag or environment value: one line, exit 2."""

@@ -14,7 +14,7 @@ import pika
 
 from bench import launcher
 from bench.launcher import ROOT, chain_args, free_port  # noqa: F401 (tests import them from here)
-from gateway.broker import codec
+from gateway.broker import wire_connection
 from gateway.settings import DEFAULT_URL
 from topology import ChainSettings, build
 from topology.broker.declare import declare, delete
@@ -89,7 +89,7 @@ def unique_prefix() -> str:
 
 
 def connect(url: Optional[str] = None) -> pika.BlockingConnection:
-    return codec.blocking(pika.URLParameters(url or broker_url()))
+    return wire_connection.blocking(pika.URLParameters(url or broker_url()))
 
 
 def sent_headers(properties) -> dict:

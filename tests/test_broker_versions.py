@@ -327,17 +327,17 @@ def test_short_strings_that_are_not_utf8(names):
     on every version (the gateway keeps them: tests/test_isolation.py); the same bytes as
     a binding key, in a method the broker decodes, close the client's connection with 501
     FRAME_ERROR "Malformed UTF-8 in shortstr": a receiver cannot bind to such a key."""
-    from gateway.broker import codec
+    from gateway.broker import lazy_properties
     from gateway.core.wire import Properties, Table
     prefix, made = names
-    with connect() as connection:  # the gateway's codec: it reads a header name that is not UTF-8
+    with connect() as connection:  # the gateway's WireConnection: it reads a header name that is not UTF-8
         channel = connection.channel()
         channel.confirm_delivery()
         exchange = declare_exchange(channel, made, f"{prefix}.topic", "topic")
         queue = declare_queue(channel, made, f"{prefix}.all")
         channel.queue_bind(queue, exchange, "#")
         headers = Table.parse(bytes([5]) + b"\xffname" + b"b" + b"\x01")
-        channel.basic_publish(exchange, b"key.\xff\xfe", b"bytes", codec.WireProperties(Properties.build(
+        channel.basic_publish(exchange, b"key.\xff\xfe", b"bytes", lazy_properties.WireProperties(Properties.build(
             headers=headers)), mandatory=True)
         method, properties, body = channel.basic_get(queue, auto_ack=True)
         assert body == b"bytes" and method.routing_key in (b"key.\xff\xfe", "key.\xff\xfe")

@@ -11,7 +11,9 @@ from hypothesis import given, settings, strategies as st
 from topology import ChainSettings
 
 from gateway.core import cancels, carrier, envelope, handlers
-from gateway.core.actions import Delivery, Enqueue, Forward, Way
+from gateway.core.actions import Enqueue, Forward
+from gateway.core.inputs import Delivery
+from gateway.core.routes import Way
 from gateway.core.cancels import BadCancel, Held, Sequencer, Store, Time, after, checked_id
 from gateway.core.carrier import Entry
 from gateway.core.envelope import Inside

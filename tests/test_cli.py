@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 
-from gateway.settings import redact
+from gateway.urls import redact
 
 from .support import ROOT, Receiver, broker_url, chain_args, now_ms, remove, sent_headers
 

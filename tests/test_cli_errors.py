@@ -89,9 +89,9 @@ def test_every_command_moves_on_to_the_next_node(broker, make_chain, run_gateway
 
 
 def test_the_schedule_check_moves_on_too(broker, closed_port, make_chain):
-    from gateway.spark.schedule import check_exchange
+    from gateway.spark.table_job import check_exchange
     chain = make_chain(max_level=2, resolution_ms=100)
-    check_exchange([with_port(broker, closed_port), broker], None, chain.names.check_in)  # raises if not
+    check_exchange([with_port(broker, closed_port), broker], None, chain.names.check_in, "schedule")  # raises if not
 
 
 def test_unreachable_and_refused_are_one_line_with_their_exit_codes(broker, make_chain, closed_port):

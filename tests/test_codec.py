@@ -1,6 +1,7 @@
-"""The pika internals the codec relies on (gateway/broker/codec.py), and that it changes
-nothing in pika for anyone else in the process. When a pika release changes one of them,
-these fail and say which, before a broker test fails somewhere less clear."""
+"""The pika internals the gateway's own frame handling relies on (gateway/broker/
+lazy_properties.py, wire_connection.py and publish_frames.py), and that it changes nothing
+in pika for anyone else in the process. When a pika release changes one of them, these
+fail and say which, before a broker test fails somewhere less clear."""
 
 import inspect
 import struct
@@ -11,7 +12,7 @@ from pika import data, frame, spec
 from pika.adapters.blocking_connection import BlockingConnection
 from pika.connection import Connection
 
-from gateway.broker import codec
+from gateway.broker import lazy_properties, publish_frames, wire_connection
 from gateway.core.wire import Properties, Table
 
 PINNED = "pika>=1.3,<1.5"
@@ -26,22 +27,22 @@ def test_pika_still_decodes_frames_where_the_codec_steps_in():
     source = inspect.getsource(Connection._read_frame)
     assert "frame.decode_frame(self._frame_buffer)" in source, (
         f"pika {pika.__version__}: Connection._read_frame no longer decodes with "
-        "frame.decode_frame(self._frame_buffer); codec.WireConnection overrides it. Check the new "
+        "frame.decode_frame(self._frame_buffer); wire_connection.WireConnection overrides it. Check the new "
         f"frame reading before widening the pin ({PINNED} in pyproject.toml).")
-    assert callable(getattr(codec.WireConnection, "_read_frame", None))
+    assert callable(getattr(wire_connection.WireConnection, "_read_frame", None))
 
 
 def test_pika_still_builds_header_frames_as_the_codec_does():
     params = list(inspect.signature(frame.Header.__init__).parameters)
     assert params[:4] == ["self", "channel_number", "body_size", "props"], (
-        f"pika {pika.__version__}: frame.Header({', '.join(params[1:])}) is not what codec.decode_frame "
+        f"pika {pika.__version__}: frame.Header({', '.join(params[1:])}) is not what wire_connection.decode_frame "
         f"builds (channel_number, body_size, props); pinned {PINNED}.")
     assert (spec.FRAME_HEADER, spec.FRAME_END) == (2, 206), f"pika {pika.__version__}: frame constants moved"
 
 
 def test_blocking_connection_still_takes_the_select_connection_class_to_drive():
     assert "_impl_class" in inspect.signature(BlockingConnection.__init__).parameters, (
-        f"pika {pika.__version__}: BlockingConnection no longer takes _impl_class, which codec.blocking "
+        f"pika {pika.__version__}: BlockingConnection no longer takes _impl_class, which wire_connection.blocking "
         f"uses to read with WireConnection; pinned {PINNED}.")
 
 
@@ -56,7 +57,7 @@ def test_pika_still_encodes_field_values_as_the_codec_expects():
 
 def test_the_codec_decodes_exactly_and_leaves_pika_as_it_was():
     hostile = Properties.build(headers=Table.parse(struct.pack(">B", 1) + b"f" + b"d" + struct.pack(">d", 2.5)))
-    _, mine = codec.decode_frame(header_frame(hostile.raw))
+    _, mine = wire_connection.decode_frame(header_frame(hostile.raw))
     _, pikas = frame.decode_frame(header_frame(hostile.raw))
     assert mine.properties.wire.raw == hostile.raw and mine.properties.headers == {"f": 2.5}
     assert type(pikas.properties) is spec.BasicProperties and not hasattr(pikas.properties, "wire")
@@ -87,11 +88,11 @@ def test_pika_still_reads_and_writes_where_the_cork_steps_in():
     from pika.adapters.utils import io_services_utils as io
 
     assert "self._read_frame()" in inspect.getsource(Connection._on_data_available), (
-        f"pika {pika.__version__}: Connection._on_data_available no longer reads frames; codec.WireConnection "
-        f"corks around it; pinned {PINNED}.")
+        f"pika {pika.__version__}: Connection._on_data_available no longer reads frames; "
+        f"wire_connection.WireConnection corks around it; pinned {PINNED}.")
     assert "self._transport.write(data)" in inspect.getsource(BaseConnection._adapter_emit_data), (
         f"pika {pika.__version__}: BaseConnection._adapter_emit_data no longer hands data to its transport; "
-        f"codec.WireConnection takes it there while corked; pinned {PINNED}.")
+        f"wire_connection.WireConnection takes it there while corked; pinned {PINNED}.")
     source = inspect.getsource(io._AsyncPlaintextTransport) + inspect.getsource(io._AsyncTransportBase)
     for name in ("self._sock", "def get_write_buffer_size", "_STATE_ACTIVE", "self._state"):
         assert name in source, f"pika {pika.__version__}: the plaintext transport has no {name}; pinned {PINNED}."
@@ -113,8 +114,9 @@ class Transport:
 
 
 def corked_connection(sock):
-    connection = codec.WireConnection.__new__(codec.WireConnection)  # no connecting: only its writing
-    connection.cork = codec.Cork(connection)
+    # no connecting: only its writing
+    connection = wire_connection.WireConnection.__new__(wire_connection.WireConnection)
+    connection.cork = wire_connection.Cork(connection)
     connection._transport = Transport(sock)
     return connection
 
@@ -167,8 +169,8 @@ def open_connection():
     from pika.callback import CallbackManager
     from pika.channel import Channel
 
-    c = codec.WireConnection.__new__(codec.WireConnection)  # no socket: the test feeds it
-    c.cork, c.confirm_callbacks = codec.Cork(c), {}
+    c = wire_connection.WireConnection.__new__(wire_connection.WireConnection)  # no socket: the test feeds it
+    c.cork, c.confirm_callbacks = wire_connection.Cork(c), {}
     c.callbacks, c.params, c._blocked_conn_timer = CallbackManager(), pika.ConnectionParameters(), None
     c.connection_state = c.CONNECTION_CLOSED
     c._init_connection_state()
@@ -259,10 +261,11 @@ def test_fast_path_leaves_a_closing_channel_to_pika():
     (b"payload", False, b"a.b"), (b"", True, b"rk"), (b"\x00" * 131_064, True, b"\xff\xfe"),
     (b"big" * 100_000, False, b"k")])  # over a frame: pika writes it
 def test_publish_writes_the_frames_pika_writes(body, mandatory, routing_key):
-    props = codec.encoded(spec.BasicProperties(headers={"x-delay": 5, "f": 1.5}, message_id="m"))
+    props = lazy_properties.encoded(spec.BasicProperties(headers={"x-delay": 5, "f": 1.5}, message_id="m"))
     ours, channel = open_connection()
-    codec.publish(channel, "exchange-é", routing_key, body, props.wire, mandatory)
+    publish_frames.publish(channel, "exchange-é", routing_key, body, props.wire, mandatory)
     pikas, pchannel = open_connection()
-    pchannel.basic_publish("exchange-é", routing_key, body, codec.WireProperties(props.wire), mandatory=mandatory)
+    pchannel.basic_publish("exchange-é", routing_key, body, lazy_properties.WireProperties(props.wire),
+                           mandatory=mandatory)
     assert b"".join(ours.sent) == b"".join(pikas.sent)
     assert (ours.frames_sent, ours.bytes_sent) == (pikas.frames_sent, pikas.bytes_sent)

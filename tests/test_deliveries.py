@@ -13,7 +13,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from .fake_broker import FakeConnection, Published
 from gateway.broker.consumer import Pipe
 from gateway.core import carrier
-from gateway.core.actions import Action, Delivery, Enqueue, Forward, Way
+from gateway.core.actions import Action, Enqueue, Forward
+from gateway.core.inputs import Delivery
+from gateway.core.routes import Way
 from gateway.core.carrier import Batcher, Entry
 from gateway.core.deliveries import Deliveries
 from gateway.core.wire import Properties

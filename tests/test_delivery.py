@@ -3,7 +3,7 @@
 import pika
 import pytest
 
-from gateway.broker import codec
+from gateway.broker import lazy_properties
 
 from .support import Receiver, connect, drain, now_ms, same_entries, sent_headers, wait_until
 
@@ -41,7 +41,7 @@ def publish(chain, messages):
         ch.confirm_delivery()
         for key, body, properties in messages:
             sent[body] = now_ms()
-            ch.basic_publish(chain.names.check_in, key, body, codec.encoded(properties), mandatory=True)
+            ch.basic_publish(chain.names.check_in, key, body, lazy_properties.encoded(properties), mandatory=True)
     return sent
 
 
@@ -107,7 +107,7 @@ def test_what_the_user_sent_survives_exactly(chain, run_gateway):
         for name, value in properties.items():
             assert getattr(m.properties, name) == value, name
         # byte for byte, every header with its wire type (the broker may add its arrival stamp)
-        assert same_entries(m.properties.wire.headers, codec.to_wire(sent).headers)
+        assert same_entries(m.properties.wire.headers, lazy_properties.to_wire(sent).headers)
 
 
 def test_a_short_expiration_does_not_cut_the_delay_short(chain, run_gateway):

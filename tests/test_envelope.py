@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, strategies as st
 from pika import BasicProperties
 
-from gateway.broker import codec
+from gateway.broker import lazy_properties
 from gateway.core import envelope
 from gateway.core.envelope import Inside, Unreadable, due_at
 from gateway.core.wire import TableField, Properties, Table, long
@@ -18,7 +18,7 @@ NOW = 1_800_000_000_000
 
 def props(**kwargs) -> Properties:
     """Properties as pika would send them (doubles for floats, as other clients do)."""
-    return codec.to_wire(BasicProperties(**kwargs))
+    return lazy_properties.to_wire(BasicProperties(**kwargs))
 
 
 def headers(**values) -> Table:

@@ -10,7 +10,8 @@ from gateway.commands import parked
 from gateway.core.envelope import Inside
 from gateway.core.wire import Properties
 from topology.names import Names
-from gateway.settings import Tls, redact, urls_from, with_password
+from gateway.settings import Tls
+from gateway.urls import redact, urls_from, with_password
 
 
 def test_password_file_replaces_the_url_password_and_is_redacted(tmp_path):

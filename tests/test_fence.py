@@ -21,7 +21,8 @@ from hypothesis import given, settings, strategies as st
 from topology import ChainSettings
 
 from gateway.core import cancels, envelope, handlers
-from gateway.core.actions import Delivery, Forward
+from gateway.core.actions import Forward
+from gateway.core.inputs import Delivery
 from gateway.core.carrier import Batcher
 from gateway.core.flow import Flow
 from gateway.core.wire import Properties, Table, long

@@ -5,8 +5,10 @@ from hypothesis import strategies as st
 from pika import BasicProperties
 
 from gateway.core import carrier, envelope
-from gateway.broker import codec
-from gateway.core.actions import Delivery, Enqueue, Forward, Way
+from gateway.broker import lazy_properties
+from gateway.core.actions import Enqueue, Forward
+from gateway.core.inputs import Delivery
+from gateway.core.routes import Way
 from gateway.core.carrier import Entry
 from gateway.core.envelope import Inside
 from gateway.core.handlers import CheckIn, Distributor, Parking, Returning, Routes, carry, route
@@ -20,7 +22,7 @@ MEDITATION = "d.1000ms-quorum-queue.meditation.04"
 
 
 def props(**kwargs) -> Properties:
-    return codec.to_wire(BasicProperties(**kwargs))
+    return lazy_properties.to_wire(BasicProperties(**kwargs))
 
 
 def published(headers=None, key=b"user.key", **properties) -> Delivery:

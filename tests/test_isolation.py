@@ -12,7 +12,7 @@ import time
 import pika
 import pytest
 
-from gateway.broker import codec
+from gateway.broker import lazy_properties
 from gateway.core.wire import Properties, Table
 
 from .support import ROOT, START_NOTICES, Receiver, broker_url, chain_args, connect, now_ms, same_entries
@@ -80,7 +80,8 @@ def test_hostile_messages_beside_ordinary_traffic(make_chain, run_gateway):
         ch.confirm_delivery()
         for i, (name, (key, props)) in enumerate(POISON.items()):
             sent_at[name] = now_ms()
-            ch.basic_publish(chain.names.check_in, key, name.encode(), codec.WireProperties(props), mandatory=True)
+            ch.basic_publish(chain.names.check_in, key, name.encode(), lazy_properties.WireProperties(props),
+                             mandatory=True)
             for j in range(ORDINARY // len(POISON) + 1):
                 n = i * 10 + j
                 sent_at[f"o{n}"] = now_ms()

@@ -17,7 +17,7 @@ from typing import List, Optional
 import pika
 import pytest
 
-from gateway.broker import codec
+from gateway.broker import lazy_properties
 from gateway.core.wire import Properties, Table, long
 
 from .faults.proxy import Proxy
@@ -261,7 +261,7 @@ def test_bytes_that_are_not_utf8_come_back_exactly_in_json(make_chain, run_gatew
     with connect() as c:
         ch = c.channel()
         ch.confirm_delivery()
-        ch.basic_publish(chain.names.check_in, key, b"x", codec.WireProperties(Properties.build(
+        ch.basic_publish(chain.names.check_in, key, b"x", lazy_properties.WireProperties(Properties.build(
             message_id=mid, headers=Table([long("x-deliver-at", now_ms() + 600_000)]))), mandatory=True)
     [row] = wait_until(lambda: listed(chain), 15, 0.2, "listed")
     assert base64.b64decode(row["routing_key_base64"]) == key and base64.b64decode(row["message_id_base64"]) == mid

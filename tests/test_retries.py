@@ -9,10 +9,12 @@ from pika import BasicProperties
 
 from topology import ChainSettings
 
-from gateway.broker import codec
+from gateway.broker import lazy_properties
 from gateway.commands.parked import Parked, destination
 from gateway.core import carrier, envelope, handlers, retries
-from gateway.core.actions import Delivery, Enqueue, Forward, Way
+from gateway.core.actions import Enqueue, Forward
+from gateway.core.inputs import Delivery
+from gateway.core.routes import Way
 from gateway.core.carrier import Entry
 from gateway.core.retries import BadPolicy, Policy, failure, policies, policy_for
 from gateway.core.wire import Properties, Table, long, longstr
@@ -31,7 +33,7 @@ def rejected(queue: str = "orders", attempt=None, reason=None, death_reason="rej
         headers[retries.ATTEMPT] = attempt
     if reason is not None:
         headers[retries.REASON] = reason
-    props = codec.to_wire(BasicProperties(message_id="m1", content_type="application/json", headers=headers))
+    props = lazy_properties.to_wire(BasicProperties(message_id="m1", content_type="application/json", headers=headers))
     return Delivery(NAMES.retry, queue.encode(), props, body)
 
 

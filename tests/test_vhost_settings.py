@@ -4,7 +4,8 @@ from it, and the one-line errors that name the fix."""
 import pytest
 
 from gateway.cli import main, parser
-from gateway.settings import per_vhost, settings_from, urls_from, vhost_list, vhost_of, with_vhost
+from gateway.settings import settings_from, vhost_list
+from gateway.urls import per_vhost, urls_from, vhost_of, with_vhost
 
 
 def test_a_list_is_names_separated_by_commas_and_empty_is_the_urls_own():

@@ -12,7 +12,7 @@ import pytest
 
 from topology import ChainSettings
 
-from gateway.settings import with_vhost
+from gateway.urls import with_vhost
 
 from .support import GatewayProcess, Receiver, broker_url, connect, now_ms, unique_prefix, wait_until
 

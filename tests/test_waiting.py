@@ -15,7 +15,8 @@ from topology.routing import topic_matches
 from topology.waiting import band, bands, span_ms
 
 from gateway.core import cancels, handlers, waiting
-from gateway.core.actions import Delivery, Way
+from gateway.core.inputs import Delivery
+from gateway.core.routes import Way
 from gateway.core.carrier import Batcher, Entry
 from gateway.core.flow import Flow
 from gateway.core.waiting import Horizon, Listed, Recorder, Selection, View

@@ -1,4 +1,5 @@
-"""Properties and field tables as exact bytes (pure), and pika made to keep them (codec)."""
+"""Properties and field tables as exact bytes (pure), and pika made to keep them (broker.lazy_properties,
+broker.wire_connection)."""
 
 import datetime
 import decimal
@@ -9,7 +10,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from pika import BasicProperties, spec
 
-from gateway.broker import codec
+from gateway.broker import lazy_properties, wire_connection
 from gateway.core import wire
 from gateway.core.wire import Opaque, Properties, Table
 
@@ -103,7 +104,7 @@ header_tables = st.dictionaries(st.text(min_size=1, max_size=12), pika_values, m
 @given(header_tables)
 def test_tables_from_pika_and_pamqp_round_trip_byte_for_byte(headers):
     pieces = []
-    codec.encode_table(pieces, headers)  # pika's, with floats as doubles
+    lazy_properties.encode_table(pieces, headers)  # pika's, with floats as doubles
     encoded = b"".join(pieces)
     assert Table.parse(encoded[4:]).encode() == encoded
     try:
@@ -138,7 +139,7 @@ def decode_frame(props_raw: bytes):
     """A content header frame as the broker sends it, through the codec's frame decoder."""
     payload = struct.pack(">HHQ", 60, 0, 5) + props_raw
     data = struct.pack(">BHI", spec.FRAME_HEADER, 1, len(payload)) + payload + bytes([spec.FRAME_END])
-    _, header = codec.decode_frame(data)
+    _, header = wire_connection.decode_frame(data)
     return header.properties
 
 
@@ -151,11 +152,11 @@ def test_with_the_codec_pika_keeps_the_bytes_and_decodes_only_when_asked():
     assert properties.message_id == b"\xffid"
     assert properties.headers["f"] == 1.5 and properties.headers["d"] == 2.5  # pika truncated them
     assert isinstance(properties.headers["when"], Opaque)
-    assert b"".join(codec.WireProperties(hostile).encode()) == hostile.raw
+    assert b"".join(lazy_properties.WireProperties(hostile).encode()) == hostile.raw
 
 
 def test_python_floats_are_sent_as_doubles():
-    props = decode_frame(codec.to_wire(BasicProperties(headers={"v": 1.5, "l": [2.25]})).raw)
+    props = decode_frame(lazy_properties.to_wire(BasicProperties(headers={"v": 1.5, "l": [2.25]})).raw)
     assert props.headers == {"v": 1.5, "l": [2.25]}
     assert props.wire.headers.find("v").kind == b"d"
 

@@ -18,8 +18,9 @@ import pika
 from pika.exceptions import (AMQPConnectionError, AuthenticationError, ChannelClosedByBroker,
                              ConnectionClosedByBroker, ProbableAccessDeniedError, ProbableAuthenticationError)
 
-from gateway.broker import codec
-from gateway.settings import Tls, UsageError, redact
+from gateway.broker import wire_connection
+from gateway.settings import Tls, UsageError
+from gateway.urls import redact
 
 
 def parameters(url: str, name: str = "delay-gateway", tls: Optional[Tls] = None) -> pika.URLParameters:
@@ -128,7 +129,7 @@ def connect(urls: Union[str, Sequence[str]], name: str = "delay-gateway",
     for url in urls:
         params = parameters(url, name, tls)
         try:
-            return codec.blocking(params), url
+            return wire_connection.blocking(params), url
         except (AMQPConnectionError, OSError) as exc:
             trouble = classify(exc, url)
             if not trouble.heals:

@@ -33,16 +33,19 @@ from topology.model import cancel_window_ms
 from topology.names import Names
 from topology.settings import ChainSettings
 
-from gateway.broker import codec
+from gateway.broker import lazy_properties, wire_connection
 from gateway.broker.amqp import Trouble, classify, parameters
 from gateway.clock import wall_ms
 from gateway.core import cancels, envelope
-from gateway.core.actions import Action, Delivery, Forward, Way
+from gateway.core.actions import Action, Forward
+from gateway.core.inputs import Delivery
+from gateway.core.routes import Way
 from gateway.core.effects import Handler
 from gateway.core.carrier import Entry
 from gateway.core.cancels import Store
 from gateway.metrics import Metrics
-from gateway.settings import Settings, redact
+from gateway.settings import Settings
+from gateway.urls import redact
 
 PREFETCH = 2000
 PRUNE_EVERY_S = 1.0
@@ -138,7 +141,7 @@ class Follower:
             url = next(urls)
             connection = None
             try:
-                connection = codec.blocking(parameters(url, "delay-gateway cancellations", self.settings.tls))
+                connection = wire_connection.blocking(parameters(url, "delay-gateway cancellations", self.settings.tls))
                 self._session(connection)
             except ChannelClosedByBroker as exc:
                 # Back off over attempts that fail alike; a session that read the stream (it
@@ -198,8 +201,8 @@ class Follower:
             self._mark = uuid.uuid4().hex.encode()
             publisher = connection.channel()
             publisher.confirm_delivery()
-            publisher.basic_publish(self.names.cancellations, "", b"", codec.WireProperties(cancels.mark(self._mark)),
-                                    mandatory=True)
+            publisher.basic_publish(self.names.cancellations, "", b"",
+                                    lazy_properties.WireProperties(cancels.mark(self._mark)), mandatory=True)
             publisher.close()
         while not self.stop.is_set() and not ended:
             connection.process_data_events(time_limit=0.2)
@@ -211,7 +214,7 @@ class Follower:
             self.log.warning("cancellations_consumer_cancelled", queue=self.names.cancellations)
 
     def _on_record(self, channel, method, properties, body) -> None:
-        headers = properties.wire.headers  # (a codec connection: exact headers)
+        headers = properties.wire.headers  # (a WireConnection: exact headers)
         offset = headers.get("x-stream-offset")
         if isinstance(offset, int):
             self._next = offset + 1

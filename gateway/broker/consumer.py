@@ -20,10 +20,12 @@ from prometheus_client import Counter as Count
 
 from topology.names import Names
 
-from gateway.broker import codec
+from gateway.broker import lazy_properties, publish_frames, wire_connection
 from gateway.clock import wall_ms
 from gateway.core import envelope, retries
-from gateway.core.actions import Action, Delivery, Forward, Way
+from gateway.core.actions import Action, Forward
+from gateway.core.inputs import Delivery
+from gateway.core.routes import Way
 from gateway.core.carrier import Batcher
 from gateway.core.effects import Effects, Handler
 from gateway.core.flow import Flow
@@ -81,7 +83,7 @@ class Pipe:
                  batcher: Optional[Batcher] = None, still_wanted: Optional[Callable[[Forward], bool]] = None,
                  on_caught_up: Optional[Callable[[], None]] = None, recorder: Optional[Recorder] = None) -> None:
         self._connection, self.queue, self._prefetch, self._clock = connection, queue, prefetch, clock
-        self._cork = codec.cork(connection)  # what an event makes us send goes out in one write
+        self._cork = wire_connection.cork(connection)  # what an event makes us send goes out in one write
         self._on_fatal = on_fatal or (lambda exc: None)
         self._log = structlog.get_logger("gateway").bind(queue=queue)
         # A debug event costs structlog's processors even when the level filters it out later.
@@ -112,7 +114,7 @@ class Pipe:
         self._publish = channel
         channel.add_on_close_callback(self._on_publish_closed)
         channel.add_on_return_callback(self._on_return)
-        codec.confirm_delivery(channel, self._on_confirm,
+        wire_connection.confirm_delivery(channel, self._on_confirm,
                                callback=lambda _: self._do(self.flow.publishing_opened(self._clock())))
 
     def _on_consume_open(self, channel: Channel) -> None:
@@ -207,14 +209,14 @@ class Pipe:
         return self.flow.waiting_for_confirm_ms(now_ms)
 
     # -- frames in -----------------------------------------------------------------------
-    def _on_message(self, channel: Channel, method: spec.Basic.Deliver, properties: codec.WireProperties,
+    def _on_message(self, channel: Channel, method: spec.Basic.Deliver, properties: lazy_properties.WireProperties,
                     body: bytes) -> None:
         d = Delivery(method.exchange, envelope.as_bytes(method.routing_key), properties.wire, body,
                      method.redelivered)
         self._read += 1
         self._do(self.flow.delivered(method.delivery_tag, d, self._clock()))
 
-    def _on_return(self, channel: Channel, method: spec.Basic.Return, properties: codec.WireProperties,
+    def _on_return(self, channel: Channel, method: spec.Basic.Return, properties: lazy_properties.WireProperties,
                    body: bytes) -> None:
         self.flow.returned(envelope.as_bytes(method.routing_key), properties.wire.raw, body)
 
@@ -261,7 +263,7 @@ class Pipe:
         for pub in actions.publish:
             f = pub.payload.forward
             try:
-                codec.publish(channel, f.exchange, f.routing_key, f.body, f.props, f.mandatory)
+                publish_frames.publish(channel, f.exchange, f.routing_key, f.body, f.props, f.mandatory)
             except AMQPError as exc:  # the channel is going away; its close callback takes over
                 self._log.warning("publish_failed", error=str(exc))
                 return

@@ -7,7 +7,7 @@ import pika
 
 from topology import ChainSettings
 
-from gateway.broker import codec
+from gateway.broker import lazy_properties
 from gateway.core.envelope import DELAY, DELIVER_AT
 
 
@@ -28,9 +28,9 @@ class Publisher:
             headers[DELIVER_AT] = deliver_at_ms
         properties.setdefault("delivery_mode", 2)
         # mandatory: if check-in is not declared the publish fails here, not silently.
-        # (codec.encoded: a float header, e.g. --header f=1.5, goes as an AMQP double)
+        # (lazy_properties.encoded: a float header, e.g. --header f=1.5, goes as an AMQP double)
         self.channel.basic_publish(self.exchange, routing_key, body,
-                                   codec.encoded(pika.BasicProperties(headers=headers or None, **properties)),
+                                   lazy_properties.encoded(pika.BasicProperties(headers=headers or None, **properties)),
                                    mandatory=True)
 
 

@@ -6,7 +6,8 @@ from typing import List
 import structlog
 
 from gateway.core import envelope, retries
-from gateway.core.actions import Action, Delivery, Enqueue, Forward
+from gateway.core.actions import Action, Enqueue, Forward
+from gateway.core.inputs import Delivery
 from gateway.core.effects import Handler
 from gateway.metrics import Metrics
 

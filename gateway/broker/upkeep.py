@@ -38,12 +38,13 @@ from topology.names import Names
 from topology.registry import ChainKey, Record, Registry, fold
 from topology.retirement import Step, Unused, plan
 
-from gateway.broker import codec
+from gateway.broker import wire_connection
 from gateway.broker.amqp import classify, parameters, unreachable
 from gateway.broker.waiting import Beats
 from gateway.clock import wall_ms
 from gateway.metrics import Metrics
-from gateway.settings import Settings, redact
+from gateway.settings import Settings
+from gateway.urls import redact
 
 TICK_MAX_S = 30.0
 TICK_MIN_S = 0.5
@@ -153,7 +154,7 @@ class Upkeep:
         while not self.stop.is_set():
             url = next(urls)
             try:
-                connection = codec.blocking(parameters(url, "delay-gateway upkeep", self.settings.tls))
+                connection = wire_connection.blocking(parameters(url, "delay-gateway upkeep", self.settings.tls))
             except Exception as exc:  # the worker reports bad settings itself
                 failures += 1
                 self.log.warning("upkeep_cannot_connect", broker=redact(url), error=unreachable(exc))

@@ -26,7 +26,8 @@ from gateway.broker.amqp import Trouble
 from gateway.broker.worker import Refusals, one, starting
 from gateway.health import Parts
 from gateway.metrics import Metrics
-from gateway.settings import Settings, with_vhost
+from gateway.settings import Settings
+from gateway.urls import with_vhost
 
 JOIN_POLL_S = 0.2
 

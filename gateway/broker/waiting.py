@@ -23,7 +23,7 @@ from topology.names import Names
 from topology.settings import QUEUE_TYPES
 from topology.waiting import BANDS, DONE, RETENTION_SLACK_MS, band_key
 
-from gateway.broker import codec
+from gateway.broker import lazy_properties
 from gateway.clock import wall_ms
 from gateway.core import waiting
 from gateway.core.wire import Properties
@@ -61,7 +61,8 @@ class Beats:
             if self._channel is None or not self._channel.is_open:
                 self._channel = connection.channel()
             self._channel.basic_publish(self.names.waiting, DONE, waiting.pack_beat(
-                self.id, self.roles, now if low is None else min(low, now), now), codec.WireProperties(RECORD))
+                self.id, self.roles, now if low is None else min(low, now), now),
+                lazy_properties.WireProperties(RECORD))
         except ChannelClosedByBroker as exc:  # the exchange is missing: an older topology
             self._channel = None
             if exc.reply_code == 404:
@@ -183,7 +184,7 @@ class StreamReader:
         marks = {}
         for key in keys:
             marks[key] = MARK + uuid.uuid4().bytes
-            channel.basic_publish(self.names.waiting, key, marks[key], codec.WireProperties(RECORD),
+            channel.basic_publish(self.names.waiting, key, marks[key], lazy_properties.WireProperties(RECORD),
                                   mandatory=True)
         return marks
 

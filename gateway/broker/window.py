@@ -20,9 +20,10 @@ from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 import pika
 from pika import spec
 
-from gateway.broker import codec
+from gateway.broker import lazy_properties, wire_connection
 from gateway.broker.amqp import parameters
-from gateway.settings import Tls, redact
+from gateway.settings import Tls
+from gateway.urls import redact
 
 # exchange, routing key, properties (pika's, with Python values; or bytes as they are), body
 Outgoing = Tuple[str, str, Any, bytes]
@@ -116,7 +117,7 @@ class WindowPublisher:
         self._channel = channel
         channel.add_on_close_callback(self.on_channel_closed)
         channel.add_on_return_callback(self.on_return)
-        codec.confirm_delivery(channel, self.on_confirm, callback=lambda _frame: self._begin())
+        wire_connection.confirm_delivery(channel, self.on_confirm, callback=lambda _frame: self._begin())
 
     def _begin(self) -> None:
         self.start = time.monotonic()  # the rate counts from here
@@ -211,7 +212,8 @@ class WindowPublisher:
     def _send(self, message: Outgoing, attempt: int) -> None:
         exchange, routing_key, properties, body = message
         # pika cannot encode floats (JSON headers have them): sent as AMQP doubles, as the gateway does
-        self._channel.basic_publish(exchange, routing_key, body, codec.encoded(properties), mandatory=self.mandatory)
+        self._channel.basic_publish(exchange, routing_key, body, lazy_properties.encoded(properties),
+                                    mandatory=self.mandatory)
         self.seq += 1  # delivery tags of a confirming channel count publishes from 1
         self.pending[self.seq] = (message, attempt)
 

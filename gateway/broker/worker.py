@@ -21,7 +21,7 @@ from topology.waiting import bands
 
 from gateway import health as health_http
 from gateway import logs, stopping
-from gateway.broker import codec, stamp
+from gateway.broker import stamp, wire_connection
 from gateway.exits import EXIT_NO_BROKER, EXIT_REFUSED
 from gateway.broker.amqp import BrokerError, Trouble, blocking_channel, classify, parameters
 from gateway.broker.reconnects import FATAL_ATTEMPTS, Reconnects
@@ -37,7 +37,8 @@ from gateway.core.handlers import CheckIn, Distributor, Parking, Retry, Returnin
 from gateway.core.waiting import Recorder
 from gateway.health import Health
 from gateway.metrics import Metrics
-from gateway.settings import Settings, redact, vhost_of
+from gateway.settings import Settings
+from gateway.urls import redact, vhost_of
 
 STOP_POLL_S = 0.2
 STOP_GRACE_S = 10.0
@@ -69,7 +70,7 @@ class Session:
 
     def run(self) -> None:
         """Returns when the connection closes."""
-        self.connection = codec.WireConnection(
+        self.connection = wire_connection.WireConnection(
             parameters(self.url, f"delay-gateway {self.settings.role}", self.settings.tls),
             on_open_callback=self._on_open, on_open_error_callback=self._on_open_error,
             on_close_callback=self._on_close)

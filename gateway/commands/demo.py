@@ -13,7 +13,8 @@ from gateway.broker.amqp import blocking_channel
 from gateway.clock import wall_ms
 from gateway.broker.publish import Publisher
 from gateway.commands.selftest import unconsumed
-from gateway.settings import chain_from, tls_from, urls_from
+from gateway.settings import chain_from, tls_from
+from gateway.urls import urls_from
 
 
 def demo(args) -> int:

@@ -31,7 +31,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 from pika.exceptions import AMQPError
 
-from gateway.broker import codec
+from gateway.broker import lazy_properties
 from gateway.core import envelope, retries
 from gateway.core.envelope import Inside
 from gateway.core.handlers import DEATH_REASONS
@@ -160,7 +160,7 @@ def replay(channel, names, reason: Optional[str] = None, routing_key: Optional[s
         if not dry_run:
             exchange, key, props = destination(message, names)
             # mandatory + confirms: basic_publish raises unless the broker has the message.
-            channel.basic_publish(exchange, key, message.body, codec.WireProperties(props), mandatory=True)
+            channel.basic_publish(exchange, key, message.body, lazy_properties.WireProperties(props), mandatory=True)
             channel.basic_ack(message.delivery_tag)
         replayed.append(message)
     for message in kept + (replayed if dry_run else []):

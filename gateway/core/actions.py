@@ -1,40 +1,11 @@
-"""The values that pass between a consumer and its handler (pure)."""
+"""What a handler decides for a delivery: the publishes a consumer's core carries out (pure)."""
 
 from dataclasses import dataclass
-from enum import Enum
 from typing import Optional, Union
 
 from gateway.core.carrier import Entry
+from gateway.core.routes import Way
 from gateway.core.wire import Properties
-
-
-class Way(str, Enum):
-    """Which way a publish takes a message: what the core decides on, and (its value) the
-    `outcome` label of the metrics."""
-
-    CHAIN = "chain"  # into a level of the chain
-    MEDITATION = "meditation"  # round the meditation queue (longer than the chain)
-    DISTRIBUTOR = "distributor"  # to the distributor, which holds it until due
-    DELIVERED = "delivered"  # to pick-up
-    RETRIED = "retried"  # a retry, back to its queue
-    PARKED = "parked"  # set aside with its reason
-    RECHECK = "recheck"  # reached the distributor far too early: back into the chain
-    HANDED_BACK = "handed back"  # held when the gateway stopped: back to the distributor queue
-    CANCEL = "cancel"  # a cancel's record, into the cancellations stream
-    INDEX = "index"  # a record of what waits, into a waiting stream (waiting.py)
-
-
-STAYS = (Way.CHAIN, Way.MEDITATION, Way.DISTRIBUTOR, Way.RECHECK)  # sent on to wait
-LEAVES = (Way.DELIVERED, Way.RETRIED, Way.PARKED)  # sent on to leave the gateway
-
-
-@dataclass(frozen=True)
-class Delivery:
-    exchange: str
-    routing_key: bytes
-    props: Properties
-    body: bytes
-    redelivered: bool = False
 
 
 @dataclass(frozen=True)

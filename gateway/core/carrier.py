@@ -17,14 +17,12 @@ message too big for a carrier travels alone in the plain format.
 import heapq
 import struct
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, Generic, List, Optional, Tuple, TypeVar
+from typing import Dict, Generic, List, Optional, Tuple, TypeVar
 
 from gateway.core import wire
 from gateway.core.envelope import ACCEPTED, DUE_AT, EXCHANGE, PERSISTENT
+from gateway.core.routes import Route
 from gateway.core.wire import Properties, Table
-
-if TYPE_CHECKING:  # (actions holds Entry's users: a name here only)
-    from gateway.core.actions import Way
 
 MAGIC = b"DGC1"
 _ENTRY = struct.Struct(">qI")  # due time, routing key length
@@ -117,8 +115,6 @@ def accepted_times(props: Properties) -> Optional[List[Optional[int]]]:
 
 
 # -- collecting a batch ---------------------------------------------------------------------
-# exchange, routing key, way, and the messages' own destination
-Route = Tuple[str, bytes, "Way", Optional[str]]
 
 
 @dataclass

@@ -32,8 +32,10 @@ class Publication(Generic[P]):
 
 @dataclass
 class Outcome(Generic[P]):
-    """What the consumer must do after an event: publish these, in order (each with its
-    sequence number assigned), and handle these."""
+    """The confirm window's answer to one call, for the core (flow.Flow) and never for the
+    adapter: the publications to send now, in order (each with its sequence number
+    assigned), and the ones the broker settled, sorted by how. The core decides what each
+    means for its deliveries (an ack, a retry, a parked copy) and says so in `effects.Effects`."""
 
     send: List[Publication[P]] = field(default_factory=list)
     refused: List[Publication[P]] = field(default_factory=list)  # retry later (`retry`)

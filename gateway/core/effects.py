@@ -4,9 +4,11 @@ each event, and the values it works with (pure)."""
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Protocol, Sequence, Tuple
 
-from gateway.core.actions import Action, Delivery, Forward, Way
+from gateway.core.actions import Action, Forward
+from gateway.core.inputs import Delivery
 from gateway.core.carrier import Entry
 from gateway.core.confirms import Publication
+from gateway.core.routes import Way
 
 Member = Tuple[int, Optional[Entry]]  # a delivery tag, and the publisher's message if it is one
 Handler = Callable[[Delivery, int], List[Action]]  # a delivery, and the time it came (epoch ms)
@@ -25,7 +27,10 @@ Sent = Publication[Payload]
 
 @dataclass
 class Effects:
-    """What the adapter must do after an event, in this order."""
+    """What the adapter (broker.consumer.Pipe) must do after an event, in this order: the
+    core's last word, in the adapter's terms (frames to publish, delivery tags to acknowledge
+    or reject, steps of the connection). flow.Flow builds it from its own decisions and the
+    confirm window's answers (`confirms.Outcome`), which the adapter never sees."""
 
     publish: List[Sent] = field(default_factory=list)  # send each `payload.forward`, in order
     ack: List[Tuple[int, bool]] = field(default_factory=list)  # (delivery tag, multiple)

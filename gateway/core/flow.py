@@ -31,7 +31,9 @@ from topology.names import Names
 from topology.waiting import DONE
 
 from gateway.core import envelope, handlers, waiting
-from gateway.core.actions import LEAVES, STAYS, Delivery, Enqueue, Forward, Way
+from gateway.core.actions import Enqueue, Forward
+from gateway.core.inputs import Delivery
+from gateway.core.routes import LEAVES, STAYS, Way
 from gateway.core.effects import Effects, Handler, Member, Observer, Payload, Sent
 from gateway.core.carrier import Batch, Batcher, Entry
 from gateway.core.deliveries import Deliveries, Outcome
@@ -266,10 +268,10 @@ class Flow:
             self._flush_at = now + ACK_FLUSH_MS
 
     def _flush_batch(self, batch: Batch, now: int, out: Effects) -> None:
-        exchange, key, outcome, _ = batch.key
-        self._observer.batched(outcome, len(batch.items))
+        exchange, key, way, _ = batch.key
+        self._observer.batched(way, len(batch.items))
         self._send([tag for tag, _ in batch.items],
-                   handlers.carry(exchange, key, outcome, [e for _, e in batch.items]), batch.items, now, out)
+                   handlers.carry(exchange, key, way, [e for _, e in batch.items]), batch.items, now, out)
 
     def _send(self, tags: List[int], forward: Forward, members: Sequence[Member], now: int, out: Effects) -> None:
         """Publish `forward` for the messages of these deliveries (one tag per message)."""
@@ -283,9 +285,9 @@ class Flow:
                 finishing.append(tag)
             else:
                 self._unsent[tag] = left
-        outcome = self.ledger.publish(tuple(dict.fromkeys(tags)), Payload(forward, members), finishing,
-                                      parking=forward.outcome is Way.PARKED)
-        self._apply(outcome, now, out)
+        answer = self.ledger.publish(tuple(dict.fromkeys(tags)), Payload(forward, members), finishing,
+                                     parking=forward.outcome is Way.PARKED)
+        self._apply(answer, now, out)
         if self._recorder is not None:
             if forward.outcome in STAYS:
                 self._recorder.waits(forward.outcome is Way.MEDITATION, members, now)
@@ -338,31 +340,32 @@ class Flow:
             out.finished = True
 
     # -- the broker's answers to publishes --------------------------------------------------
-    def _apply(self, outcome: Outcome[Payload], now: int, out: Effects) -> None:
-        for pub in outcome.send:
+    def _apply(self, answer: Outcome[Payload], now: int, out: Effects) -> None:
+        """Do what the ledger answered (a confirms.Outcome): into `out`, the adapter's Effects."""
+        for pub in answer.send:
             pub.sent_ms = now
-        out.publish.extend(outcome.send)
-        for pub in outcome.confirmed:
+        out.publish.extend(answer.send)
+        for pub in answer.confirmed:
             if not pub.returned:
                 self._observer.landed(pub.payload.forward)
-        for pub in outcome.dropped:
+        for pub in answer.dropped:
             self._refused_records += 1
             if self._refused_records == 1:  # said once: the same cause refuses them all
                 self._observer.note("warning", "waiting_record_refused", stream=self._names.waiting_stream(
                     pub.payload.forward.routing_key.decode()), fix="run `delay-gateway declare` with this version")
-        for pub in outcome.refused:
+        for pub in answer.refused:
             if pub.refused > REFUSED_RECONNECT:
                 self._observer.note("error", "broker_keeps_refusing", refusals=pub.refused)
                 out.reconnect = True
             else:
                 self._observer.note("warning", "publish_nacked_by_broker", after_s=RETRY_REFUSED_MS / 1000)
                 self._retries.append((now + RETRY_REFUSED_MS, pub))
-        for pub in outcome.returned:
+        for pub in answer.returned:
             self._park_publication(pub, lambda e: handlers.unroutable(self._names, e), "", now, out)
         reason = f"the broker refused to take it: {self._refusal}"
-        for pub in outcome.guilty:
+        for pub in answer.guilty:
             self._park_publication(pub, lambda e: handlers.park_entry(self._names, e, reason), reason, now, out)
-        for tag in outcome.reject:
+        for tag in answer.reject:
             self._observer.note("error", "rejected_to_dead_letter", delivery_tag=tag)
             self._give_up(tag)
             out.reject.append(tag)

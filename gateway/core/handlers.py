@@ -27,7 +27,9 @@ from topology.encoding import units_for
 from topology.names import Names
 
 from gateway.core import cancels, carrier, envelope, retries
-from gateway.core.actions import Action, Delivery, Enqueue, Forward, Way
+from gateway.core.actions import Action, Enqueue, Forward
+from gateway.core.inputs import Delivery
+from gateway.core.routes import Way
 from gateway.core.carrier import Damaged, Entry
 from gateway.core.envelope import Inside, Unreadable
 from gateway.core.wire import Properties

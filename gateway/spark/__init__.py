@@ -7,7 +7,8 @@ optional extra, imported only by the commands that need it (`require`).
 
 Modules: rows (pure: one input row to a message or a rejection), publisher (pika, windowed
 confirms, one connection per partition), progress (the resume record), schedule (the
-Spark job), record (the consumer), report (the Spark analysis and its charts), example
+Spark job), cancel (its counterpart, cancel-table), table_job (what those two share),
+record (the consumer), report (the Spark analysis and its charts), example
 (an orders table to try it with).
 """
 

@@ -20,11 +20,10 @@ from typing import Any, Dict, List, Tuple
 
 import structlog
 
-from gateway.settings import UsageError, argument, chain_from, integer, tls_from, urls_from
-from gateway.spark import require, rows
+from gateway.settings import UsageError, argument, integer
+from gateway.spark import rows, table_job
 from gateway.spark.publisher import Target
-from gateway.spark.schedule import CORRUPT, CSV, DETAIL, LINE, REASON, _q, _write_json, check_exchange, \
-    input_format, write_rows
+from gateway.spark.table_job import CORRUPT, DETAIL, LINE, REASON, quoted, read_input, write_json, write_rows
 
 log = structlog.get_logger("cancel-table")
 
@@ -52,17 +51,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    require()
+    started = table_job.start(args, "cancel-table", lambda names: names.cancel)
     from gateway.spark import session
 
-    exchange = chain_from(args).names.cancel
-    urls, tls = urls_from(args), tls_from(args)
-    confs = session.conf_pairs(args.spark_conf)
-    fmt = input_format(args)
-    check_exchange(urls, tls, exchange)
-    spark, owned = session.start("delay-gateway cancel-table", args.master, confs)
+    spark, owned = started.spark, started.owned
     try:
-        summary = cancel_table(spark, args, fmt, Target(urls, exchange, tls, args.confirm_window))
+        summary = cancel_table(spark, args, started.format, started.target)
     except UsageError:
         raise
     except Exception as exc:
@@ -76,31 +70,18 @@ def run(args: argparse.Namespace) -> int:
     return 0 if summary["complete"] else 1
 
 
-def read(spark, path: str, fmt: str):
-    reader = spark.read
-    try:
-        if fmt == "csv":
-            return reader.options(**CSV).option("mode", "PERMISSIVE").csv(path)
-        if fmt == "json":
-            return reader.option("mode", "PERMISSIVE").option("columnNameOfCorruptRecord", CORRUPT).json(path)
-        return reader.parquet(path)
-    except Exception as exc:  # AnalysisException: path not found, unreadable
-        from gateway.spark.session import one_line
-        raise UsageError(f"cannot read {path} as {fmt}: {one_line(exc)}") from None
-
-
 def cancel_table(spark, args: argparse.Namespace, fmt: str, target: Target) -> Dict[str, Any]:
     from pyspark.sql import Observation
     from pyspark.sql import functions as F
     started = time.monotonic()
     base = args.input.rstrip("/")
     errors_path, summary_path = args.errors or base + ".errors", args.summary or base + ".summary.json"
-    df = read(spark, args.input, fmt)
+    df = read_input(spark, args.input, fmt)
     columns = [c for c in df.columns if c != CORRUPT]
     if args.message_id_column not in columns:
         raise UsageError(f"{args.input} has no column {args.message_id_column!r} (columns: {', '.join(columns)}): "
                          "name it with --message-id-column")
-    mid = F.col(_q(args.message_id_column)).cast("string")
+    mid = F.col(quoted(args.message_id_column)).cast("string")
     corrupt = F.col(CORRUPT) if CORRUPT in df.columns else F.lit(None).cast("string")
     reason = (F.when(corrupt.isNotNull(), F.lit(rows.UNPARSEABLE))
               .when(mid.isNull() | (mid == ""), F.lit(ID_MISSING))
@@ -116,7 +97,7 @@ def cancel_table(spark, args: argparse.Namespace, fmt: str, target: Target) -> D
         observed = checked.observe(
             observation, F.count(F.lit(1)).alias("read"), F.count("__reason").alias("rejected"),
             *[F.sum(F.when(F.col("__reason") == r, 1).otherwise(0)).alias(r) for r in REASONS])
-        kept = [F.col(_q(c)) for c in columns] + ([F.col(CORRUPT).alias(LINE)] if CORRUPT in df.columns else [])
+        kept = [F.col(quoted(c)) for c in columns] + ([F.col(CORRUPT).alias(LINE)] if CORRUPT in df.columns else [])
         errors = observed.filter(F.col("__reason").isNotNull()).select(
             *kept, F.col("__reason").alias(REASON), F.col("__detail").alias(DETAIL))
         spark.sparkContext.setJobDescription("cancel-table: check rows, write rejected rows")
@@ -141,7 +122,7 @@ def cancel_table(spark, args: argparse.Namespace, fmt: str, target: Target) -> D
     if failures:
         summary["failure"] = f"{len(failures)} of {partitions} partitions failed; first: {failures[0][1]}"
         print(f"delay-gateway cancel-table: {summary['failure']}", file=sys.stderr)
-    _write_json(summary_path, summary)
+    write_json(summary_path, summary)
     summary["summary"] = summary_path
     log.info("cancel_table_finished", **{k: summary[k] for k in ("read", "published", "rejected", "not_published")})
     return summary

@@ -27,7 +27,8 @@ import structlog
 from gateway import stopping
 from gateway.broker.amqp import BrokerError, classify, connect
 from gateway.clock import wall_ms
-from gateway.settings import chain_from, tls_from, urls_from
+from gateway.settings import chain_from, tls_from
+from gateway.urls import urls_from
 
 log = structlog.get_logger("record")
 

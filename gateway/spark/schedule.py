@@ -23,25 +23,21 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import structlog
 
 from gateway.clock import wall_ms
-from gateway.settings import UsageError, argument, chain_from, integer, redact, tls_from, urls_from
+from gateway.settings import UsageError, argument, integer
+from gateway.urls import redact
 from gateway.spark import progress as progress_mod
-from gateway.spark import require, rows
+from gateway.spark import rows, table_job
 from gateway.spark.publisher import Target
+from gateway.spark.table_job import CORRUPT, DETAIL, LINE, REASON, input_format, quoted, read_input, write_json, \
+    write_rows
 
 log = structlog.get_logger("schedule")
 
-FORMATS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".ndjson": "json", ".parquet": "parquet",
-           ".pq": "parquet"}
-CORRUPT = "_corrupt_record"
-REASON, DETAIL, LINE = "_reason", "_detail", "_line"
-# A header line, and quotes escaped by doubling them (RFC 4180: what Python, spreadsheets and
-# most databases write), not Spark's default backslash.
-CSV = {"header": True, "escape": '"'}
 DEFAULTS = dict(routing_key_column="routing_key", payload_column="payload", delay_column="delay_ms",
                 deliver_at_column="deliver_at", message_id_column="message_id", headers_column="headers")
 
@@ -100,22 +96,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 # -- the command -------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
-    require()
+    started = table_job.start(args, "schedule", lambda names: names.check_in)
     from gateway.spark import session
 
-    exchange = chain_from(args).names.check_in
-    urls, tls = urls_from(args), tls_from(args)
-    confs = session.conf_pairs(args.spark_conf)
-    input_format(args)  # usage errors before Spark starts (that takes a while)
-    check_exchange(urls, tls, exchange)
-    spark, owned = session.start("delay-gateway schedule", args.master, confs)
+    spark, owned = started.spark, started.owned
     # Without ANSI mode a value that does not convert (to_timestamp('soon') in --due-expr, a
     # cast) is null, and that row is rejected with its reason; with it, one bad row would
     # fail the whole job. Restored afterwards for a session that is not ours.
     ansi = spark.conf.get("spark.sql.ansi.enabled", None)
     spark.conf.set("spark.sql.ansi.enabled", "false")
     try:
-        job = Job(spark, args, Target(urls, exchange, tls, args.confirm_window))
+        job = Job(spark, args, started.target)
         summary = job.run()
     except UsageError:
         raise
@@ -132,14 +123,6 @@ def run(args: argparse.Namespace) -> int:
     return 0 if summary["complete"] else 1
 
 
-def check_exchange(urls: Sequence[str], tls, exchange: str) -> None:
-    """Fail before Spark starts (tens of seconds) if check-in is not there (on the first node
-    that answers, as the executors connect)."""
-    from gateway.broker.amqp import blocking_channel
-    with blocking_channel(urls, "delay-gateway schedule", tls) as channel:
-        channel.exchange_declare(exchange, passive=True)
-
-
 def default_paths(args) -> Tuple[str, str, str]:
     base = args.input.rstrip("/")
     if "://" in base and not base.startswith("file://"):
@@ -149,21 +132,6 @@ def default_paths(args) -> Tuple[str, str, str]:
     local = base[len("file://"):] if base.startswith("file://") else base
     return (args.errors or args.input.rstrip("/") + ".errors", args.summary or local + ".summary.json",
             args.state or local + ".state")
-
-
-def input_format(args) -> str:
-    if args.format:
-        return args.format
-    path = args.input.rstrip("/")
-    for suffix in (path.lower(), path.lower()[:-3] if path.lower().endswith(".gz") else ""):
-        for ext, fmt in FORMATS.items():
-            if suffix.endswith(ext):
-                return fmt
-    if os.path.isdir(path):
-        found = {FORMATS.get(os.path.splitext(n.lower())[1]) for n in os.listdir(path)} - {None}
-        if len(found) == 1:
-            return str(found.pop())
-    raise UsageError(f"cannot tell the format of {args.input} from its name: give --format csv, json or parquet")
 
 
 # -- the job ----------------------------------------------------------------------------------
@@ -231,17 +199,6 @@ def run_description(a, fmt: str, target: Target, df, m) -> Dict[str, Any]:
 
 
 # -- errors ------------------------------------------------------------------------------------
-def write_rows(df, fmt: str, path: str) -> None:
-    """Rows (the rejected ones) in the input's format: CSV with a header, JSON lines, Parquet."""
-    writer = df.write.mode("overwrite")
-    if fmt == "csv":
-        writer.options(**CSV).csv(path)
-    elif fmt == "json":
-        writer.json(path)
-    else:
-        writer.parquet(path)
-
-
 def write_errors(spark, fmt: str, path: str, checked, m) -> Dict[str, Any]:
     from pyspark.sql import Observation
     from pyspark.sql import functions as F
@@ -252,7 +209,7 @@ def write_errors(spark, fmt: str, path: str, checked, m) -> Dict[str, Any]:
         *[F.sum(F.when(reason == r, 1).otherwise(0)).alias(r) for r in rows.REASONS])
     # The raw text of an unparseable line, under a name Spark does not itself treat as special
     # when the errors output is read back.
-    kept = [F.col(_q(c)) for c in m["columns"]] + ([F.col(CORRUPT).alias(LINE)] if m["corrupt"] else [])
+    kept = [F.col(quoted(c)) for c in m["columns"]] + ([F.col(CORRUPT).alias(LINE)] if m["corrupt"] else [])
     errors = observed.filter(reason.isNotNull()).select(
         *kept, reason.alias(REASON), F.col("__c.detail").alias(DETAIL))
     spark.sparkContext.setJobDescription("schedule: check rows, write rejected rows")
@@ -362,7 +319,7 @@ class Job:
                                   f"{tally.failures[0][1]}. Re-run the same command to publish them: finished "
                                   "partitions are not published again")
         state.update(complete=summary["complete"], summary=summary)
-        _write_json(self.summary_path, summary)
+        write_json(self.summary_path, summary)
         summary["summary"] = self.summary_path
         log.info("schedule_finished", **{k: summary[k] for k in ("read", "published", "rejected", "resumed",
                                                                   "not_published", "seconds")})
@@ -375,27 +332,17 @@ class Job:
 
     # -- reading and mapping --------------------------------------------------------------------
     def read(self):
-        reader = self.spark.read
-        try:
-            if self.format == "csv":
-                return reader.options(**CSV).option("mode", "PERMISSIVE").csv(self.args.input)
-            if self.format == "json":
-                return (reader.option("mode", "PERMISSIVE").option("columnNameOfCorruptRecord", CORRUPT)
-                        .json(self.args.input))
-            return reader.parquet(self.args.input)
-        except Exception as exc:  # AnalysisException: path not found, unreadable
-            from gateway.spark.session import one_line
-            raise UsageError(f"cannot read {self.args.input} as {self.format}: {one_line(exc)}") from None
+        return read_input(self.spark, self.args.input, self.format)
 
     def check(self, df, m, limits: rows.Limits):
         from pyspark.sql import functions as F
         from pyspark.sql import types as T
         cols = m["columns"]
-        row_json = F.to_json(F.struct(*[F.col(_q(c)) for c in cols]))
+        row_json = F.to_json(F.struct(*[F.col(quoted(c)) for c in cols]))
         content_type = self.content_type
 
         if m["routing_key"]:
-            rk = F.col(_q(m["routing_key"])).cast("string")
+            rk = F.col(quoted(m["routing_key"])).cast("string")
         else:
             rk = F.lit(self.args.routing_key)
         is_json = False
@@ -403,7 +350,7 @@ class Job:
             body, is_json = row_json.cast("binary"), True
         else:
             kind = df.schema[m["payload"]].dataType
-            col = F.col(_q(m["payload"]))
+            col = F.col(quoted(m["payload"]))
             if isinstance(kind, T.BinaryType):
                 body = col
             elif isinstance(kind, (T.StructType, T.MapType, T.ArrayType)):
@@ -423,15 +370,15 @@ class Job:
             at_raw, at_ts = _as_due(expr, kind)
             delay_raw = F.lit(None).cast("string")
         else:
-            delay_raw = F.col(_q(m["delay"])).cast("string") if m["delay"] else F.lit(None).cast("string")
+            delay_raw = F.col(quoted(m["delay"])).cast("string") if m["delay"] else F.lit(None).cast("string")
             if m["deliver_at"]:
-                at_raw, at_ts = _as_due(F.col(_q(m["deliver_at"])), df.schema[m["deliver_at"]].dataType)
+                at_raw, at_ts = _as_due(F.col(quoted(m["deliver_at"])), df.schema[m["deliver_at"]].dataType)
             else:
                 at_raw, at_ts = F.lit(None).cast("string"), F.lit(None).cast("long")
-        mid = F.col(_q(m["message_id"])).cast("string") if m["message_id"] else F.lit(None).cast("string")
+        mid = F.col(quoted(m["message_id"])).cast("string") if m["message_id"] else F.lit(None).cast("string")
         if m["headers"]:
             hk = df.schema[m["headers"]].dataType
-            hcol = F.col(_q(m["headers"]))
+            hcol = F.col(quoted(m["headers"]))
             headers = F.to_json(hcol) if isinstance(hk, (T.StructType, T.MapType)) else hcol.cast("string")
         else:
             headers = F.lit(None).cast("string")
@@ -508,20 +455,6 @@ def _as_due(col, kind):
     if isinstance(kind, T.NumericType):
         return raw, F.lit(None).cast("long")
     raise UsageError(f"the due time is of type {kind.simpleString()}: expected epoch ms or a timestamp")
-
-
-def _q(name: str) -> str:
-    return "`" + name.replace("`", "``") + "`"
-
-
-def _write_json(path: str, value: Dict[str, Any]) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
 
 
 # -- on the executors ------------------------------------------------------------------------------

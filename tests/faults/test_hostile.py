@@ -25,7 +25,7 @@ import pika
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from gateway.broker import codec
+from gateway.broker import lazy_properties
 from gateway.core import envelope
 from gateway.core.envelope import Inside
 from gateway.core.wire import Properties, Table
@@ -194,7 +194,7 @@ def test_hostile_publishers_beside_ordinary_traffic(make_chain, fault_report):
         props = sent_properties(kind, headers_or_props, message_id)
         now = now_ms()
         if kind == "raw":
-            if not raw.publish(chain.names.check_in, key, body, codec.WireProperties(props), mandatory=True):
+            if not raw.publish(chain.names.check_in, key, body, lazy_properties.WireProperties(props), mandatory=True):
                 tally["refused by the broker at publish (not sent)"] += 1
                 return
         else:

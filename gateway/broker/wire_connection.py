@@ -1,17 +1,10 @@
-"""pika, made to carry every message exactly and to survive any message: on the gateway's
-own connections only.
+"""A fast SelectConnection: it parses its frames itself and writes them out corked.
 
-pika decodes content properties into Python values: it truncates floats and doubles to
-integers, forgets the wire type of every header (a short int comes back as a long one),
-and raises inside the connection on values it cannot represent (an AMQP timestamp past the
-year 9999), which closes the connection and redelivers everything the gateway holds. A
-connection made here (`WireConnection`, or `blocking()` for a BlockingConnection) decodes
-content headers itself instead: its messages arrive with `WireProperties`, which keep the
-exact bytes (`properties.wire`, a `wire.Properties`) and decode the Python attributes only
-when something reads them, with values pika cannot represent left as `wire.Opaque` instead
-of failing. Sent, `WireProperties` are these bytes exactly; `encoded()` turns pika properties
-with Python values into them, a Python float as an AMQP double (pika cannot encode floats).
-Nothing in pika is changed: other connections in the same process keep pika's behaviour.
+A connection made here (`WireConnection`, or `blocking()` for a BlockingConnection) decodes
+content headers itself: its messages arrive with `WireProperties`
+(broker/lazy_properties.py), which keep the exact bytes, where pika would decode them into
+Python values it may truncate or fail on. Nothing in pika is changed: other connections in
+the same process keep pika's behaviour.
 
 A `WireConnection` also writes less often: pika hands the transport each frame on its own
 and sends one buffer per system call, on the poll after the one that made it (a publish is
@@ -29,53 +22,15 @@ and out) and the plaintext transport's socket and buffer (`_sock`, `get_write_bu
 import contextlib
 import socket
 import struct
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Tuple, Union
 
 import pika
-from pika import data, frame, spec
+from pika import frame, spec
 from pika.exceptions import InvalidFrameError
 
+from gateway.broker.lazy_properties import WireProperties
 from gateway.core import wire
-from gateway.core.wire import Properties
 
-
-class WireProperties(spec.BasicProperties):
-    """Properties as exact bytes (`wire`); the pika attributes decode from them when read.
-    Sent as they are (`encode` returns the bytes)."""
-
-    wire: Properties
-
-    def __init__(self, props: Properties) -> None:  # pylint: disable=super-init-not-called
-        self.__dict__["wire"] = props
-
-    def __getattr__(self, name: str) -> Any:
-        """Only reached for attributes not decoded yet."""
-        props = self.__dict__.get("wire")
-        if props is None or name.startswith("__") or name not in wire.FIELDS:
-            raise AttributeError(name)
-        values = props.values
-        for field in wire.FIELDS:
-            value = values.get(field)
-            if field == "headers":
-                value = value.to_dict() if value is not None else None
-            elif isinstance(value, bytes):
-                try:
-                    value = value.decode("utf-8")
-                except UnicodeDecodeError:
-                    pass
-            self.__dict__.setdefault(field, value)
-        return self.__dict__[name]
-
-    def encode(self) -> List[bytes]:
-        return [self.wire.raw]
-
-    def decode(self, encoded: bytes, offset: int = 0) -> "WireProperties":
-        self.__dict__.clear()
-        self.__dict__["wire"] = wire.Properties.parse(bytes(encoded[offset:]))
-        return self
-
-
-# -- receiving -------------------------------------------------------------------------------
 _FRAME_HEAD = struct.Struct(">BHL")  # frame type, channel, payload size
 _CONTENT_HEAD = struct.Struct(">HHQ")  # class id, weight, body size
 
@@ -277,38 +232,6 @@ class WireConnection(pika.SelectConnection):
             super()._adapter_emit_data(data_out[sent:])
 
 
-_PUBLISH_HEAD = struct.Struct(">BHLHHH")  # method frame head; basic.publish; ticket 0
-_CONTENT_FRAME_HEAD = struct.Struct(">BHLHHQ")  # header frame head; class 60, weight 0, body size
-
-
-def publish(channel: Any, exchange: str, routing_key: bytes, body: bytes, properties: Properties,
-            mandatory: bool = False) -> None:
-    """channel.basic_publish(exchange, routing_key, body, WireProperties(properties),
-    mandatory): the same frames, written here in one piece on a WireConnection's open
-    channel (pika builds three frame objects per message, the gateway's busiest send)."""
-    connection = channel.connection
-    exchange_bytes = exchange.encode("utf-8")
-    if not isinstance(connection, WireConnection) or connection.is_closed or len(exchange_bytes) > 255 \
-            or len(routing_key) > 255 or len(body) > connection._body_max_length:
-        channel.basic_publish(exchange, routing_key, body, WireProperties(properties), mandatory=mandatory)
-        return
-    channel._raise_if_not_open()
-    number, raw = channel.channel_number, properties.raw
-    method_size = 9 + len(exchange_bytes) + len(routing_key)
-    pieces = [_PUBLISH_HEAD.pack(spec.FRAME_METHOD, number, method_size, 60, 40, 0),
-              bytes((len(exchange_bytes),)), exchange_bytes, bytes((len(routing_key),)), routing_key,
-              b"\x01\xce" if mandatory else b"\x00\xce",
-              _CONTENT_FRAME_HEAD.pack(spec.FRAME_HEADER, number, 12 + len(raw), 60, 0, len(body)), raw, b"\xce"]
-    frames = 2
-    if body:
-        pieces += [_FRAME_HEAD.pack(spec.FRAME_BODY, number, len(body)), body, b"\xce"]
-        frames = 3
-    data_out = b"".join(pieces)
-    connection.bytes_sent += len(data_out)
-    connection.frames_sent += frames
-    connection._adapter_emit_data(data_out)
-
-
 def confirm_delivery(channel: Any, on_confirm: Any, callback: Any = None) -> None:
     """channel.confirm_delivery, with the confirms taken on the fast path where the channel
     is a WireConnection's."""
@@ -327,68 +250,3 @@ def cork(connection: object) -> "contextlib.AbstractContextManager[None]":
 def blocking(parameters: pika.ConnectionParameters) -> pika.BlockingConnection:
     """A BlockingConnection whose messages arrive with WireProperties."""
     return pika.BlockingConnection(parameters, _impl_class=WireConnection)
-
-
-# -- sending properties with Python values -----------------------------------------------------
-def encode_table(pieces: List[bytes], table: Optional[Dict[str, Any]]) -> int:
-    """pika's data.encode_table, with floats (at any depth) as doubles."""
-    at = len(pieces)
-    pieces.append(b"")
-    size = 0
-    for key, value in (table or {}).items():
-        size += data.encode_short_string(pieces, key)
-        size += _encode_value(pieces, value)
-    pieces[at] = struct.pack(">I", size)
-    return size + 4
-
-
-def _encode_value(pieces: List[bytes], value: Any) -> int:
-    if isinstance(value, float):
-        pieces.append(struct.pack(">cd", b"d", value))
-        return 9
-    if isinstance(value, dict):
-        pieces.append(b"F")
-        return 1 + encode_table(pieces, value)
-    if isinstance(value, list):
-        items: List[bytes] = []
-        for item in value:
-            _encode_value(items, item)
-        piece = b"".join(items)
-        pieces.append(struct.pack(">cI", b"A", len(piece)))
-        pieces.append(piece)
-        return 5 + len(piece)
-    return int(data.encode_value(pieces, value))
-
-
-def _has_float(value: Any) -> bool:
-    if isinstance(value, float):
-        return True
-    if isinstance(value, dict):
-        return any(_has_float(v) for v in value.values())
-    return isinstance(value, list) and any(_has_float(v) for v in value)
-
-
-def encoded(props: Union[spec.BasicProperties, wire.Properties, None]) -> spec.BasicProperties:
-    """Properties to send: pika's with Python values (floats as doubles), or bytes as they are.
-    (pika's own when it can encode them: most publishes, at no extra cost.)"""
-    if isinstance(props, WireProperties):
-        return props
-    if isinstance(props, wire.Properties):
-        return WireProperties(props)
-    if props is None:
-        return WireProperties(wire.Properties.build())
-    if not _has_float(props.headers):
-        return props
-    plain = spec.BasicProperties(**{f: getattr(props, f) for f in wire.FIELDS if f != "headers"})
-    values = wire.Properties.parse(b"".join(plain.encode()))
-    if props.headers is None:
-        return WireProperties(values)
-    pieces: List[bytes] = []
-    encode_table(pieces, props.headers)
-    return WireProperties(values.replace(headers=wire.Table.parse(b"".join(pieces)[4:])))
-
-
-def to_wire(props: Union[spec.BasicProperties, wire.Properties, None]) -> Properties:
-    """The bytes `encoded(props)` sends, as a wire.Properties."""
-    out = encoded(props)
-    return out.wire if isinstance(out, WireProperties) else Properties.parse(b"".join(out.encode()))

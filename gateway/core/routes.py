@@ -1,0 +1,28 @@
+"""Which way a publish takes a message: the routing vocabulary the core's modules share (pure)."""
+
+from enum import Enum
+from typing import Optional, Tuple
+
+
+class Way(str, Enum):
+    """Which way a publish takes a message: what the core decides on, and (its value) the
+    `outcome` label of the metrics."""
+
+    CHAIN = "chain"  # into a level of the chain
+    MEDITATION = "meditation"  # round the meditation queue (longer than the chain)
+    DISTRIBUTOR = "distributor"  # to the distributor, which holds it until due
+    DELIVERED = "delivered"  # to pick-up
+    RETRIED = "retried"  # a retry, back to its queue
+    PARKED = "parked"  # set aside with its reason
+    RECHECK = "recheck"  # reached the distributor far too early: back into the chain
+    HANDED_BACK = "handed back"  # held when the gateway stopped: back to the distributor queue
+    CANCEL = "cancel"  # a cancel's record, into the cancellations stream
+    INDEX = "index"  # a record of what waits, into a waiting stream (waiting.py)
+
+
+STAYS = (Way.CHAIN, Way.MEDITATION, Way.DISTRIBUTOR, Way.RECHECK)  # sent on to wait
+LEAVES = (Way.DELIVERED, Way.RETRIED, Way.PARKED)  # sent on to leave the gateway
+
+# A carrier batch's route (carrier.Batcher): exchange, routing key, way, and the messages'
+# own destination
+Route = Tuple[str, bytes, Way, Optional[str]]
