@@ -221,6 +221,7 @@ class _Costs:
                "gateway_cpu_us_per_message": per_message(gateway_cpu, messages, 1e6, 1),
                "gateway_wakeups_per_message": per_message(self.gateway_wakeups(), messages, digits=2),
                "gateway_cpu_system_share": self.gateway_system_share(),
+               "gateway_cpu_pct": None if gateway_cpu is None else round(gateway_cpu * 100 / self.seconds, 2),
                "broker_counters": d}
         if d:
             out["queue_writes_per_message"] = per_message(d.get("routed", 0) + d.get("dead_lettered", 0), messages)
