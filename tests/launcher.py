@@ -1,7 +1,8 @@
 """Start the real gateway (`delay-gateway run`) as a process and watch it from the outside.
 
-Shared by the benchmark and the tests (tests/support.py), so both start the gateway the same
-way: a subprocess with a metrics port of its own, ready when /readyz says so (connected and
+The tests' machinery (tests/support.py re-exports it), borrowed by the benchmark: bench/
+imports it from here, never the other way round, so both start the gateway the same way: a
+subprocess with a metrics port of its own, ready when /readyz says so (connected and
 consuming every queue of its role), observed through /metrics and its JSON log lines. It
 imports nothing from the gateway: it sees only what an operator sees.
 """
