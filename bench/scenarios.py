@@ -19,9 +19,10 @@ from topology.broker.declare import declare, delete
 
 from gateway.settings import default
 
+from tests.launcher import GatewayProcess
+
 from .broker import Broker, cpu_seconds, delta, system_seconds
 from .clients import Publisher, Receiver, blocking, body, declare_receiver_queue, now_ms
-from .launcher import GatewayProcess
 from .sampler import Sampler
 from .stats import lateness_stats, per_message, per_second, thin
 from .systems import DELAY, DELIVER_AT, Gateway, Kombu, Plugin, Target, headers_for, unique_prefix

@@ -14,8 +14,9 @@ import pika
 from topology import ChainSettings, build
 from topology.broker.declare import declare, delete
 
+from tests.launcher import GatewayProcess
+
 from .clients import blocking
-from .launcher import GatewayProcess
 
 DELAY = "x-delay"
 DELIVER_AT = "x-deliver-at"

@@ -18,8 +18,9 @@ import pika
 
 from topology import ChainSettings
 
+from tests.launcher import ROOT, chain_args
+
 from .clients import Publisher, Receiver, body, declare_receiver_queue, now_ms
-from .launcher import ROOT, chain_args
 from .scenarios import Context, _delete_queue, _psutil_process
 from .stats import lateness_stats
 from .systems import Gateway

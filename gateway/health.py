@@ -3,14 +3,17 @@ consuming), for Kubernetes probes and for tests and the benchmark to wait on."""
 
 import threading
 import time
-from typing import Union
+from typing import Dict, Iterable, Tuple, Union
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 # /healthz fails when the worker's loop has not reported for this long: a hung process is
 # restarted, a busy one (reconnecting with backoff reports too) is not.
 STALL_S = 60.0
+
+# (alive, ready, why not ready, seconds since the last report)
+Status = Tuple[bool, bool, str, float]
 
 
 class Health:
@@ -31,7 +34,7 @@ class Health:
             self._ready, self._why = ready, why
             self._beat = time.monotonic()
 
-    def status(self):
+    def status(self) -> Status:
         with self._lock:
             stalled = time.monotonic() - self._beat
             return stalled < STALL_S, self._ready, self._why, stalled
@@ -42,11 +45,11 @@ class Parts:
     every part reports; ready while every part is ready or refused (a refused vhost is reported
     on its own, and must not hold back a rollout of the others), and at least one is ready."""
 
-    def __init__(self, names) -> None:
-        self.parts = {name: Health() for name in names}
-        self.refused = {name: False for name in names}
+    def __init__(self, names: Iterable[str]) -> None:
+        self.parts: Dict[str, Health] = {name: Health() for name in names}
+        self.refused: Dict[str, bool] = {name: False for name in self.parts}
 
-    def status(self):
+    def status(self) -> Status:
         states = {name: part.status() for name, part in self.parts.items()}
         stalled = max(s[3] for s in states.values())
         serving = [name for name, s in states.items() if s[1]]
@@ -56,7 +59,8 @@ class Parts:
         return stalled < STALL_S, ready, why, stalled
 
 
-def serve(port: int, registry, health: Union[Health, "Parts"], addr: str = "0.0.0.0") -> ThreadingHTTPServer:
+def serve(port: int, registry: CollectorRegistry, health: Union[Health, Parts],
+          addr: str = "0.0.0.0") -> ThreadingHTTPServer:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (the http.server name)
             alive, ready, why, stalled = health.status()

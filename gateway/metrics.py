@@ -1,21 +1,25 @@
 """Prometheus metrics of one gateway process, each labelled with the virtual host it counts
 for: `Metrics(vhost=...)` is one vhost's view, and `of(vhost)` another's on the same registry."""
 
-from typing import Any, Dict, Optional, Set, Tuple
+from typing import Dict, Generic, Optional, Sequence, Set, Tuple, TypeVar, Union
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENESS_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
+F = TypeVar("F", Counter, Gauge, Histogram)
+Family = Union[Counter, Gauge, Histogram]
 
-class Bound:
+
+class Bound(Generic[F]):
     """One metric family seen from one virtual host: its first label, `vhost`, already set."""
 
-    def __init__(self, family: Any, vhost: str) -> None:
-        self.family, self.vhost = family, vhost
+    def __init__(self, family: F, vhost: str) -> None:
+        self.family: F = family
+        self.vhost = vhost
         self._seen: Set[Tuple[str, ...]] = set()
 
-    def labels(self, *values: str) -> Any:
+    def labels(self, *values: str) -> F:
         self._seen.add(values)
         return self.family.labels(self.vhost, *values)
 
@@ -31,99 +35,129 @@ class Bound:
             except KeyError:
                 pass
 
-    def inc(self, amount: float = 1) -> None:
+    def inc(self: "Union[Bound[Counter], Bound[Gauge]]", amount: float = 1) -> None:
         self.family.labels(self.vhost).inc(amount)
 
-    def set(self, value: float) -> None:
+    def set(self: "Bound[Gauge]", value: float) -> None:
         self.family.labels(self.vhost).set(value)
 
-    def observe(self, value: float) -> None:
+    def observe(self: "Bound[Histogram]", value: float) -> None:
         self.family.labels(self.vhost).observe(value)
 
 
+class Families:
+    """Every family of one registry by attribute name, with the label names it was declared
+    with (prometheus-client keeps those private)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.declared: Dict[str, Tuple[Family, Tuple[str, ...]]] = {}
+
+    def counter(self, attribute: str, name: str, documentation: str, labels: Sequence[str]) -> None:
+        self.declared[attribute] = (Counter(name, documentation, labels, registry=self.registry), tuple(labels))
+
+    def gauge(self, attribute: str, name: str, documentation: str, labels: Sequence[str]) -> None:
+        self.declared[attribute] = (Gauge(name, documentation, labels, registry=self.registry), tuple(labels))
+
+    def histogram(self, attribute: str, name: str, documentation: str, labels: Sequence[str],
+                  buckets: Sequence[float]) -> None:
+        self.declared[attribute] = (Histogram(name, documentation, labels, registry=self.registry, buckets=buckets),
+                                    tuple(labels))
+
+
 class Metrics:
-    forwarded: Bound
-    parked: Bound
-    lateness: Bound
-    held: Bound
-    batch_publishes: Bound
-    batched_messages: Bound
-    connections: Bound
-    cancels: Bound
-    cancelled: Bound
-    cancellations_held: Bound
-    cancellations_following: Bound
-    retries: Bound
-    queue_messages: Bound
-    ready: Bound
-    vhost_refused: Bound
+    forwarded: Bound[Counter]
+    parked: Bound[Counter]
+    lateness: Bound[Histogram]
+    held: Bound[Gauge]
+    batch_publishes: Bound[Counter]
+    batched_messages: Bound[Counter]
+    connections: Bound[Counter]
+    cancels: Bound[Counter]
+    cancelled: Bound[Counter]
+    cancellations_held: Bound[Gauge]
+    cancellations_following: Bound[Gauge]
+    retries: Bound[Counter]
+    queue_messages: Bound[Gauge]
+    ready: Bound[Gauge]
+    vhost_refused: Bound[Gauge]
 
     def __init__(self, registry: Optional[CollectorRegistry] = None, vhost: str = "/",
-                 families: Optional[Dict[str, Any]] = None) -> None:
+                 families: Optional[Families] = None) -> None:
         self.vhost = vhost
         self._families = families if families is not None else self._declare(registry or CollectorRegistry())
-        self.registry: CollectorRegistry = self._families["registry"]
-        for name, family in self._families.items():
-            if name != "registry":
-                setattr(self, name, Bound(family, vhost))
-                if family._labelnames == ("vhost",):  # a sample at 0 from the start, as without labels
-                    family.labels(vhost)
+        self.registry: CollectorRegistry = self._families.registry
+        for name, (family, labels) in self._families.declared.items():
+            setattr(self, name, Bound(family, vhost))
+            if labels == ("vhost",):  # a sample at 0 from the start, as without labels
+                family.labels(vhost)
 
     def of(self, vhost: str) -> "Metrics":
         """The same metrics for another virtual host."""
         return Metrics(vhost=vhost, families=self._families)
 
-    def _declare(self, registry: CollectorRegistry) -> Dict[str, Any]:
+    def _declare(self, registry: CollectorRegistry) -> Families:
         """Every family, by attribute name, on `registry`."""
-        families: Dict[str, Any] = {"registry": registry}
-        families["forwarded"] = Counter(
+        families = Families(registry)
+        families.counter(
+            "forwarded",
             "delay_gateway_messages", "Messages forwarded, by consumer and outcome",
-            ["vhost", "queue", "outcome"], registry=registry)
-        families["parked"] = Counter(
+            ["vhost", "queue", "outcome"])
+        families.counter(
+            "parked",
             "delay_gateway_parked", "Messages parked, by the consumer that parked them",
-            ["vhost", "queue"], registry=registry)
-        families["lateness"] = Histogram(
+            ["vhost", "queue"])
+        families.histogram(
+            "lateness",
             "delay_gateway_lateness_seconds", "How long after its due time a message was published to pick-up",
-            ["vhost"], buckets=LATENESS_BUCKETS, registry=registry)
-        families["held"] = Gauge(
+            ["vhost"], buckets=LATENESS_BUCKETS)
+        families.gauge(
+            "held",
             "delay_gateway_held_messages", "Messages held until their due time, by consumer",
-            ["vhost", "queue"], registry=registry)
-        families["batch_publishes"] = Counter(
+            ["vhost", "queue"])
+        families.counter(
+            "batch_publishes",
             "delay_gateway_batch_publishes", "Publishes into the chain, meditation or the distributor "
-            "(each a carrier or a message alone), by consumer and what was sent", ["vhost", "queue", "outcome"],
-            registry=registry)
-        families["batched_messages"] = Counter(
-            "delay_gateway_batched_messages", "Messages in those publishes", ["vhost", "queue", "outcome"],
-            registry=registry)
-        families["connections"] = Counter(
-            "delay_gateway_connections", "Connections opened to the broker", ["vhost"], registry=registry)
-        families["cancels"] = Counter(
+            "(each a carrier or a message alone), by consumer and what was sent", ["vhost", "queue", "outcome"])
+        families.counter(
+            "batched_messages",
+            "delay_gateway_batched_messages", "Messages in those publishes", ["vhost", "queue", "outcome"])
+        families.counter(
+            "connections",
+            "delay_gateway_connections", "Connections opened to the broker", ["vhost"])
+        families.counter(
+            "cancels",
             "delay_gateway_cancels", "Cancels the check-in consumer recorded in the cancellations stream",
-            ["vhost"], registry=registry)
-        families["cancelled"] = Counter(
+            ["vhost"])
+        families.counter(
+            "cancelled",
             "delay_gateway_cancelled", "Cancelled messages dropped (acknowledged, not delivered), by where: "
             "check-in, returning (from meditation), distributor, release (held by the distributor)",
-            ["vhost", "where"], registry=registry)
-        families["cancellations_held"] = Gauge(
+            ["vhost", "where"])
+        families.gauge(
+            "cancellations_held",
             "delay_gateway_cancellations_held", "Cancels inside the retention window this process holds",
-            ["vhost"], registry=registry)
-        families["cancellations_following"] = Gauge(
+            ["vhost"])
+        families.gauge(
+            "cancellations_following",
             "delay_gateway_cancellations_following", "1 while this process follows the cancellations stream (its "
-            "consumer attached, the stream read to its end once); 0 while it cannot read it", ["vhost"],
-            registry=registry)
-        families["retries"] = Counter(
+            "consumer attached, the stream read to its end once); 0 while it cannot read it", ["vhost"])
+        families.counter(
+            "retries",
             "delay_gateway_retries", "Failed messages by the queue they came from and what became of them: "
             "scheduled (a retry waits), delivered (sent back to the queue), gave_up (parked after the last "
-            "attempt)", ["vhost", "queue", "outcome"], registry=registry)
-        families["queue_messages"] = Gauge(
+            "attempt)", ["vhost", "queue", "outcome"])
+        families.gauge(
+            "queue_messages",
             "delay_gateway_queue_messages", "Ready messages in the gateway's own queues, by queue, from a passive "
-            "declare every 15 s (absent while this process has no connection for its upkeep)", ["vhost", "queue"],
-            registry=registry)
-        families["ready"] = Gauge(
+            "declare every 15 s (absent while this process has no connection for its upkeep)", ["vhost", "queue"])
+        families.gauge(
+            "ready",
             "delay_gateway_ready", "1 while connected and consuming every queue of the role, by the process's "
-            "--role (all: check-in and distributor)", ["vhost", "role"], registry=registry)
-        families["vhost_refused"] = Gauge(
+            "--role (all: check-in and distributor)", ["vhost", "role"])
+        families.gauge(
+            "vhost_refused",
             "delay_gateway_vhost_refused", "1 while the broker refuses this process the virtual host (a login, a "
             "permission or the topology missing there: the log says which, event vhost_refused); it tries again "
-            "and serves the others meanwhile", ["vhost"], registry=registry)
+            "and serves the others meanwhile", ["vhost"])
         return families

@@ -12,8 +12,8 @@ from typing import Callable, Dict, List, Optional, Tuple, TypeVar
 
 import pika
 
-from bench import launcher
-from bench.launcher import ROOT, chain_args, free_port  # noqa: F401 (tests import them from here)
+from . import launcher
+from .launcher import ROOT, chain_args, free_port  # noqa: F401 (tests import them from here)
 from gateway.broker import wire_connection
 from gateway.settings import DEFAULT_URL
 from topology import ChainSettings, build
@@ -109,7 +109,7 @@ def same_entries(got, sent) -> bool:
 
 
 class GatewayProcess(launcher.GatewayProcess):
-    """`delay-gateway run` in a subprocess (bench/launcher.py, shared with the benchmark),
+    """`delay-gateway run` in a subprocess (tests/launcher.py, shared with the benchmark),
     against the broker of the test running now unless `url` names another."""
 
     def __init__(self, chain: ChainSettings, *extra: str, url: Optional[str] = None,

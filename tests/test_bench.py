@@ -2,7 +2,7 @@
 
 Only the shape of its output and correctness (nothing early, nothing lost) are checked here:
 timing targets live in BENCHMARKS.md, never in assertions. The broker tests run the real
-gateway through bench/launcher.py against this session's private RabbitMQ 4.3 node
+gateway through tests/launcher.py against this session's private RabbitMQ 4.3 node
 (tests/conftest.py, ONE_BROKER_IN_MODULE), which has no delayed-message plugin whatever the
 shared node on 5672 has (4.3 cannot even run it): `--compare-plugin` must say so in one
 line and still measure the gateway.

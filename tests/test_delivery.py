@@ -190,9 +190,13 @@ def broker_stamps_arrival() -> bool:
     with connect() as c:
         ch = c.channel()
         q = ch.queue_declare("", exclusive=True).method.queue
-        ch.basic_publish("", q, b"probe")
-        c.sleep(0.2)
-        _, properties, _ = ch.basic_get(q, auto_ack=True)
+        ch.confirm_delivery()
+        ch.basic_publish("", q, b"probe", mandatory=True)  # confirmed: in the queue
+
+        def probe():
+            method, properties, _ = ch.basic_get(q, auto_ack=True)
+            return method is not None and (properties,)
+        [properties] = wait_until(probe, 10, what="the probe in its queue")
         return "timestamp_in_ms" in (properties.headers or {})
 
 

@@ -17,7 +17,7 @@ from topology.names import Names
 from topology.registry import ChainKey, Record, chain_queues, fold
 from topology.retirement import Count, Observed
 
-from .support import ROOT, broker_url, chain_args, connect, free_port, now_ms
+from .support import ROOT, broker_url, chain_args, connect, free_port, now_ms, wait_until
 
 P = "p"
 
@@ -173,16 +173,25 @@ def test_status_shows_messages_waiting_in_several_levels(make_chain, run_gateway
         expected = {}
         for delay, n in delays.items():
             expected[where(delay, chain)] = expected.get(where(delay, chain), 0) + n
-        time.sleep(0.3)
+
+        def placed() -> dict:
+            """status --json once every message is where it entered: the confirms above only
+            say they reached check-in. Until the gateway has forwarded one (and the
+            distributor taken what it holds), it is in flight, counted nowhere."""
+            r = cli("status", *chain_args(chain), "--json", "--metrics-url", f"http://127.0.0.1:{port}")
+            assert r.returncode == 0, r.stderr
+            doc = json.loads(r.stdout)
+            rows = {row["role"] if row["role"] in ("check-in", "held") else row["name"]: row for row in doc["queues"]}
+            settled = (doc["total"] == sum(delays.values()) and rows["check-in"]["messages"] == 0
+                       and rows["held"]["messages"] == expected.get(chain.names.distributor, 0))
+            return doc if settled else {}
+        doc = wait_until(placed, 15, interval=0.1, what="check-in forwarding every message")
         started = time.monotonic()
         shown = cli("status", *chain_args(chain), "--metrics-url", f"http://127.0.0.1:{port}")
         took = time.monotonic() - started
         assert shown.returncode == 0, shown.stderr
         with capsys.disabled():
             print(f"\n--- status with messages in several levels (took {took:.2f} s) ---\n{shown.stdout}")
-        r = cli("status", *chain_args(chain), "--json", "--metrics-url", f"http://127.0.0.1:{port}")
-        assert r.returncode == 0, r.stderr
-        doc = json.loads(r.stdout)
         queues = {row["name"]: row for row in doc["queues"]}
         held = next(row for row in doc["queues"] if row["role"] == "held")
         for name, n in expected.items():

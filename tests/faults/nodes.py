@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-from bench import launcher
+from .. import launcher
 
 SERVER = "/usr/lib/rabbitmq/bin/rabbitmq-server"  # the Debian wrapper in /usr/sbin would su to rabbitmq
 CTL = "/usr/lib/rabbitmq/bin/rabbitmqctl"

@@ -7,7 +7,7 @@ import pika
 
 from gateway.core.envelope import Inside
 
-from ..support import GatewayProcess, Receiver, broker_url, connect, drain, now_ms
+from ..support import GatewayProcess, Receiver, broker_url, connect, drain, now_ms, wait_until
 from .load import Sink, count, publish
 
 
@@ -63,9 +63,11 @@ def test_sigterm_returns_held_messages_and_exits_0(make_chain, fault_report):
     # loaded run held none at the moment of SIGTERM).
     gateway = GatewayProcess(chain, "--carrier-wait-ms", "20").wait_ready()
     try:
-        # Delays of 1.2-2 s: within a second many sit in the distributor, held until due.
+        # Delays of 1.2-2 s: within a second many sit in the distributor, held until due;
+        # SIGTERM once a good number are.
         sent = publish([url], chain, [1200 + i * 4 for i in range(200)])
-        time.sleep(0.9)
+        wait_until(lambda: gateway.metric("delay_gateway_held_messages") >= 20, 10,
+                   what="20 messages held by the distributor")
         code = gateway.terminate()
         returned = sum(e.get("returned", 0) for e in gateway.events("stopping"))
         # No longer consuming: a new message stays in check-in.

@@ -14,7 +14,7 @@ import pytest
 
 from topology import ChainSettings
 
-from ..support import ROOT, GatewayProcess, chain_args, connect, now_ms, parked_report
+from ..support import ROOT, GatewayProcess, Receiver, chain_args, connect, now_ms, parked_report
 
 
 def gateway_cli(*args, env=None, timeout=60) -> subprocess.CompletedProcess:
@@ -59,11 +59,21 @@ def test_password_never_in_logs_or_errors(own_node, node_chain):
         # 4. the right password from DELAY_GATEWAY_PASSWORD_FILE: it works end to end
         gateway = GatewayProcess(chain, "--log-level", "debug", url=f"amqp://{user}@127.0.0.1:{port}/%2F",
                                  env={"DELAY_GATEWAY_PASSWORD_FILE": path}).wait_ready()
-        r = gateway_cli("publish", *chain_args(chain), "--delay", "100", "--routing-key", "k",
-                        "--url", f"amqp://{user}@127.0.0.1:{port}/%2F", "--password-file", path)
-        assert r.returncode == 0, r.stderr
-        outputs.append(("publish with the password file", r))
-        time.sleep(0.5)
+        receiver = Receiver(chain, url=own_node.url)  # bound to pick-up before the publish
+        try:
+            sent = now_ms()
+            r = gateway_cli("publish", *chain_args(chain), "--delay", "300", "--routing-key", "end.to.end",
+                            "--body", "through", "--url", f"amqp://{user}@127.0.0.1:{port}/%2F",
+                            "--password-file", path)
+            assert r.returncode == 0, r.stderr
+            outputs.append(("publish with the password file", r))
+            got = receiver.collect(1, timeout=15)
+        finally:
+            receiver.close()
+        assert len(got) == 1, f"the published message never reached pick-up: {gateway.errors()}"
+        [m] = got
+        assert (m.body, m.routing_key) == (b"through", "end.to.end")
+        assert m.at_ms >= sent + 300, f"delivered {m.at_ms - sent} ms after the publish began: before its delay"
         assert gateway.terminate() == 0
         outputs.append(("a gateway run", subprocess.CompletedProcess([], 0, "", "".join(gateway.raw))))
     finally:

@@ -15,7 +15,7 @@ import urllib.request
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from bench.launcher import free_port
+from ..launcher import free_port
 
 from .manifests import by_kind, effective_env, pod_spec
 

@@ -1,7 +1,8 @@
 """Start the real gateway (`delay-gateway run`) as a process and watch it from the outside.
 
-Shared by the benchmark and the tests (tests/support.py), so both start the gateway the same
-way: a subprocess with a metrics port of its own, ready when /readyz says so (connected and
+The tests' machinery (tests/support.py re-exports it), borrowed by the benchmark: bench/
+imports it from here, never the other way round, so both start the gateway the same way: a
+subprocess with a metrics port of its own, ready when /readyz says so (connected and
 consuming every queue of its role), observed through /metrics and its JSON log lines. It
 imports nothing from the gateway: it sees only what an operator sees.
 """
@@ -17,7 +18,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 from topology import ChainSettings
 
@@ -55,6 +56,44 @@ def free_port(low: int = 10000, high: int = 19999, avoid: Tuple[int, ...] = ()) 
         return port
 
 
+class PortNotOurs(AssertionError):
+    """Something answered on the gateway's metrics port that is not the gateway."""
+
+
+def listening_inodes(port: int, pid: int) -> List[int]:
+    """The inodes of every TCP socket (IPv4 and IPv6, any address) listening on `port` in the
+    network namespace of process `pid`."""
+    inodes = []
+    for table in (f"/proc/{pid}/net/tcp", f"/proc/{pid}/net/tcp6"):
+        try:
+            with open(table, encoding="ascii") as f:
+                rows = f.read().splitlines()[1:]
+        except FileNotFoundError:
+            continue
+        for row in rows:
+            fields = row.split()  # sl local_address rem_address st ... uid timeout inode
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.append(int(fields[9]))
+    return inodes
+
+
+def socket_inodes(pid: int) -> Set[int]:
+    """The inodes of the sockets process `pid` holds open (empty once it has exited)."""
+    found = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return found
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:["):
+            found.add(int(target[len("socket:["):-1]))
+    return found
+
+
 class GatewayProcess:
     """`delay-gateway run` in a subprocess, serving /metrics, /healthz and /readyz on a port
     of its own; its JSON log lines are collected.
@@ -67,6 +106,7 @@ class GatewayProcess:
     def __init__(self, chain: ChainSettings, *extra: str, url: Optional[str] = None,
                  env: Optional[Dict[str, str]] = None, die_with_parent: bool = False) -> None:
         self.chain = chain
+        self._port_checked = False
         self.lines: List[dict] = []
         self.raw: List[str] = []
         given = [extra[i + 1] for i, a in enumerate(extra[:-1]) if a == "--metrics-port"]
@@ -98,14 +138,32 @@ class GatewayProcess:
         return [entry for entry in list(self.lines) if entry.get("level") in ("error", "critical")]
 
     def get(self, path: str) -> Tuple[int, str]:
-        """(status, body) of an HTTP GET on the metrics port; (0, error) when it does not answer."""
+        """(status, body) of an HTTP GET on the metrics port; (0, error) when it does not answer.
+        An answer from another process than this one is an error (`check_port`)."""
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=2) as r:
-                return r.status, r.read().decode()
+                answer = r.status, r.read().decode()
         except urllib.error.HTTPError as exc:
-            return exc.code, exc.read().decode()
+            answer = exc.code, exc.read().decode()
         except OSError as exc:
             return 0, str(exc)
+        if not self._port_checked or self.proc.poll() is not None:
+            self.check_port()
+        return answer
+
+    def check_port(self) -> None:
+        """Every socket listening on the metrics port is this process's: the port free_port
+        picked may have been taken by another process before the gateway bound it, and then
+        /metrics would be that one's. Checked at the first answer (and at any answer once the
+        process has exited); raises PortNotOurs otherwise."""
+        listening = listening_inodes(self.port, os.getpid())
+        ours = socket_inodes(self.proc.pid)
+        if not listening or not set(listening) <= ours:
+            raise PortNotOurs(f"port {self.port} answered, but {len(set(listening) - ours)} of the "
+                              f"{len(listening)} sockets listening on it are not the gateway's (pid "
+                              f"{self.proc.pid}, {'exited' if self.proc.poll() is not None else 'running'}):\n"
+                              f"{''.join(self.raw)}")
+        self._port_checked = True
 
     @property
     def ready(self) -> bool:
@@ -138,6 +196,7 @@ class GatewayProcess:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"gateway not ready after {timeout}s:\n{''.join(self.raw)}")
             time.sleep(0.05)
+        self.check_port()  # ready said by this process, not by another on the same port
         return self
 
     def terminate(self, timeout: float = 20) -> int:
