@@ -20,7 +20,10 @@ from topology.retirement import DeleteExchange, DeleteQueue, MarkRetired, SealQu
 
 from gateway.broker import cancelling, upkeep
 from gateway import logs
-from gateway.commands import cancel, explain, move, parked, pending, selftest, status
+from gateway.commands import cancel, explain, move, parked, pending, selftest
+from gateway.commands.status import reads as status_reads, watch as status_watch
+from gateway.commands.status.render import clock_text
+from gateway.commands.status.report import Report
 from gateway.exits import EXIT_NO_BROKER, EXIT_REFUSED
 from gateway.broker.amqp import BrokerError, Trouble, blocking_channel
 from gateway.clock import wall_ms
@@ -293,7 +296,7 @@ def status_arguments(p: argparse.ArgumentParser) -> None:
 def cmd_status(args) -> int:
     chain = chain_from(args)
     try:
-        return status.command(args, lambda: blocking_channel(urls_from(args), "delay-gateway status",
+        return status_watch.command(args, lambda: blocking_channel(urls_from(args), "delay-gateway status",
                                                              tls_from(args)), ChainKey.of(chain), wall_ms)
     except KeyboardInterrupt:
         return 0
@@ -327,13 +330,13 @@ def cmd_migrate(args) -> int:
                 steps = [step for steps in sequences for step in steps]
                 for step in steps:
                     report("would_" + _step_event(step), **_step_fields(step))
-                others = _remaining(report, status.one(connection, args, own, wall_ms()))
+                others = _remaining(report, status_reads.one(connection, args, own, wall_ms()))
                 report("dry_run", chain=own.describe(), steps=len(steps), other_chains=len(others),
                        summary=_dry_run_summary(own, len(steps), others))
                 return 0
             upkeep.retire_once(connection, chain.prefix, own, unused, 0, margin_ms, report,
                                registry=fold(records))
-            others = _remaining(report, status.one(connection, args, own, wall_ms()))
+            others = _remaining(report, status_reads.one(connection, args, own, wall_ms()))
             if not args.wait or not others:
                 if not others:
                     report("migrated", chain=own.describe())
@@ -341,12 +344,12 @@ def cmd_migrate(args) -> int:
             connection.sleep(upkeep.tick_s(args.retire_after))
 
 
-def _remaining(report: Callable[..., None], r: status.Report) -> list:
+def _remaining(report: Callable[..., None], r: Report) -> list:
     """Report the chains other than the one of these settings; returns them."""
     others = [c for c in r.chains if not c.yours]
     for c in others:
         report("chain_remaining", chain=c.key.describe(), gateways=c.gateways,
-               empty_by=None if c.empty_by_ms is None else status.clock_text(c.empty_by_ms))
+               empty_by=None if c.empty_by_ms is None else clock_text(c.empty_by_ms))
     return others
 
 

@@ -5,7 +5,7 @@ from typing import List
 from topology import ChainSettings, Enter, Meditate, build, plan
 from topology.routing import trace
 
-from gateway.commands.status import human_ms
+from gateway.commands.status.report import human_ms
 
 
 def laps(delay_ms: int, chain: ChainSettings, lead_ms: int) -> int:
