@@ -381,7 +381,9 @@ def chain_from(args: argparse.Namespace) -> ChainSettings:
 
 def settings_from(args: argparse.Namespace) -> Settings:
     own = {f.name for f in dataclasses.fields(Settings)} - {"chain", "urls", "tls", "vhosts"}
-    return Settings(chain=chain_from(args), urls=urls_from(args, many=True), tls=tls_from(args),
+    # (a command without the broker options, as render: the default URL, never used)
+    urls = urls_from(args, many=True) if hasattr(args, "url") else (DEFAULT_URL,)
+    return Settings(chain=chain_from(args), urls=urls, tls=tls_from(args),
                     vhosts=getattr(args, "vhosts", ()),
                     **{name: getattr(args, name) for name in own if hasattr(args, name)})
 
@@ -403,13 +405,7 @@ def urls_from(args: argparse.Namespace, many: bool = False) -> Tuple[str, ...]:
         plain = [redact(u) for u in urls if not u.startswith("amqps://")]
         if plain:
             raise UsageError(f"TLS options given but not every URL is amqps://: {', '.join(plain)}")
-    vhosts = getattr(args, "vhosts", ())
-    if many or not vhosts:
-        return urls
-    if len(vhosts) > 1:
-        raise UsageError(f"--vhosts names {len(vhosts)} virtual hosts ({', '.join(vhosts)}; from DELAY_GATEWAY_VHOSTS "
-                         "unless given as a flag) and this command works on one: name it with --vhost NAME")
-    return tuple(with_vhost(u, vhosts[0]) for u in urls)
+    return urls if many else one_vhost(urls, getattr(args, "vhosts", ()))
 
 
 def per_vhost(urls: Sequence[str], vhosts: Sequence[str]) -> Tuple[Tuple[Optional[str], Tuple[str, ...]], ...]:
@@ -417,6 +413,17 @@ def per_vhost(urls: Sequence[str], vhosts: Sequence[str]) -> Tuple[Tuple[Optiona
     if not vhosts:
         return ((None, tuple(urls)),)
     return tuple((v, tuple(with_vhost(u, v) for u in urls)) for v in vhosts)
+
+
+def one_vhost(urls: Sequence[str], vhosts: Sequence[str]) -> Tuple[str, ...]:
+    """The URLs of a command that works on one virtual host: each with the one `vhosts`
+    names (none named: as given); several are refused."""
+    if not vhosts:
+        return tuple(urls)
+    if len(vhosts) > 1:
+        raise UsageError(f"--vhosts names {len(vhosts)} virtual hosts ({', '.join(vhosts)}; from DELAY_GATEWAY_VHOSTS "
+                         "unless given as a flag) and this command works on one: name it with --vhost NAME")
+    return tuple(with_vhost(u, vhosts[0]) for u in urls)
 
 
 def with_vhost(url: str, vhost: str) -> str:
