@@ -23,7 +23,7 @@ from typing import Dict, List, Tuple
 
 import pytest
 
-from gateway.cli import COMMANDS, main
+from gateway.cli import COMMANDS, load, main
 
 from .support import ROOT, broker_url, unique_prefix
 
@@ -36,7 +36,7 @@ def helps() -> List[Tuple[str, List[str]]]:
     cases = [("help", ["--help"])]
     for name, command in COMMANDS.items():
         cases.append((f"help-{name}", [name, "--help"]))
-        for verb in command.actions or ():
+        for verb in load(command.actions) if command.actions else ():
             cases.append((f"help-{name}-{verb}", [name, verb, "--help"]))
     return cases
 

@@ -16,7 +16,7 @@ from gateway.broker import waiting as index
 from gateway.commands.status.metrics import carried_from_metrics, held_from_metrics, retries_from_metrics
 from gateway.commands.status.report import HORIZONS, Report, report
 from gateway.core import cancels, waiting
-from gateway.settings import default
+from gateway.settings import Settings
 
 
 def observe(connection, prefix: str, own: ChainKey) -> Tuple[Optional[Registry], Set[ChainKey], Observed]:
@@ -68,29 +68,32 @@ def arrival_stamp(connection, prefix: str) -> Tuple[Optional[Tuple[int, int]], O
         return stamp.version_of(getattr(connection._impl, "server_properties", None)), None
 
 
-def one(connection, args, own: ChainKey, now_ms: int,
-        stamping: Tuple[Optional[Tuple[int, int]], Optional[bool]] = (None, None)) -> Report:
-    registry, chains, observed = observe(connection, args.prefix, own)
+def read_report(connection, settings: Settings, own: ChainKey, now_ms: int,
+                stamping: Tuple[Optional[Tuple[int, int]], Optional[bool]] = (None, None),
+                metrics_urls: Sequence[str] = (), index_counts: bool = True) -> Report:
+    """One status report: the broker's counts of the chains under the settings' prefix (`own`:
+    the chain of these settings), what the gateways' /metrics at `metrics_urls` add, and
+    (index_counts) the messages that wait, counted from the index."""
+    prefix = settings.chain.prefix
+    registry, chains, observed = observe(connection, prefix, own)
     held, source, carried = None, "give --metrics-url with the gateways' metrics ports to see them", None
     retried: Optional[Dict[str, Dict[str, int]]] = None
-    urls = [u.strip() for u in (getattr(args, "metrics_url", None) or "").split(",") if u.strip()]
-    if urls:
+    if metrics_urls:
         try:
-            pages = fetch_metrics(urls)
-            held = held_from_metrics(pages, Names(args.prefix).distributor)
+            pages = fetch_metrics(metrics_urls)
+            held = held_from_metrics(pages, Names(prefix).distributor)
             carried = carried_from_metrics(pages) or {}
             retried = retries_from_metrics(pages)
             source = "metrics"
         except (OSError, ValueError) as exc:
             source = f"--metrics-url failed: {exc}"
-    lead_ms = getattr(args, "lead_ms", default("lead_ms"))
-    r = report(args.prefix, own, lead_ms, registry, chains, observed, held, source, now_ms, carried)
-    window_ms = cancelling.retention_ms(own.settings(args.prefix), getattr(args, "cancel_retention", 0.0))
-    records = cancelling.read(connection, Names(args.prefix), window_ms)
+    r = report(prefix, own, settings.lead_ms, registry, chains, observed, held, source, now_ms, carried)
+    window_ms = cancelling.retention_ms(own.settings(prefix), settings.cancel_retention)
+    records = cancelling.read(connection, Names(prefix), window_ms)
     held_ids = {mid for mid, _ in records}
-    if getattr(args, "index", True) and not r.missing:
-        r.waiting = waiting_messages(connection, Names(args.prefix), records, window_ms, now_ms)
-    check_in = observed.queues.get(Names(args.prefix).check_in)
+    if index_counts and not r.missing:
+        r.waiting = waiting_messages(connection, Names(prefix), records, window_ms, now_ms)
+    check_in = observed.queues.get(Names(prefix).check_in)
     promise, problem = cancel_guarantee(stamping[1], stamping[0], check_in.consumers if check_in else None)
     r.cancellations = {"held": len(held_ids), "window_ms": window_ms, **promise}
     r.retries = retried
