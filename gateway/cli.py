@@ -64,11 +64,11 @@ def version() -> str:
         return "unknown (not installed)"
 
 
-def parser(environ, only: Optional[str] = None, verbs: bool = True) -> argparse.ArgumentParser:
+def parser(environ, only: Optional[str] = None, own_arguments: bool = True) -> argparse.ArgumentParser:
     """The whole command line; with `only` (`command_in`), that command's settings alone are
     read from the environment (a variable another command reads cannot break this one), and
-    its module alone is imported. Without `verbs`, no command's own arguments (nor its
-    module): for a command line that names no command."""
+    its module alone is imported. Without `own_arguments`, no command's own arguments (nor
+    its module): for a command line that names no command."""
     named = (only or "").split()
     p = Parser(prog=" ".join(["delay-gateway", *named]) if named and named[0] in COMMANDS else "delay-gateway",
                description=(
@@ -82,7 +82,7 @@ def parser(environ, only: Optional[str] = None, verbs: bool = True) -> argparse.
         c = sub.add_parser(name, help=command.help, description=command.help, prog=f"delay-gateway {name}")
         if named and named[0] != name:
             continue
-        if not verbs:
+        if not own_arguments:
             # No command named: none is parsed, but every one's settings are read from the
             # environment, so a bad value is refused as it always was.
             add_options(c, command.groups, environ, command.only)
@@ -117,7 +117,7 @@ def main(argv: Optional[Sequence[str]] = None, environ=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     named = command_in(argv)
     try:
-        args = parser(environ, named, verbs=named is not None).parse_args(argv)
+        args = parser(environ, named, own_arguments=named is not None).parse_args(argv)
     except UsageError as exc:  # a bad value in the environment
         print(f"delay-gateway {named}: error: {exc}", file=sys.stderr)
         return 2
