@@ -378,7 +378,10 @@ def chain_from(args: argparse.Namespace) -> ChainSettings:
 
 def settings_from(args: argparse.Namespace) -> Settings:
     own = {f.name for f in dataclasses.fields(Settings)} - {"chain", "urls", "tls", "vhosts"}
-    return Settings(chain=chain_from(args), urls=urls_from(args, many=True), tls=tls_from(args),
+    chain = chain_from(args)  # (its errors first, then the URLs')
+    # (a command without the broker options, as render: the default URL, never used)
+    urls = urls_from(args, many=True) if hasattr(args, "url") else (DEFAULT_URL,)
+    return Settings(chain=chain, urls=urls, tls=tls_from(args),
                     vhosts=getattr(args, "vhosts", ()),
                     **{name: getattr(args, name) for name in own if hasattr(args, name)})
 

@@ -28,9 +28,14 @@ def urls_from(args: argparse.Namespace, many: bool = False) -> Tuple[str, ...]:
         plain = [redact(u) for u in urls if not u.startswith("amqps://")]
         if plain:
             raise UsageError(f"TLS options given but not every URL is amqps://: {', '.join(plain)}")
-    vhosts = getattr(args, "vhosts", ())
-    if many or not vhosts:
-        return urls
+    return urls if many else one_vhost(urls, getattr(args, "vhosts", ()))
+
+
+def one_vhost(urls: Sequence[str], vhosts: Sequence[str]) -> Tuple[str, ...]:
+    """The URLs of a command that works on one virtual host: each with the one `vhosts`
+    names (none named: as given); several are refused."""
+    if not vhosts:
+        return tuple(urls)
     if len(vhosts) > 1:
         raise UsageError(f"--vhosts names {len(vhosts)} virtual hosts ({', '.join(vhosts)}; from DELAY_GATEWAY_VHOSTS "
                          "unless given as a flag) and this command works on one: name it with --vhost NAME")

@@ -15,7 +15,7 @@ from typing import List, Optional, Tuple
 import pika
 import pytest
 
-from gateway.commands.status import retries_from_metrics
+from gateway.commands.status.metrics import retries_from_metrics
 from gateway.core import retries
 
 from .support import ROOT, broker_url, chain_args, connect, now_ms, parked_report, report_figures, wait_until

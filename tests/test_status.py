@@ -10,7 +10,9 @@ import time
 import pika
 import pytest
 
-from gateway.commands.status import HORIZONS, Row, carried_from_metrics, due_within, held_from_metrics, report, text
+from gateway.commands.status.metrics import carried_from_metrics, held_from_metrics
+from gateway.commands.status.render import text
+from gateway.commands.status.report import HORIZONS, Row, due_within, report
 from topology import plan
 from topology.encoding import Enter, Meditate, ToDistributor
 from topology.names import Names
@@ -279,7 +281,7 @@ def test_carriers_are_counted_as_the_messages_they_carry_when_the_metrics_say_ho
 
 
 def test_what_a_cancel_can_promise_is_said_with_the_fix_where_it_is_limited():
-    from gateway.commands.status import cancel_guarantee
+    from gateway.commands.status.reads import cancel_guarantee
     found, problem = cancel_guarantee(True, (4, 3), 3)
     assert found["guarantee"] == "exact" and problem is None
     found, problem = cancel_guarantee(False, (3, 10), 1)
@@ -291,7 +293,7 @@ def test_what_a_cancel_can_promise_is_said_with_the_fix_where_it_is_limited():
 
 
 def test_retries_per_source_queue_are_summed_from_the_gateways_metrics():
-    from gateway.commands.status import retries_from_metrics
+    from gateway.commands.status.metrics import retries_from_metrics
     page = ('# TYPE delay_gateway_retries_total counter\n'
             'delay_gateway_retries_total{queue="orders",outcome="scheduled"} 5.0\n'
             'delay_gateway_retries_total{queue="orders",outcome="delivered"} 3.0\n'

@@ -1,2 +1,3 @@
-"""One module per operator verb that is more than a few lines (status, parked, selftest, demo);
-`gateway/cli.py` parses the command line and dispatches to them."""
+"""The operator's verbs, one module each (status: a package of one module per idea): each has
+`main(settings, **its own arguments)`, and `add_arguments(parser)` or `ACTIONS` when it takes
+arguments of its own. `gateway/cli.py` names them in its table and imports one only when it runs."""

@@ -21,13 +21,15 @@ import argparse
 import datetime
 import sys
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import pika
 
 from gateway.broker import cancelling
+from gateway.broker.amqp import blocking_channel
 from gateway.core import cancels
-from gateway.settings import UsageError, chain_from
+from gateway.settings import Settings, UsageError
+from gateway.urls import one_vhost
 
 NOT_KNOWN = "whether it was already delivered cannot be known (the gateway keeps no record of deliveries)"
 
@@ -39,13 +41,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how long to wait for the gateway to record the cancels (default 10)")
 
 
-def read_ids(args: argparse.Namespace) -> List[str]:
-    ids = list(args.ids)
-    if args.from_file:
+def read_ids(given: List[str], from_file: Optional[str]) -> List[str]:
+    ids = list(given)
+    if from_file:
         try:
-            f = sys.stdin if args.from_file == "-" else open(args.from_file, encoding="utf-8")
+            f = sys.stdin if from_file == "-" else open(from_file, encoding="utf-8")
         except OSError as exc:
-            raise UsageError(f"--from-file: cannot read {args.from_file}: {exc.strerror}") from None
+            raise UsageError(f"--from-file: cannot read {from_file}: {exc.strerror}") from None
         with f:
             ids += [line.rstrip("\r\n") for line in f if line.strip()]
     if not ids:
@@ -57,12 +59,12 @@ def readable_time(at_us: int) -> str:
     return datetime.datetime.fromtimestamp(at_us / 1e6, datetime.timezone.utc).isoformat(timespec="milliseconds")
 
 
-def command(args: argparse.Namespace, channel_factory: Callable) -> int:
-    chain = chain_from(args)
+def main(settings: Settings, ids: List[str], from_file: Optional[str], wait: float) -> int:
+    chain = settings.chain
     names = chain.names
     good: List[bytes] = []
     bad = 0
-    for n, text in enumerate(read_ids(args), 1):
+    for n, text in enumerate(read_ids(ids, from_file), 1):
         try:
             good.append(cancels.checked_id(text))
         except cancels.BadCancel as exc:
@@ -70,8 +72,8 @@ def command(args: argparse.Namespace, channel_factory: Callable) -> int:
             print(f"delay-gateway cancel: error: id {n} ({text[:40]!r}): {exc}", file=sys.stderr)
     if not good:
         return 2
-    window_ms = cancelling.retention_ms(chain, getattr(args, "cancel_retention", 0.0))
-    with channel_factory() as channel:
+    window_ms = cancelling.retention_ms(chain, settings.cancel_retention)
+    with blocking_channel(one_vhost(settings.urls, settings.vhosts), "delay-gateway cancel", settings.tls) as channel:
         before = latest(cancelling.read(channel.connection, names, window_ms))
         channel.confirm_delivery()
         for mid in good:
@@ -83,7 +85,7 @@ def command(args: argparse.Namespace, channel_factory: Callable) -> int:
                 print(f"delay-gateway cancel: {names.cancel} is bound to no queue: declare the topology "
                       "(delay-gateway declare) or start the gateway", file=sys.stderr)
                 return 3
-        recorded = wait_recorded(channel.connection, names, window_ms, good, before, args.wait)
+        recorded = wait_recorded(channel.connection, names, window_ms, good, before, wait)
     for mid in good:
         print(line(mid, before.get(mid), recorded.get(mid)))
     return 2 if bad else 0

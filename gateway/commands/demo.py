@@ -1,5 +1,6 @@
 """`delay-gateway demo`: start the gateway, publish a few delayed messages, show them arrive."""
 
+import argparse
 import os
 import signal
 import subprocess
@@ -13,15 +14,29 @@ from gateway.broker.amqp import blocking_channel
 from gateway.clock import wall_ms
 from gateway.broker.publish import Publisher
 from gateway.commands.selftest import unconsumed
-from gateway.settings import chain_from, tls_from
-from gateway.urls import urls_from
+from gateway.settings import Settings, argument
+from gateway.urls import one_vhost
 
 
-def demo(args) -> int:
-    chain, urls = chain_from(args), urls_from(args)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--delays", type=argument(_delays), default="3000,0,1500,4500,750,2250",
+                   help="comma-separated delays in ms (default 3000,0,1500,4500,750,2250)")
+
+
+def _delays(text: str) -> str:
+    for part in text.split(","):
+        try:
+            int(part)
+        except ValueError:
+            raise ValueError(f"{part!r} in {text!r} is not a delay in ms (comma-separated integers)") from None
+    return text
+
+
+def main(settings: Settings, delays: str) -> int:
+    chain, urls = settings.chain, one_vhost(settings.urls, settings.vhosts)
     url = ",".join(urls)  # the gateway it starts takes the whole list too
-    delays = [int(d) for d in args.delays.split(",")]
-    with blocking_channel(urls, "delay-gateway demo", tls_from(args)) as channel:
+    delays_ms = [int(d) for d in delays.split(",")]
+    with blocking_channel(urls, "delay-gateway demo", settings.tls) as channel:
         declare(channel, build(chain))
         queue = channel.queue_declare("", exclusive=True).method.queue
         channel.queue_bind(queue, chain.names.pick_up, "demo.#")
@@ -37,10 +52,10 @@ def demo(args) -> int:
             while unconsumed(channel, chain) and time.monotonic() < attach_by and gateway.poll() is None:
                 channel.connection.sleep(0.2)
             publisher = Publisher(channel, chain)
-            print(f"publishing {len(delays)} messages to {chain.names.check_in}; "
+            print(f"publishing {len(delays_ms)} messages to {chain.names.check_in}; "
                   f"receiving from {chain.names.pick_up} (binding demo.#)\n")
             sent = {}
-            for i, delay in enumerate(delays):
+            for i, delay in enumerate(delays_ms):
                 key = f"demo.{i}"
                 sent[key] = (wall_ms(), delay)  # before the publish: the gateway's clock starts later
                 publisher.send(f"message {i}".encode(), key, delay_ms=delay, message_id=key)

@@ -1,11 +1,14 @@
 """`delay-gateway explain DELAY_MS`: the route a delay takes through the chain (pure)."""
 
+import argparse
 from typing import List
 
 from topology import ChainSettings, Enter, Meditate, build, plan
 from topology.routing import trace
 
-from gateway.commands.status import human_ms
+from gateway.commands.status.report import human_ms
+from gateway.core import limits
+from gateway.settings import Settings, UsageError
 
 
 def laps(delay_ms: int, chain: ChainSettings, lead_ms: int) -> int:
@@ -49,3 +52,17 @@ def lines(delay_ms: int, chain: ChainSettings, lead_ms: int) -> List[str]:
             total += hop.wait_ms
     out.append(f"  {exit_queue:<44} hold {delay_ms - total} ms, then publish to {names.pick_up}")
     return out
+
+
+# -- the verb ----------------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("delay_ms", type=int, metavar="DELAY_MS", help="the delay to explain, in ms")
+
+
+def main(settings: Settings, delay_ms: int) -> int:
+    try:
+        checked = limits.delay_ms(delay_ms, "DELAY_MS")
+    except limits.Refused as exc:
+        raise UsageError(str(exc)) from None
+    print("\n".join(lines(checked, settings.chain, settings.lead_ms)))
+    return 0

@@ -25,7 +25,7 @@ import shlex
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import pika
 from pika.exceptions import ChannelClosedByBroker
@@ -39,7 +39,8 @@ from gateway.broker.window import Outgoing, PublishError, WindowPublisher
 from gateway.clock import wall_ms
 from gateway.core import cancels, envelope
 from gateway.core.wire import Properties
-from gateway.settings import Tls, argument, integer
+from gateway.settings import Settings, Tls, argument, integer
+from gateway.urls import one_vhost
 
 MINUTE, HOUR, DAY = 60_000, 3_600_000, 86_400_000
 # Upper ends of the due-time ranges --dry-run counts, after the one left to the plugin.
@@ -124,6 +125,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--leave-due-within-ms", type=argument(integer(1000, 3_600_000)), default=10_000, metavar="MS",
                    help="leave messages due sooner than this to the plugin (default 10000)")
     p.add_argument("--json", action="store_true", help="print the outcome as JSON")
+
+
+def main(settings: Settings, **own: Any) -> int:
+    """`delay-gateway move-from-plugin`: `own` is its options."""
+    return command(argparse.Namespace(**own), one_vhost(settings.urls, settings.vhosts), settings.tls, settings.chain)
 
 
 def command(args: argparse.Namespace, urls: Sequence[str], tls: Tls, chain: ChainSettings) -> int:

@@ -27,16 +27,18 @@ import re
 import sys
 from collections import Counter
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from pika.exceptions import AMQPError
 
 from gateway.broker import lazy_properties
+from gateway.broker.amqp import blocking_channel
 from gateway.core import envelope, retries
 from gateway.core.envelope import Inside
 from gateway.core.handlers import DEATH_REASONS
 from gateway.core.wire import Properties
-from gateway.settings import argument, integer
+from gateway.settings import Settings, argument, integer
+from gateway.urls import one_vhost
 
 
 @dataclass(frozen=True)
@@ -191,6 +193,12 @@ ACTIONS = {
     "replay": ("send parked messages on again once their cause is fixed: each is removed from parked only once "
                "the broker confirmed its copy (docs/operating.md: Parked messages)", replay_options),
 }
+
+
+def main(settings: Settings, **own: Any) -> int:
+    """`delay-gateway parked ACTION`: `own` is the action and its options."""
+    return command(argparse.Namespace(**own), lambda: blocking_channel(
+        one_vhost(settings.urls, settings.vhosts), "delay-gateway parked", settings.tls), settings.chain)
 
 
 def command(args, open_channel, chain) -> int:

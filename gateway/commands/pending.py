@@ -13,17 +13,19 @@ import datetime
 import json
 import re
 import sys
-from typing import IO, Callable, Dict, List, Optional, Tuple
+from typing import IO, Any, Callable, Dict, List, Optional, Tuple
 
 import pika
 
 from gateway.broker import cancelling
 from gateway.broker import waiting as index
+from gateway.broker.amqp import blocking_channel
 from gateway.clock import wall_ms
 from gateway.commands import cancel as cancelling_command
 from gateway.core import cancels, waiting
 from gateway.core.waiting import Listed, Selection
-from gateway.settings import UsageError, argument, chain_from, integer
+from gateway.settings import Settings, UsageError, argument, integer
+from gateway.urls import one_vhost
 
 SAMPLE = 10  # what `pending cancel` shows before it acts
 LIST_LIMIT = 100
@@ -202,13 +204,18 @@ def table(listed: List[Listed], now_ms: int) -> List[str]:
 
 
 # -- the command -------------------------------------------------------------------------------
-def command(args: argparse.Namespace, channel_factory: Callable) -> int:
-    chain = chain_from(args)
+def main(settings: Settings, **own: Any) -> int:
+    """`delay-gateway pending ACTION`: `own` is the action and its options."""
+    return command(argparse.Namespace(**own), settings)
+
+
+def command(args: argparse.Namespace, settings: Settings) -> int:
+    chain = settings.chain
     names = chain.names
     now = wall_ms()
     select = selection(args, now)
     limit = getattr(args, "limit", 0) if args.action == "list" else 0
-    window_ms = cancelling.retention_ms(chain, getattr(args, "cancel_retention", 0.0))
+    window_ms = cancelling.retention_ms(chain, settings.cancel_retention)
     exporting: Optional[Exporter] = Exporter(args.out) if args.action == "export" else None
     selected: Dict[str, Listed] = {}
     # (a count keeps none of them, an export writes each as it comes, a cancel keeps one per
@@ -216,7 +223,8 @@ def command(args: argparse.Namespace, channel_factory: Callable) -> int:
     each: Optional[Callable[[Listed], object]] = exporting.write if exporting is not None else \
         (lambda m: selected.setdefault(m.handle, m)) if args.action == "cancel" else \
         (lambda m: None) if args.action == "count" else None
-    with channel_factory() as channel:
+    with blocking_channel(one_vhost(settings.urls, settings.vhosts), f"delay-gateway pending {args.action}",
+                          settings.tls) as channel:
         store = cancels.Store(window_ms)
         for mid, at in cancelling.read(channel.connection, names, window_ms):
             store.add(mid, at, now)

@@ -19,8 +19,11 @@ import structlog
 
 from topology import ChainSettings
 
+from gateway.broker.amqp import blocking_channel
 from gateway.clock import wall_ms
 from gateway.broker.publish import Publisher
+from gateway.settings import Settings
+from gateway.urls import per_vhost
 
 POLL_S = 0.05
 CONSUMERS_WAIT_S = 5.0  # for gateways that are starting, before saying none consumes
@@ -40,13 +43,23 @@ def unconsumed(channel, chain: ChainSettings) -> List[str]:
             if channel.queue_declare(q, passive=True).method.consumer_count == 0]
 
 
-def run(args, channel_factory, chain: ChainSettings) -> int:
+def main(settings: Settings, delay_ms: int, timeout: float) -> int:
+    # (--vhosts: each in turn, as `helm test` checks a release that serves several)
+    for _, urls in per_vhost(settings.urls, settings.vhosts):
+        code = run(delay_ms, timeout, lambda urls=urls: blocking_channel(urls, "delay-gateway selftest", settings.tls),
+                   settings.chain)
+        if code:
+            return code
+    return 0
+
+
+def run(delay_ms: int, timeout: float, channel_factory, chain: ChainSettings) -> int:
     log = structlog.get_logger("gateway")
     token = uuid.uuid4().hex
     key, queue = f"selftest.{token}", f"{chain.prefix}.selftest.{token}"
     with channel_factory() as channel:
         idle = unconsumed(channel, chain)
-        waited_until = time.monotonic() + min(args.timeout, CONSUMERS_WAIT_S)
+        waited_until = time.monotonic() + min(timeout, CONSUMERS_WAIT_S)
         while idle and time.monotonic() < waited_until:  # gateways that are starting
             channel.connection.sleep(POLL_S * 10)
             idle = unconsumed(channel, chain)
@@ -59,10 +72,10 @@ def run(args, channel_factory, chain: ChainSettings) -> int:
         channel.queue_declare(queue, exclusive=True, arguments={"x-queue-type": "classic"})
         channel.queue_bind(queue, chain.names.pick_up, key)
         sent = wall_ms()
-        Publisher(channel, chain).send(token.encode(), key, delay_ms=args.delay_ms, message_id=token)
-        due = sent + args.delay_ms
-        log.info("selftest_published", routing_key=key, delay_ms=args.delay_ms)
-        deadline = time.monotonic() + args.delay_ms / 1000 + args.timeout
+        Publisher(channel, chain).send(token.encode(), key, delay_ms=delay_ms, message_id=token)
+        due = sent + delay_ms
+        log.info("selftest_published", routing_key=key, delay_ms=delay_ms)
+        deadline = time.monotonic() + delay_ms / 1000 + timeout
         while time.monotonic() < deadline:
             method, _, body = channel.basic_get(queue, auto_ack=True)
             if method is None:
@@ -73,13 +86,13 @@ def run(args, channel_factory, chain: ChainSettings) -> int:
                 continue
             # judged from before the publish, as the contract's "never early" is
             early = arrived < due
-            result = {"delivered": not early, "routing_key": key, "delay_ms": args.delay_ms,
+            result = {"delivered": not early, "routing_key": key, "delay_ms": delay_ms,
                       "after_ms": arrived - sent, "late_ms": arrived - due}
             print(json.dumps(result))
             log.info("selftest_arrived", early=early, late_ms=arrived - due)
             return 1 if early else 0
-    print(json.dumps({"delivered": False, "routing_key": key, "delay_ms": args.delay_ms,
-                      "error": f"not at pick-up within {args.timeout:g} s after its due time"}))
-    log.error("selftest_timeout", routing_key=key, timeout_s=args.timeout)
+    print(json.dumps({"delivered": False, "routing_key": key, "delay_ms": delay_ms,
+                      "error": f"not at pick-up within {timeout:g} s after its due time"}))
+    log.error("selftest_timeout", routing_key=key, timeout_s=timeout)
     return 1
 

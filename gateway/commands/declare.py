@@ -1,0 +1,28 @@
+"""`delay-gateway declare`: the topology declared on the broker (in each of --vhosts), idempotently."""
+
+from topology import build
+from topology.broker.declare import declare
+from topology.broker.inventory import read_registry
+from topology.registry import ChainKey, fold
+
+from gateway.broker import cancelling, upkeep
+from gateway.broker.amqp import blocking_channel
+from gateway.settings import Settings
+from gateway.urls import per_vhost
+
+
+def main(settings: Settings) -> int:
+    chain = settings.chain
+    topology = build(chain, cancelling.retention_ms(chain, settings.cancel_retention))
+    # --vhosts: the same topology in each, one line each (unset: the URL's own, said as before)
+    for vhost, where in per_vhost(settings.urls, settings.vhosts):
+        with blocking_channel(where, tls=settings.tls) as channel:
+            declare(channel, topology)
+            records = read_registry(channel.connection, chain.names)
+            upkeep.record_chain(channel.connection, chain.prefix, ChainKey.of(chain),
+                                None if records is None else fold(records))
+        print(f"declared {len(topology.exchanges)} exchanges, {len(topology.queues)} queues, "
+              f"{len(topology.bindings)} bindings with prefix {topology.settings.prefix!r} "
+              f"(chain {chain.generation}, {chain.max_level} levels)"
+              + ("" if vhost is None else f" in virtual host {vhost!r}"), flush=True)
+    return 0
