@@ -95,6 +95,8 @@ def parser(environ) -> argparse.ArgumentParser:
     p.add_argument("--max-level", type=_positive(int), default=20)
     p.add_argument("--resolution-ms", type=_positive(int), default=1000)
     p.add_argument("--gateway-args", default="", help="extra options for every `run` process, quoted")
+    p.add_argument("--replicas", type=_positive(int), default=1,
+                   help="gateway processes side by side (of each role with --split-roles), competing for its queues")
     p.add_argument("--split-roles", action="store_true",
                    help="run check-in and distributor as two processes (default: one `run`, both roles)")
     p.add_argument("--receiver-queue-type", choices=("quorum", "classic"), default="quorum",
@@ -214,7 +216,7 @@ def main(argv: Optional[Sequence[str]] = None, environ=None) -> int:
                   zero_bits=args.zero_bits,
                   rate=args.rate, rates=args.rates, duration_s=args.duration, min_delay_ms=args.min_delay,
                   max_delay_ms=args.max_delay, at_once_ms=args.at_once_ms, size=args.size,
-                  gateway_args=gateway_args, split_roles=args.split_roles,
+                  gateway_args=gateway_args, split_roles=args.split_roles, replicas=args.replicas,
                   receiver_queue_type=args.receiver_queue_type, max_level=args.max_level,
                   resolution_ms=args.resolution_ms, idle_s=args.idle_seconds,
                   max_in_memory_length=args.max_in_memory_length, index_off=args.compare_index, log=log,

@@ -51,6 +51,7 @@ class Context:
     size: int = 1024
     gateway_args: Sequence[str] = ()  # passed to every `run` process (e.g. --lead-ms 20)
     split_roles: bool = False  # one `run` process per role instead of one with both
+    replicas: int = 1  # gateway processes (of each role, with split_roles), competing consumers
     receiver_queue_type: str = "quorum"
     max_level: int = 20
     resolution_ms: int = 1000
@@ -121,7 +122,7 @@ def open_system(ctx: Context, target: Target, tag: str):
     if target.system == "kombu":
         return Kombu(ctx.url, unique_prefix(tag), ctx.receiver_queue_type)
     args = [*ctx.gateway_args, *(() if target.index else ("--no-pending-index",))]
-    return Gateway(ctx.url, ctx.chain(tag, target.queue_type, target.zero_bits), args, ctx.split_roles)
+    return Gateway(ctx.url, ctx.chain(tag, target.queue_type, target.zero_bits), args, ctx.split_roles, ctx.replicas)
 
 
 def _psutil_process(pid: int):
@@ -312,6 +313,7 @@ def delayed_run(ctx: Context, load: Load, target: Target, round_: int = 1) -> di
         "gateway_lateness_le_s": gateway_lateness, "resources": resources, "gateway_errors": errors[:5],
         "gateway_args": list(ctx.gateway_args) if target.system == "gateway" else [],
         "split_roles": ctx.split_roles if target.system == "gateway" else None,
+        "replicas": ctx.replicas if target.system == "gateway" else None,
         "series": {"published_per_s": per_second(pub.confirm_times), "delivered_per_s": per_second(recv_rel),
                    "sampler": series,
                    "lateness_ms": thin([r - d for r, d in zip(data["recv"], data["due"], strict=False)])},

@@ -62,14 +62,14 @@ class Gateway:
     system = "gateway"
 
     def __init__(self, url: str, chain: ChainSettings, gateway_args: Sequence[str] = (),
-                 split_roles: bool = False) -> None:
+                 split_roles: bool = False, replicas: int = 1) -> None:
         self.url, self.chain = url, chain
         self.prefix = chain.prefix
         self.publish_exchange = chain.names.check_in
         self.deliver_exchange = chain.names.pick_up
         with blocking(url) as c:
             declare(c.channel(), build(chain))
-        roles = (("--role", "check-in"), ("--role", "distributor")) if split_roles else ((),)
+        roles = ((("--role", "check-in"), ("--role", "distributor")) if split_roles else ((),)) * replicas
         self.processes: List[GatewayProcess] = []
         try:
             for role in roles:
