@@ -662,14 +662,13 @@ def idle(ctx: Context) -> List[dict]:
 
 
 def trickle(ctx: Context) -> List[dict]:
-    """Low paced rates (10 and 100 msg/s, delays 2-10 s, 30 s each), the gateway alone: what
-    it pays per wake-up rather than per message (with `idle` and `ceiling`, its CPU from 0
-    to thousands of messages a second)."""
+    """Low paced rates (10 and 100 msg/s, delays 2-10 s, 30 s each), side by side like the
+    others: what each pays per wake-up rather than per message (with `idle` and `ceiling`,
+    the gateway's CPU from 0 to thousands of messages a second)."""
     out = []
     for rate in (10, 100):
-        for target in gateway_targets(ctx, (DELAY,)):
-            out.append(delayed_run(ctx, Load("trickle", ctx.n(rate * 30), ctx.delays(2_000, 10_000), rate=rate),
-                                   target))
+        out += compared(ctx, Load("trickle", ctx.n(rate * 30), ctx.delays(2_000, 10_000), rate=rate),
+                        gateway_targets(ctx, (DELAY,)))
     return out
 
 
