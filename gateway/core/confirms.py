@@ -99,7 +99,14 @@ class Window(Generic[P]):
         if not multiple:
             pub = self._inflight.pop(seq, None)
             return [pub] if pub else []
-        taken = [s for s in self._inflight if s <= seq]
+        # In sequence order (each is added above the others: `open` starts from 1 again only
+        # once every one of the old channel is settled), so the first above `seq` ends it: a
+        # confirm costs what it settles, not the whole window.
+        taken = []
+        for s in self._inflight:
+            if s > seq:
+                break
+            taken.append(s)
         return [self._inflight.pop(s) for s in taken]
 
     def open(self) -> Outcome[P]:
