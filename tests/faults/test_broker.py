@@ -124,7 +124,13 @@ def test_resource_alarm_blocks_then_resumes(own_node, node_chain, fault_report, 
         sent = publish([own_node.url], chain, mixed_delays(1000, 2500, seed=5))
         own_node.ctl(*raise_alarm)
         wait_until(lambda: alarm in own_node.ctl("eval", "rabbit_alarm:get_alarms().").stdout, 15)
-        time.sleep(0.5)  # what was already on its way to the sink
+        # What was already on its way to the sink arrives: the total stands still a moment.
+        seen = [sink.total]
+
+        def settled() -> bool:
+            seen.append(sink.total)
+            return len(seen) > 5 and seen[-1] == seen[-6]
+        wait_until(settled, 15, interval=0.1, what="the sink's total standing still under the alarm")
         before = sink.total
         time.sleep(3)  # publishers blocked: the gateway cannot forward; it must only wait
         during = sink.total - before
