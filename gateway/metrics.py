@@ -18,6 +18,7 @@ class Bound(Generic[F]):
         self.family: F = family
         self.vhost = vhost
         self._seen: Set[Tuple[str, ...]] = set()
+        self._own: Optional[F] = None  # the sample of the vhost alone, looked up once (a lock and a lookup)
 
     def labels(self, *values: str) -> F:
         self._seen.add(values)
@@ -25,7 +26,15 @@ class Bound(Generic[F]):
 
     def remove(self, *values: str) -> None:
         self._seen.discard(values)
+        if not values:
+            self._own = None
         self.family.remove(self.vhost, *values)
+
+    def _alone(self) -> F:
+        own = self._own
+        if own is None:
+            own = self._own = self.family.labels(self.vhost)
+        return own
 
     def clear(self) -> None:
         """This vhost's samples only."""
@@ -36,13 +45,13 @@ class Bound(Generic[F]):
                 pass
 
     def inc(self: "Union[Bound[Counter], Bound[Gauge]]", amount: float = 1) -> None:
-        self.family.labels(self.vhost).inc(amount)
+        self._alone().inc(amount)
 
     def set(self: "Bound[Gauge]", value: float) -> None:
-        self.family.labels(self.vhost).set(value)
+        self._alone().set(value)
 
     def observe(self: "Bound[Histogram]", value: float) -> None:
-        self.family.labels(self.vhost).observe(value)
+        self._alone().observe(value)
 
 
 class Families:

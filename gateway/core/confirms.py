@@ -45,6 +45,11 @@ class Outcome(Generic[P]):
     confirmed: List[Publication[P]] = field(default_factory=list)  # acknowledged by the broker
     dropped: List[Publication[P]] = field(default_factory=list)  # side records the broker would not take
 
+    @property
+    def settled(self) -> bool:
+        """Whether any publication was settled (anything but `send`)."""
+        return bool(self.confirmed or self.refused or self.returned or self.guilty or self.reject or self.dropped)
+
 
 class Window(Generic[P]):
     def __init__(self) -> None:

@@ -278,15 +278,16 @@ class Flow:
         if forward.not_before_ms is not None:
             self._observer.late(max(0, now - forward.not_before_ms))
         finishing = []
-        for tag, n in Counter(tags).items():
+        counted = ((tags[0], 1),) if len(tags) == 1 else Counter(tags).items()  # (one: a release, the busiest)
+        for tag, n in counted:
             left = self._unsent.get(tag, 0) - n
             if left <= 0:
                 self._unsent.pop(tag, None)
                 finishing.append(tag)
             else:
                 self._unsent[tag] = left
-        answer = self.ledger.publish(tuple(dict.fromkeys(tags)), Payload(forward, members), finishing,
-                                     parking=forward.outcome is Way.PARKED)
+        answer = self.ledger.publish(tuple(tags) if len(tags) == 1 else tuple(dict.fromkeys(tags)),
+                                     Payload(forward, members), finishing, parking=forward.outcome is Way.PARKED)
         self._apply(answer, now, out)
         if self._recorder is not None:
             if forward.outcome in STAYS:
@@ -342,9 +343,12 @@ class Flow:
     # -- the broker's answers to publishes --------------------------------------------------
     def _apply(self, answer: Outcome[Payload], now: int, out: Effects) -> None:
         """Do what the ledger answered (a confirms.Outcome): into `out`, the adapter's Effects."""
-        for pub in answer.send:
-            pub.sent_ms = now
-        out.publish.extend(answer.send)
+        if answer.send:
+            for pub in answer.send:
+                pub.sent_ms = now
+            out.publish.extend(answer.send)
+        if not answer.settled:  # (a publish's answer, the busiest, settles nothing)
+            return
         for pub in answer.confirmed:
             if not pub.returned:
                 self._observer.landed(pub.payload.forward)
