@@ -208,6 +208,6 @@ def test_usage_errors_are_one_line_and_exit_2(argv, capsys):
 
 
 def test_scenario_groups():
-    assert cli.expand(["issue", "paced"]) == ["paced", "burst", "at-once", "floor"]
+    assert cli.expand(["issue", "paced"]) == ["paced", "burst", "at-once", "floor", "ceiling", "idle", "trickle"]
     assert "pending" not in cli.expand(["all"])
     assert Load("paced", 1, (1, 2)).rate is None
