@@ -85,6 +85,7 @@ class Metrics:
     cancels: Bound[Counter]
     cancelled: Bound[Counter]
     cancellations_held: Bound[Gauge]
+    rules_held: Bound[Gauge]
     cancellations_following: Bound[Gauge]
     retries: Bound[Counter]
     queue_messages: Bound[Gauge]
@@ -147,6 +148,10 @@ class Metrics:
             "cancellations_held",
             "delay_gateway_cancellations_held", "Cancels inside the retention window this process holds",
             ["vhost"])
+        families.gauge(
+            "rules_held",
+            "delay_gateway_rules_held", "Group cancels (rules: `pending cancel`) live in the retention window that "
+            "this process holds", ["vhost"])
         families.gauge(
             "cancellations_following",
             "delay_gateway_cancellations_following", "1 while this process follows the cancellations stream (its "

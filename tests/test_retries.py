@@ -12,7 +12,7 @@ from topology import ChainSettings
 from gateway.broker import lazy_properties
 from gateway.commands.parked import Parked, destination
 from gateway.core import carrier, envelope, handlers, retries
-from gateway.core.actions import Enqueue, Forward
+from gateway.core.actions import Drop, Enqueue, Forward
 from gateway.core.inputs import Delivery
 from gateway.core.routes import Way
 from gateway.core.carrier import Entry
@@ -149,7 +149,8 @@ def test_a_waiting_retry_can_be_cancelled():
         dropped.append(where)
         return entry.user.text("message_id") == "m1"
     handler = handlers.Retry(CHAIN, 50, (Policy(),), random.Random(1), cancelled=judge)
-    assert handler(rejected("orders"), NOW) == [] and dropped == ["retry"]
+    [gone] = handler(rejected("orders"), NOW)
+    assert isinstance(gone, Drop) and dropped == ["retry"]
 
 
 def test_forwarded_retries_keep_a_forward_shape():

@@ -12,10 +12,12 @@ Objects (in the topology model, topology/model.py; none depends on the chain's s
   gateway declared it with; RabbitMQ removes whole segments older than that.
 
 Every gateway process follows the stream in a thread of its own with its own connection
-(like upkeep.py), from the start of the window, into a `Store`; it starts consuming its
-queues only once it has read up to the stream's end (a mark it appends itself), so a
-restarted gateway, or a replica started after a cancel, knows every cancel of the window
-before it reads a single message.
+(like upkeep.py), from the start of the window, into a `Store` (cancels by id) and `Rules`
+(group cancels: gateway/core/rules.py); it starts consuming its queues only once it has read
+up to the stream's end (a mark it appends itself), so a restarted gateway, or a replica
+started after a cancel, knows every cancel and rule of the window before it reads a single
+message. The same thread appends this process's tallies: how many messages each rule
+removed so far.
 """
 
 import contextvars
@@ -24,7 +26,8 @@ import itertools
 import threading
 import time
 import uuid
-from typing import List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
 
 import structlog
 from pika.exceptions import AMQPError, ChannelClosedByBroker
@@ -36,19 +39,21 @@ from topology.settings import ChainSettings
 from gateway.broker import lazy_properties, wire_connection
 from gateway.broker.amqp import Trouble, classify, parameters
 from gateway.clock import wall_ms
-from gateway.core import cancels, envelope
+from gateway.core import cancels, envelope, rules
 from gateway.core.actions import Action, Forward
 from gateway.core.inputs import Delivery
 from gateway.core.routes import Way
 from gateway.core.effects import Handler
 from gateway.core.carrier import Entry
 from gateway.core.cancels import Store
+from gateway.core.rules import Rules
 from gateway.metrics import Metrics
 from gateway.settings import Settings
 from gateway.urls import redact
 
 PREFETCH = 2000
 PRUNE_EVERY_S = 1.0
+TALLY_EVERY_S = 5.0
 MISSING_RETRY_S = 0.3
 MISSING_S = 3.0
 
@@ -58,36 +63,56 @@ def retention_ms(chain: ChainSettings, setting_s: float = 0.0) -> int:
     return cancel_window_ms(chain, setting_s)
 
 
-class Judge:
-    """handlers.Cancelled over a Store: decides, and counts and logs each drop."""
+def handle_of(entry: Entry) -> bytes:
+    """The handle `pending` lists a message by (b"" for one read before read times were kept)."""
+    if entry.accepted_us is None:
+        return b""
+    return cancels.handle(entry.accepted_us, cancels.checksum(entry.routing_key, entry.user.raw,
+                                                              entry.body)).encode("ascii")
 
-    def __init__(self, store: Store, metrics: Metrics) -> None:
-        self.store, self.metrics = store, metrics
+
+class Judge:
+    """handlers.Cancelled over the cancels by id (a Store) and the rules held: decides, and
+    counts and logs each drop (and, per rule, in `tally`, which the follower publishes)."""
+
+    def __init__(self, store: Store, held_rules: Rules, metrics: Metrics, tally: Dict[bytes, int]) -> None:
+        self.store, self.rules, self.metrics, self.tally = store, held_rules, metrics, tally
         self.log = structlog.get_logger("gateway")
 
+    def holds(self, recorded: Dict[Tuple[str, bytes], int]) -> bool:
+        """Whether these records (("id", id) or ("rule", name) -> read time) are all held."""
+        return all(self.rules.holds(key, at) if kind == "rule" else self.store.holds({key: at})
+                   for (kind, key), at in recorded.items())
+
     def __call__(self, entry: Entry, where: str) -> bool:
-        if not len(self.store):  # the usual case: no cancel in the window, nothing to read
+        if not len(self.store) and not len(self.rules):  # the usual case: nothing to read
             return False
-        if entry.accepted_us in self.store.handle_times and self.store.get(cancels.handle(
-                entry.accepted_us, cancels.checksum(entry.routing_key, entry.user.raw, entry.body)).encode("ascii")):
-            return self._dropped(entry, where, None)  # cancelled by its handle: exactly this message
         message_id = entry.user.get("message_id")
-        held = self.store.get(message_id) if message_id else None
-        if held is None:
-            return False
+        message_id = message_id if isinstance(message_id, bytes) and message_id else None
         # (a retry is timed by when the gateway read the rejection: the stamp in its headers is
         # its first publish's)
         stamp = envelope.broker_stamp(entry.user.headers, wall_ms()) if entry.exchange is None else None
         taken_in = None if entry.accepted_us is None else cancels.Time(entry.accepted_us, stamp)
-        if not held.cancels(taken_in):
+        arrived = taken_in.arrived_ms if taken_in else None
+        if len(self.store):
+            if entry.accepted_us in self.store.handle_times and self.store.get(handle_of(entry)):
+                return self._dropped(entry, where, None)  # cancelled by its handle: exactly this message
+            held = self.store.get(message_id)
+            if held is not None and held.cancels(taken_in):
+                return self._dropped(entry, where, held.newest_read_us, arrived)
+        rule = self.rules.first(message_id, entry.routing_key, entry.due_ms, entry.exchange == "",
+                                lambda: entry.user.headers, lambda: handle_of(entry), entry.accepted_us, taken_in)
+        if rule is None:
             return False
-        return self._dropped(entry, where, held.newest_read_us, taken_in.arrived_ms if taken_in else None)
+        self.tally[rule.name] = self.tally.get(rule.name, 0) + 1
+        return self._dropped(entry, where, rule.at.read_us, arrived, rule.name)
 
-    def _dropped(self, entry: Entry, where: str, cancelled_us: Optional[int], arrived_ms: Optional[int] = None) -> bool:
+    def _dropped(self, entry: Entry, where: str, cancelled_us: Optional[int], arrived_ms: Optional[int] = None,
+                 rule: Optional[bytes] = None) -> bool:
         self.metrics.cancelled.labels(where).inc()
         self.log.info("cancelled_message_dropped", message_id=entry.user.text("message_id"), where=where,
                       due_ms=entry.due_ms, cancelled_us=cancelled_us, accepted_us=entry.accepted_us,
-                      arrived_ms=arrived_ms)
+                      arrived_ms=arrived_ms, **({} if rule is None else {"rule": rule.decode("utf-8", "replace")}))
         return True
 
 
@@ -104,15 +129,30 @@ def recording(check_in: Handler, metrics: Metrics) -> Handler:
                 if found is not None:
                     log.info("cancel_recorded", message_id=found[0].decode("utf-8", "backslashreplace"),
                              cancelled_us=found[1].read_us, arrived_ms=found[1].arrived_ms)
+                    continue
+                rule = rules.read_record(action.props.headers)
+                if isinstance(rule, rules.Rule):
+                    log.info("rule_recorded", rule=rule.name.decode("utf-8", "backslashreplace"),
+                             select=rule.select.describe(), cancelled_us=rule.at.read_us,
+                             arrived_ms=rule.at.arrived_ms)
+                elif isinstance(rule, rules.Withdrawal):
+                    log.info("rule_withdrawal_recorded", rule=rule.name.decode("utf-8", "backslashreplace"),
+                             cancelled_us=rule.at.read_us)
         return actions
     return handle
 
 
 class Follower:
-    """Reads the cancellations stream into the store, from the window's start, for ever."""
+    """Reads the cancellations stream into the store and the rules, from the window's start,
+    for ever; appends this process's tallies."""
 
     def __init__(self, settings: Settings, store: Store, metrics: Metrics, stop: threading.Event) -> None:
         self.settings, self.store, self.metrics, self.stop = settings, store, metrics, stop
+        self.rules = Rules(store.window_us // 1000)
+        self.tally: Dict[bytes, int] = {}  # rule name -> messages removed by it (Judge counts)
+        self._published: Dict[bytes, int] = {}  # what the stream has of this process's tally
+        self._tallied = 0.0
+        self.id = uuid.uuid4().bytes
         self.names = settings.chain.names
         self.ready = threading.Event()  # read up to the stream's end at least once
         self.log = structlog.get_logger("gateway").bind(part="cancellations")
@@ -184,6 +224,25 @@ class Follower:
     def _start(self) -> object:
         return self._next if self._next is not None else window_start(self.store.window_us // 1000)
 
+    def judge(self, metrics: Metrics) -> Judge:
+        return Judge(self.store, self.rules, metrics, self.tally)
+
+    def newest_read_us(self) -> int:
+        """Of every cancel and rule held: where a new Sequencer starts."""
+        return max(self.store.newest_read_us, self.rules.newest_read_us)
+
+    def _publish_tallies(self, connection) -> None:
+        """What each rule removed here since the last time, as this process's running total."""
+        changed = {name: n for name, n in list(self.tally.items()) if self._published.get(name) != n}
+        if not changed:
+            return
+        channel = connection.channel()
+        for name, removed in changed.items():
+            channel.basic_publish(self.names.cancellations, "", b"",
+                                  lazy_properties.WireProperties(rules.tally_record(name, self.id, removed)))
+        channel.close()
+        self._published.update(changed)
+
     def _session(self, connection) -> None:
         channel = connection.channel()
         channel.queue_declare(self.names.cancellations, passive=True)
@@ -209,7 +268,12 @@ class Follower:
             if time.monotonic() - self._pruned > PRUNE_EVERY_S:
                 self._pruned = time.monotonic()
                 self.store.prune(wall_ms())
+                self.rules.prune(wall_ms())
                 self.metrics.cancellations_held.set(len(self.store))
+                self.metrics.rules_held.set(len(self.rules))
+            if time.monotonic() - self._tallied > TALLY_EVERY_S:
+                self._tallied = time.monotonic()
+                self._publish_tallies(connection)
         if ended:  # (run connects again and reads on from where it stopped)
             self.log.warning("cancellations_consumer_cancelled", queue=self.names.cancellations)
 
@@ -221,12 +285,16 @@ class Follower:
         found = cancels.read_record(headers)
         if found is not None:
             self.store.add(found[0], found[1], wall_ms())
+        elif (rule := rules.read_record(headers)) is not None:
+            self.rules.add(rule, wall_ms())
         elif self._mark is not None and cancels.read_mark(headers) == self._mark:
             self._mark = None
             self.ready.set()
             self.metrics.cancellations_following.set(1)
             self.metrics.cancellations_held.set(len(self.store))
-            self.log.info("cancellations_read", held=len(self.store), window_s=self.store.window_us // 1_000_000)
+            self.metrics.rules_held.set(len(self.rules))
+            self.log.info("cancellations_read", held=len(self.store), rules=len(self.rules),
+                          window_s=self.store.window_us // 1_000_000)
         channel.basic_ack(method.delivery_tag)
 
 
@@ -237,26 +305,50 @@ def window_start(window_ms: int) -> datetime.datetime:
     return datetime.datetime.fromtimestamp(max(0.0, start_s), datetime.timezone.utc)
 
 
-def read(connection, names: Names, window_ms: int, idle_s: float = 0.3) -> List[Tuple[bytes, cancels.Time]]:
-    """The records of the window, oldest first, read until the stream is quiet for idle_s
-    (for commands; a gateway follows the stream with `Follower`). Missing stream: []."""
+@dataclass
+class Recorded:
+    """What the cancellations stream holds for the window (for commands): the cancels by id,
+    oldest first, the rules live at its end, and what each rule removed so far."""
+
+    ids: List[Tuple[bytes, cancels.Time]] = field(default_factory=list)
+    rules: Rules = field(default_factory=lambda: Rules(0))
+    tallies: Dict[bytes, int] = field(default_factory=dict)
+
+    def store(self, window_ms: int, now_ms: int) -> Store:
+        store = Store(window_ms)
+        for mid, at in self.ids:
+            store.add(mid, at, now_ms)
+        return store
+
+
+def read(connection, names: Names, window_ms: int, idle_s: float = 0.3) -> Recorded:
+    """The records of the window, read until the stream is quiet for idle_s (for commands; a
+    gateway follows the stream with `Follower`). Missing stream: nothing."""
     channel = connection.channel()
+    out = Recorded(rules=Rules(window_ms))
     try:
         channel.queue_declare(names.cancellations, passive=True)
     except ChannelClosedByBroker as exc:
         if exc.reply_code == 404:
-            return []
+            return out
         raise
-    found: List[Tuple[bytes, cancels.Time]] = []
-    cutoff_us = (wall_ms() - window_ms) * 1000
+    now = wall_ms()
+    cutoff_us = (now - window_ms) * 1000
+    tallied: List[Tuple[bytes, bytes, int]] = []
     seen = 0
 
     def on_record(ch, method, properties, body) -> None:
         nonlocal seen
         seen += 1
-        record = cancels.read_record(properties.wire.headers)
-        if record is not None and record[1].read_us >= cutoff_us:
-            found.append(record)
+        headers = properties.wire.headers
+        record = cancels.read_record(headers)
+        if record is not None:
+            if record[1].read_us >= cutoff_us:
+                out.ids.append(record)
+        elif (rule := rules.read_record(headers)) is not None:
+            out.rules.add(rule, now)
+        elif (tally := rules.read_tally(headers)) is not None:
+            tallied.append(tally)
         ch.basic_ack(method.delivery_tag)
 
     channel.basic_qos(prefetch_count=PREFETCH)
@@ -268,7 +360,8 @@ def read(connection, names: Names, window_ms: int, idle_s: float = 0.3) -> List[
             counted, quiet_since = seen, time.monotonic()
     channel.basic_cancel(tag)
     channel.close()
-    return found
+    out.tallies = rules.tallies(tallied)
+    return out
 
 
 def start(settings: Settings, metrics: Metrics, stop: threading.Event) -> Follower:

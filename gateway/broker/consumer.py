@@ -23,7 +23,7 @@ from topology.names import Names
 from gateway.broker import lazy_properties, publish_frames, wire_connection
 from gateway.clock import wall_ms
 from gateway.core import envelope, retries
-from gateway.core.actions import Action, Forward
+from gateway.core.actions import Forward, Publish
 from gateway.core.inputs import Delivery
 from gateway.core.routes import Way
 from gateway.core.carrier import Batcher
@@ -47,7 +47,7 @@ class Telemetry:
         # Exposed at 0 from the start: an alert's increase() sees this consumer's first park too.
         metrics.parked.labels(queue)
 
-    def forwarded(self, action: Action) -> None:
+    def forwarded(self, action: Publish) -> None:
         counter = self._counters.get(action.outcome)
         if counter is None:
             counter = self._counters[action.outcome] = self._metrics.forwarded.labels(self._queue,

@@ -40,4 +40,13 @@ class Enqueue:
     send_by_ms: Optional[int] = None
 
 
-Action = Union[Forward, Enqueue]
+@dataclass(frozen=True)
+class Drop:
+    """A publisher's message that will not be published (it was cancelled): its delivery is
+    acknowledged with the rest of it, and the index notes it gone."""
+
+    entry: Entry
+
+
+Publish = Union[Forward, Enqueue]  # what is published (now, or in a carrier)
+Action = Union[Publish, Drop]

@@ -4,7 +4,7 @@ each event, and the values it works with (pure)."""
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Protocol, Sequence, Tuple
 
-from gateway.core.actions import Action, Forward
+from gateway.core.actions import Action, Forward, Publish
 from gateway.core.inputs import Delivery
 from gateway.core.carrier import Entry
 from gateway.core.confirms import Publication
@@ -45,7 +45,7 @@ class Effects:
 class Observer(Protocol):
     """Metrics and logs: told what was decided; they decide nothing."""
 
-    def forwarded(self, action: Action) -> None: ...
+    def forwarded(self, action: Publish) -> None: ...
 
     def landed(self, forward: Forward) -> None:
         """The broker confirmed it where it was sent (not returned as unroutable)."""

@@ -26,8 +26,8 @@ from topology import ChainSettings, Enter, Meditate, plan
 from topology.encoding import units_for
 from topology.names import Names
 
-from gateway.core import cancels, carrier, envelope, retries
-from gateway.core.actions import Action, Enqueue, Forward
+from gateway.core import cancels, carrier, envelope, retries, rules
+from gateway.core.actions import Action, Drop, Enqueue, Forward
 from gateway.core.inputs import Delivery
 from gateway.core.routes import Way
 from gateway.core.carrier import Damaged, Entry
@@ -162,9 +162,10 @@ class CheckIn:
         self.cancelled = cancelled
         # read times: one sequence per process, started above every cancel held
         self.sequence = sequence if sequence is not None else cancels.Sequencer()
-        # The cancels this consumer recorded (id -> read time) while someone asks (worker.Session,
-        # until the gateway follows them all): None when nobody does.
-        self.recorded: Optional[Dict[bytes, int]] = None
+        # The cancels this consumer recorded (("id", message id) or ("rule", name) -> read time)
+        # while someone asks (worker.Session, until the gateway follows them all): None when
+        # nobody does.
+        self.recorded: Optional[Dict[Tuple[str, bytes], int]] = None
 
     def __call__(self, d: Delivery, now: int) -> List[Action]:
         user = envelope.for_pick_up(d.props)
@@ -176,7 +177,7 @@ class CheckIn:
             return [park(self.chain.names, user, d.routing_key, d.body, str(exc))]
         entry = Entry(d.routing_key, user, d.body, due, self.sequence(now))
         if self.cancelled is not None and self.cancelled(entry, "check-in"):
-            return []
+            return [Drop(entry)]
         return [self.enqueue(entry, now)]
 
     def enqueue(self, e: Entry, now: int) -> Enqueue:
@@ -186,18 +187,29 @@ class CheckIn:
         return Enqueue(exchange, key, outcome, e)
 
     def record(self, d: Delivery, user: Properties, now: int) -> List[Action]:
-        """A cancel (it came through `<prefix>.cancel`): append it to the cancellations
-        stream, once every delivery before it is acknowledged (a fence: flow.Flow); it is
-        acknowledged once the broker confirmed the record."""
+        """A cancel (it came through `<prefix>.cancel`): by id, or a rule (rules.py), or the
+        withdrawal of one. Append it to the cancellations stream once every delivery before it
+        is acknowledged (a fence: flow.Flow); it is acknowledged once the broker confirmed the
+        record."""
         try:
-            message_id = cancels.checked_id(user.get("message_id"))
+            if rules.is_rule(user.headers):
+                asked = rules.requested(user.headers)
+                at = cancels.Time(self.sequence(now), envelope.broker_stamp(user.headers, now))
+                if isinstance(asked, rules.Withdrawing):
+                    name, props = asked.name, rules.withdrawal_record(rules.Withdrawal(asked.name, at))
+                else:
+                    name = asked.name or rules.default_name(at.read_us)
+                    props = rules.record(rules.Rule(name, asked.select, at, asked.everything))
+                recorded = ("rule", name)
+            else:
+                message_id = cancels.checked_id(user.get("message_id"))
+                at = cancels.Time(self.sequence(now), envelope.broker_stamp(user.headers, now))
+                props, recorded = cancels.record(message_id, at), ("id", message_id)
         except cancels.BadCancel as exc:  # (replayed, it goes back to the cancel exchange: parked again)
             return [park(self.chain.names, user, d.routing_key, d.body, str(exc), exchange=d.exchange)]
-        at = cancels.Time(self.sequence(now), envelope.broker_stamp(user.headers, now))
         if self.recorded is not None:
-            self.recorded[message_id] = at.read_us
-        return [Forward(self.chain.names.cancellations, b"", cancels.record(message_id, at), b"", Way.CANCEL,
-                        mandatory=True, fence=True)]
+            self.recorded[recorded] = at.read_us
+        return [Forward(self.chain.names.cancellations, b"", props, b"", Way.CANCEL, mandatory=True, fence=True)]
 
 
 class Retry(CheckIn):
@@ -233,7 +245,7 @@ class Retry(CheckIn):
         entry = Entry(failed.queue.encode(), retries.attempted(user, failed.attempt), d.body, due,
                       self.sequence(now), "")
         if self.cancelled is not None and self.cancelled(entry, "retry"):
-            return []
+            return [Drop(entry)]
         return [self.enqueue(entry, now)]
 
 
@@ -244,7 +256,8 @@ class Returning(CheckIn):
         except Damaged as exc:
             return [park(self.chain.names, d.props, d.routing_key, d.body,
                          f"came back from meditation not in the gateway's format ({exc})")]
-        return [self.enqueue(e, now) for e in back if self.cancelled is None or not self.cancelled(e, "returning")]
+        return [Drop(e) if self.cancelled is not None and self.cancelled(e, "returning") else self.enqueue(e, now)
+                for e in back]
 
 
 class Distributor:
@@ -262,8 +275,8 @@ class Distributor:
             arrived = entries(d)
         except Damaged as exc:
             return list(park_delivery(self.chain.names, d, f"reached the distributor {exc}"))
-        return [self.release(e, now) for e in arrived
-                if self.cancelled is None or not self.cancelled(e, "distributor")]
+        return [Drop(e) if self.cancelled is not None and self.cancelled(e, "distributor") else self.release(e, now)
+                for e in arrived]
 
     def still_wanted(self, forward: Forward) -> bool:
         """Checked again as a held message is released (consumer.Pipe): a cancel may have

@@ -224,6 +224,21 @@ def binary(name: Name, value: bytes) -> TableField:
     return TableField(_raw_name(name), b"x", struct.pack(">I", len(value)) + value)
 
 
+def boolean(name: Name, value: bool) -> TableField:
+    return TableField(_raw_name(name), b"t", b"\x01" if value else b"\x00")
+
+
+def longstrs(name: Name, values: Sequence[bytes]) -> TableField:
+    """An array of long strings."""
+    items = b"".join(b"S" + struct.pack(">I", len(v)) + v for v in values)
+    return TableField(_raw_name(name), b"A", struct.pack(">I", len(items)) + items)
+
+
+def table(name: Name, value: "Table") -> TableField:
+    """A nested field table."""
+    return TableField(_raw_name(name), b"F", value.encode())
+
+
 # -- content properties (class basic) --------------------------------------------------------
 FIELDS = ("content_type", "content_encoding", "headers", "delivery_mode", "priority", "correlation_id",
           "reply_to", "expiration", "message_id", "timestamp", "type", "user_id", "app_id", "cluster_id")
