@@ -1,25 +1,23 @@
 """The index of what waits, on the pure core (gateway/core/waiting.py, the Flow's recorder):
-its records read back exactly, the view's rules (a later entry of a message supersedes an
-earlier one, done and cancelled ones leave, overdue ones stay within the horizon), and,
-against a model of the broker with crashes at any moment, that the index names every
-message that waits and none that does not."""
+its records read back exactly; against a model of the broker with crashes at any moment,
+that the index names every message that waits and none that does not; and that the keys
+saying a message left (or finished a lap) are confirmed before its delivery is acknowledged.
+What a reader makes of the records: tests/test_listing.py."""
 
 import random
 from typing import Dict, List, Optional
 
-import pytest
 from hypothesis import given, settings, strategies as st
 
 from topology import ChainSettings
-from topology.routing import topic_matches
 from topology.waiting import band, bands, span_ms
 
-from gateway.core import cancels, handlers, waiting
+from gateway.core import cancels, carrier, handlers, waiting
 from gateway.core.inputs import Delivery
 from gateway.core.routes import Way
 from gateway.core.carrier import Batcher, Entry
 from gateway.core.flow import Flow
-from gateway.core.waiting import Horizon, Listed, Recorder, Selection, View
+from gateway.core.waiting import Consumers, Listed, Recorder
 from gateway.core.wire import Properties, Table, long, longstr
 
 from .support import examples
@@ -65,16 +63,27 @@ def test_entries_read_back_exactly(items):
         assert m.key == waiting.key_of(e.accepted_us, cancels.checksum(e.routing_key, e.user.raw, e.body))
 
 
-def test_done_keys_and_beats_read_back_and_nothing_else_reads_as_them():
+def test_done_and_lapped_keys_and_beats_read_back_and_nothing_else_reads_as_them():
     a, b = entry(b"a", read_us=1), entry(b"b", read_us=2)
-    assert waiting.done_keys(waiting.pack_done([waiting.done_key(a), waiting.done_key(b)])) == \
-        [waiting.key_of(1, waiting.checksum(a)), waiting.key_of(2, waiting.checksum(b))]
+    keys = [waiting.key_of(1, waiting.checksum(a)), waiting.key_of(2, waiting.checksum(b))]
+    assert waiting.done_keys(waiting.pack_done([waiting.done_key(a), waiting.done_key(b)])) == keys
+    assert waiting.lapped_keys(waiting.pack_lapped([waiting.done_key(a), waiting.done_key(b)])) == keys
+    assert waiting.lapped_keys(waiting.pack_done([waiting.done_key(a)])) == []
+    assert waiting.done_keys(waiting.pack_lapped([waiting.done_key(a)])) == []
     assert waiting.done_key(entry(read_us=None)) is None  # (from before read times were kept: never indexed)
-    beat = waiting.beat(waiting.pack_beat(b"g" * 16, 3, NOW - 5, NOW))
-    assert beat == waiting.Beat(b"g" * 16, 3, NOW - 5, NOW)
+    beat = waiting.beat(waiting.pack_beat(b"g" * 16, 3, NOW - 5, NOW, Consumers(2, 1, 2), 0))
+    assert beat == waiting.Beat(b"g" * 16, 3, NOW - 5, NOW, Consumers(2, 1, 2), 0) and not beat.indexes
     for other in (b"", b"DGM1" + b"x" * 16, waiting.pack_done([]), b"DGW1\xff\xff\xff\xff"):
         assert list(waiting.entries(other)) == [] and waiting.beat(other) is None
     assert waiting.done_keys(waiting.pack_entries([])) == []
+
+
+def test_a_beat_of_an_earlier_version_stands_for_one_consumer_of_each_kind_its_roles_run():
+    """Before 1.0 a beat (DGB1) did not count consumers; a gateway then always wrote entries."""
+    old = b"DGB1" + b"g" * 16 + bytes([3]) + (NOW - 5).to_bytes(8, "big") + NOW.to_bytes(8, "big")
+    assert waiting.beat(old) == waiting.Beat(b"g" * 16, 3, NOW - 5, NOW, Consumers(1, 1, 1))
+    distributor_only = old[:20] + bytes([waiting.ROLE_DISTRIBUTOR]) + old[21:]
+    assert waiting.beat(distributor_only).consumers == Consumers(0, 0, 1) and waiting.beat(old).indexes
 
 
 @settings(max_examples=examples(200))
@@ -106,138 +115,6 @@ def test_bands_hold_waits_up_to_four_to_the_b_seconds():
 def waiting_top() -> int:
     from topology.waiting import BANDS
     return BANDS - 1
-
-
-@settings(max_examples=examples(300))
-@given(st.lists(st.sampled_from(["a", "b", "*", "#", ""]), min_size=0, max_size=4),
-       st.lists(st.sampled_from(["a", "b", "c", ""]), min_size=0, max_size=5))
-def test_key_patterns_match_as_rabbitmq_matches(pattern_words, key_words):
-    pattern, key = ".".join(pattern_words), ".".join(key_words)
-    # RabbitMQ splits "" into no words at all, a pattern as a key
-    if not key:
-        expected = all(w == "#" for w in pattern.split(".")) if pattern else True
-    else:
-        expected = topic_matches(pattern, key) if pattern else False
-    assert waiting.topic_pattern(pattern)(key.encode()) == expected, (pattern, key)
-
-
-# -- the view ------------------------------------------------------------------------------------
-EXACT = Horizon(NOW - waiting.GRACE_MS, True, "")
-
-
-def view(select=None, cancelled=None, limit=0, at=EXACT) -> View:
-    return View(NOW, at, cancelled or (lambda m: False), select or (lambda m: True), limit)
-
-
-def test_a_later_entry_of_a_message_supersedes_an_earlier_one_in_any_order():
-    e = entry(due=NOW + 10 * 86_400_000)
-    lap_ended = listed(e, NOW - 1000)  # its meditation lap ended a second ago
-    next_lap = listed(e, NOW + 5000)
-    for order in ([lap_ended, next_lap], [next_lap, lap_ended]):
-        v = view()
-        for m in order:
-            v.add(m)
-        v.finish()
-        assert v.total == 1 and v.listed() == [next_lap]
-
-
-def test_overdue_within_the_horizon_waits_and_leaves_when_done():
-    e = entry(due=NOW - 30_000)
-    v = view()
-    v.add(listed(e, e.due_ms))  # due half a minute ago, no gateway delivered it yet
-    v.finish()
-    assert v.total == 1 and v.counts.counts[0] == 1  # overdue
-    v = view()
-    v.add_done([waiting.key_of(e.accepted_us, waiting.checksum(e))])
-    v.add(listed(e, e.due_ms))
-    v.finish()
-    assert v.total == 0
-    old = entry(due=NOW - waiting.GRACE_MS - 1)
-    v = view()
-    v.add(listed(old, old.due_ms))  # past the horizon: delivered by gateways that keep up
-    v.finish()
-    assert v.total == 0
-    v = view(at=Horizon(NOW - 3_600_000, False, "no gateway"))
-    v.add(listed(old, old.due_ms))
-    v.finish()
-    assert v.total == 1
-
-
-def test_a_copy_read_again_after_a_crash_is_listed_as_the_copy_it_is():
-    first, again = entry(read_us=NOW * 1000), entry(read_us=NOW * 1000 + 7)
-    v = view()
-    for m in (listed(first, first.due_ms), listed(again, again.due_ms), listed(first, first.due_ms)):
-        v.add(m)
-    v.finish()
-    assert v.total == 2
-
-
-def test_two_processes_reading_in_the_same_microsecond_list_two_messages():
-    """Read times of two gateways meet (each counts from its millisecond); a message's key,
-    property or body tells them apart, even on the same routing key."""
-    a, b = entry(b"load.1", b"m-1", read_us=NOW * 1000), entry(b"load.1", b"m-2", read_us=NOW * 1000)
-    v = view()
-    v.add(listed(a, a.due_ms))
-    v.add(listed(b, b.due_ms))
-    v.finish()
-    assert v.total == 2
-
-
-def test_cancels_by_id_after_the_message_and_by_handle_always():
-    store = cancels.Store(window_ms=10**9)
-    t = NOW * 1000
-    by_id, by_handle, after, spared = (entry(b"k", b"x", read_us=t + 10), entry(b"k", None, read_us=t + 20),
-                                       entry(b"k", b"y", read_us=t + 30), entry(b"k", b"z", read_us=t + 40))
-    store.add(b"x", cancels.Time(t + 11), NOW)
-    store.add(b"y", cancels.Time(t + 29), NOW)  # before the message (a reschedule): it stays
-    store.add(cancels.handle(t + 20, waiting.checksum(by_handle)).encode(), cancels.Time(t + 1), NOW)
-    v = view(cancelled=waiting.cancelled_by(store, NOW))
-    for e in (by_id, by_handle, after, spared):
-        v.add(listed(e, e.due_ms))
-    v.finish()
-    assert [m.message_id for m in v.listed()] == [b"y", b"z"]
-
-
-def test_filters_combine_and_the_soonest_due_are_kept():
-    ms = [entry(b"orders.42.reminder", b"a1", NOW + 3_600_000, 1), entry(b"orders.421.x", b"a2", NOW + 60_000, 2),
-          entry(b"orders.42.reminder", b"b1", NOW + 90_000_000, 3,
-                headers=Table([long("customer", 42), longstr("tier", b"gold")])),
-          entry(b"orders.42.other", None, NOW + 10_000, 4, headers=Table([longstr("customer", b"42")])),
-          entry(b"jobs", b"r1", NOW + 5000, 5, exchange="", headers=Table([long("x-retry-attempt", 3)]))]
-
-    def chosen(**given) -> List[int]:
-        v = view(Selection(**given))
-        for e in ms:
-            v.add(listed(e, e.due_ms))
-        v.finish()
-        return [m.read_us for m in v.listed()]
-    assert chosen(key="orders.42.#") == [4, 1, 3]
-    assert chosen(key="orders.42.#", due_after_ms=NOW + 60_000, due_before_ms=NOW + 86_400_000) == [1]
-    assert chosen(headers=(("customer", "42"),)) == [4, 3]
-    assert chosen(headers=(("customer", "42"), ("tier", "gold"))) == [3]
-    assert chosen(ids=(b"a*",)) == [2, 1] and chosen(ids=(b"a1", b"r1")) == [5, 1]
-    assert chosen(ids=(cancels.handle(4, waiting.checksum(ms[3])).encode(),)) == [4]
-    assert chosen(retries=True) == [5]
-    v = view(limit=2)
-    for e in ms:
-        v.add(listed(e, e.due_ms))
-    v.finish()
-    assert [m.read_us for m in v.listed()] == [5, 4] and v.total == 5
-
-
-@pytest.mark.parametrize("places,beats,exact", [
-    ({"distributor": (0, 1), "returning": (0, 1)}, [(3, NOW - 1000)], True),
-    ({"distributor": (0, 2), "returning": (0, 1)}, [(3, NOW - 1000)], False),  # a consumer that said nothing
-    ({"distributor": (5, 1), "returning": (0, 1)}, [(3, NOW - 1000)], False),  # unread in the distributor queue
-    ({"distributor": (0, 0), "returning": (0, 0)}, [], False),  # no gateway
-    ({"distributor": (0, 1), "returning": (0, 1)}, [(3, NOW - 60_000)], False),  # its last beat is old
-    ({"distributor": (0, 1), "returning": (0, 1)}, [(2, NOW - 1000), (1, NOW - 900)], True),  # roles split
-])
-def test_the_horizon_is_a_minute_only_while_every_consumer_keeps_up(places, beats, exact):
-    found = waiting.horizon(NOW, [waiting.Beat(bytes([i]) * 16, roles, NOW - 10, at)
-                                  for i, (roles, at) in enumerate(beats)], places)
-    assert found.exact == exact
-    assert found.at_ms == (NOW - 10 - waiting.GRACE_MS if exact else NOW - waiting.RETENTION_SLACK_MS)
 
 
 # -- the recorder in a consumer's core, against a model of the broker -----------------------------
@@ -356,21 +233,106 @@ def test_an_entry_the_broker_will_not_take_is_dropped_and_the_message_acknowledg
         assert out.ack == [(1, True)], (refusal, out)
 
 
-def test_the_distributor_records_what_leaves_within_its_flush():
-    distributor = handlers.Distributor(CHAIN, 50)
-    flow = Flow(NAMES.distributor, NAMES, distributor, Quiet(),
+def distributor_flow(judge=None) -> Flow:
+    distributor = handlers.Distributor(CHAIN, 50, cancelled=judge)
+    flow = Flow(NAMES.distributor, NAMES, distributor, Quiet(), still_wanted=distributor.still_wanted,
                 recorder=Recorder(bands(CHAIN), CHAIN.meditation_ms))
     flow.publishing_opened(NOW)
+    return flow
+
+
+def test_a_delivery_is_acknowledged_only_once_the_key_saying_its_message_left_is_confirmed():
+    """The distributor delivers a message; its done key waits DONE_FLUSH_MS for company and
+    speaks for the delivery: no acknowledgement before the broker confirmed it, so a process
+    killed in between hands the delivery back (delivered again, with its key then) instead of
+    leaving a delivered message listed."""
+    flow = distributor_flow()
     e = entry(due=NOW + 100)
-    props = handlers.next_hop(e)
-    flow.delivered(1, Delivery(NAMES.distributor, b"", props, e.body), NOW)
-    out = flow.tick(NOW + 100)
-    [delivered] = out.publish
+    flow.delivered(1, Delivery(NAMES.distributor, b"", handlers.next_hop(e), e.body), NOW)
+    [delivered] = flow.tick(NOW + 100).publish
     assert delivered.payload.forward.outcome is Way.DELIVERED
+    out = flow.confirmed(delivered.seq, False, True, NOW + 101)
+    assert out.ack == [] and not flow.tick(NOW + 110).ack  # confirmed at pick-up, its key not yet written
     assert flow.next_wake() == NOW + 100 + waiting.DONE_FLUSH_MS
     out = flow.tick(NOW + 100 + waiting.DONE_FLUSH_MS)
     [done] = out.publish
-    assert done.side and done.tags == () and waiting.done_keys(done.payload.forward.body) == \
+    assert done.side and done.tags == (1,) and waiting.done_keys(done.payload.forward.body) == \
+        [waiting.key_of(e.accepted_us, waiting.checksum(e))]
+    assert not flow.tick(NOW + 400).ack
+    flow.confirmed(done.seq, False, True, NOW + 401)
+    assert flow.tick(NOW + 500).ack == [(1, True)]
+
+
+def test_a_carrier_is_acknowledged_once_every_message_in_it_left_and_its_keys_are_confirmed():
+    flow = distributor_flow()
+    batch = [entry(key=f"k{n}".encode(), due=NOW + 100 + n * 300, read_us=NOW * 1000 + n) for n in range(3)]
+    flow.delivered(1, Delivery(NAMES.distributor, b"", carrier.properties(batch), carrier.pack(batch)), NOW)
+    now, keys = NOW, []
+    while True:
+        at = flow.next_wake()
+        if at is None:
+            break
+        now = max(now, at)
+        out = flow.tick(now)
+        assert not out.ack or not flow.ledger, out
+        for pub in out.publish:
+            if pub.payload.forward.outcome is Way.INDEX:
+                keys += waiting.done_keys(pub.payload.forward.body)
+            flow.confirmed(pub.seq, False, True, now)
+        if out.ack:
+            break
+    assert out.ack == [(1, True)] and sorted(keys) == sorted(waiting.key_of(e.accepted_us, waiting.checksum(e))
+                                                             for e in batch)
+
+
+def test_a_cancelled_message_dropped_at_release_is_noted_gone():
+    cancelled = {b"m"}
+    flow = distributor_flow(judge=lambda e, where: e.user.get("message_id") in cancelled and where == "release")
+    e = entry(due=NOW + 100)
+    flow.delivered(1, Delivery(NAMES.distributor, b"", handlers.next_hop(e), e.body), NOW)
+    assert not flow.tick(NOW + 100).publish  # released, and dropped: not delivered
+    out = flow.tick(NOW + 100 + waiting.DONE_FLUSH_MS)
+    [done] = out.publish  # only the key saying it is gone
+    assert waiting.done_keys(done.payload.forward.body) == [waiting.key_of(e.accepted_us, waiting.checksum(e))]
+    assert not out.ack
+    flow.confirmed(done.seq, False, True, NOW + 400)
+    assert flow.tick(NOW + 500).ack == [(1, True)]
+
+
+def test_the_returning_consumer_says_which_laps_are_over():
+    """A message back from a lap of meditation is sent on (a new entry); its lap's entry is
+    over: a lapped key, confirmed before the delivery is acknowledged."""
+    returning = handlers.Returning(CHAIN, 50)
+    flow = Flow(NAMES.returning, NAMES, returning, Quiet(),
+                recorder=Recorder(bands(CHAIN), CHAIN.meditation_ms, lapping=True))
+    flow.publishing_opened(NOW)
+    e = entry(due=NOW + 400 * 86_400_000)
+    out = flow.delivered(1, Delivery(NAMES.returning, b"", handlers.next_hop(e), e.body), NOW)
+    sent, entry_record = out.publish
+    assert sent.payload.forward.outcome is Way.MEDITATION and entry_record.tags == (1,)
+    for pub in out.publish:
+        flow.confirmed(pub.seq, False, True, NOW + 11)
+    assert not flow.tick(NOW + 20).ack
+    [lapped] = flow.tick(NOW + 10 + waiting.DONE_FLUSH_MS).publish
+    assert waiting.lapped_keys(lapped.payload.forward.body) == [waiting.key_of(e.accepted_us, waiting.checksum(e))]
+    flow.confirmed(lapped.seq, False, True, NOW + 300)
+    assert flow.tick(NOW + 400).ack == [(1, True)]
+
+
+def test_keys_outlive_a_lost_channel_but_speak_for_no_new_delivery():
+    """The consuming channel is lost after a delivery: its key is still written (the message
+    was delivered), and a new delivery that reuses the tag is not settled by it."""
+    flow = distributor_flow()
+    e = entry(due=NOW + 100)
+    flow.delivered(1, Delivery(NAMES.distributor, b"", handlers.next_hop(e), e.body), NOW)
+    [delivered] = flow.tick(NOW + 100).publish
+    flow.confirmed(delivered.seq, False, True, NOW + 101)
+    flow.consuming_lost()
+    flow.publishing_opened(NOW + 150)  # (a consumer that carried on: none does, the connection closes)
+    later = entry(due=NOW + 10_000, read_us=NOW * 1000 + 1)
+    flow.delivered(1, Delivery(NAMES.distributor, b"", handlers.next_hop(later), later.body), NOW + 200)
+    [done] = flow.tick(NOW + 100 + waiting.DONE_FLUSH_MS).publish
+    assert done.tags == () and waiting.done_keys(done.payload.forward.body) == \
         [waiting.key_of(e.accepted_us, waiting.checksum(e))]
 
 

@@ -12,6 +12,10 @@ every gateway for the chain it runs with:
   construction (nothing can enter it any more, and its TTLs have run out). A seal counts
   only while no chain using the queue was declared after it (stream order, not clocks).
 - `retired`: every object of this chain that no other chain needs is gone.
+- `unlisted`: messages sent on meanwhile may wait without an entry in the index of what
+  waits (gateway/core/waiting.py) until `until_ms`: appended when the index is first
+  declared where messages already wait (an upgrade from a version without it), and by a
+  gateway that runs without writing entries (--no-pending-index). `pending` says so.
 
 Reading the stream takes nothing away, so any number of gateways and `status` commands can
 read it at the same time. A record that cannot be read (not ours, a newer schema) is
@@ -28,7 +32,7 @@ from topology.settings import ChainSettings
 Json = Dict[str, Any]  # a JSON object
 
 SCHEMA = 1
-EVENTS = ("declared", "sealed", "retired")
+EVENTS = ("declared", "sealed", "retired", "unlisted")
 
 
 @dataclass(frozen=True, order=True)
@@ -66,12 +70,16 @@ class Record:
     at_ms: int  # when it was written, for people (decisions use the stream's order)
     chain: Optional[ChainKey] = None  # declared, retired
     queues: Mapping[str, int] = field(default_factory=dict)  # sealed: queue -> empty by (epoch ms)
+    until_ms: Optional[int] = None  # unlisted: until when
+    why: str = ""  # unlisted: what may wait unlisted, for people
 
     def __post_init__(self) -> None:
         if self.event not in EVENTS:
             raise ValueError(f"unknown registry event {self.event!r}")
-        if (self.chain is None) != (self.event == "sealed"):
+        if (self.chain is None) != (self.event in ("sealed", "unlisted")):
             raise ValueError(f"a {self.event} record {'has no' if self.chain else 'needs a'} chain")
+        if (self.until_ms is None) != (self.event != "unlisted"):
+            raise ValueError(f"an unlisted record needs until_ms, and only it has one ({self.event})")
 
 
 def encode(record: Record) -> bytes:
@@ -82,6 +90,9 @@ def encode(record: Record) -> bytes:
                          "zero_bits": c.zero_bits, "max_level": c.max_level}
     if record.queues:
         body["queues"] = dict(record.queues)
+    if record.until_ms is not None:
+        body["until_ms"] = record.until_ms
+        body["why"] = record.why
     return json.dumps(body, sort_keys=True).encode()
 
 
@@ -95,7 +106,9 @@ def decode(body: bytes) -> Optional[Record]:
         key = None if chain is None else ChainKey(int(chain["resolution_ms"]), str(chain["queue_type"]),
                                                   str(chain["zero_bits"]), int(chain["max_level"]))
         queues = {str(q): int(t) for q, t in (doc.get("queues") or {}).items()}
-        return Record(str(doc["event"]), int(doc["at_ms"]), key, queues)
+        until = doc.get("until_ms")
+        return Record(str(doc["event"]), int(doc["at_ms"]), key, queues, None if until is None else int(until),
+                      str(doc.get("why", "")))
     except (ValueError, TypeError, KeyError, AttributeError):
         return None
 
@@ -114,6 +127,7 @@ class Registry:
     declared_seq: Dict[ChainKey, int] = field(default_factory=dict)  # position of the latest `declared`
     declared_at: Dict[ChainKey, int] = field(default_factory=dict)
     seals: Dict[str, Seal] = field(default_factory=dict)
+    unlisted: List[Record] = field(default_factory=list)  # what may wait unlisted, and until when
     records: int = 0
 
     @property
@@ -151,6 +165,9 @@ def fold(records: Iterable[Record]) -> Registry:
         if record.event == "sealed":
             for queue, empty_by in record.queues.items():
                 r.seals[queue] = Seal(empty_by, seq)
+            continue
+        if record.event == "unlisted":
+            r.unlisted.append(record)
             continue
         if record.chain is None:  # (Record allows none only in a sealed record)
             continue

@@ -14,8 +14,9 @@ worker.main), so the consumers never wait for it and it never touches their conn
 - every 15 s it counts the ready messages of the gateway's own queues (one passive declare
   each) for the metric `delay_gateway_queue_messages`, which the alerts on a check-in
   backlog read;
-- every 5 s, with the index of what waits on, it beats into the done stream
-  (broker/waiting.py: Beats), so that a reader knows which gateways keep up.
+- every 5 s it beats into the done stream (broker/waiting.py: Beats), so that a reader
+  knows which gateways keep up; with --no-pending-index it also notes in the registry, every
+  quarter lap, until when what it sends on may wait unlisted.
 
 Automatic rather than a separate step because a `helm upgrade` that changes the chain is
 then complete by itself: old replicas stop, their chain drains into the shared queues and
@@ -40,7 +41,7 @@ from topology.retirement import Step, Unused, plan
 
 from gateway.broker import wire_connection
 from gateway.broker.amqp import classify, parameters, unreachable
-from gateway.broker.waiting import Beats
+from gateway.broker.waiting import Beats, note_unindexed_gateway, unindexed_every_ms
 from gateway.clock import wall_ms
 from gateway.metrics import Metrics
 from gateway.settings import Settings
@@ -146,6 +147,7 @@ class Upkeep:
         self.unused = Unused()
         self.attached = threading.Event()  # counted as a user of the chain
         self._cancelled = False
+        self._noted_ms: Optional[int] = None  # when it last noted that it writes no entries
 
     def run(self) -> None:
         urls = itertools.cycle(self.settings.urls)
@@ -225,10 +227,12 @@ class Upkeep:
                     self.log.warning("registry_missing", queue=self.names.registry,
                                      fix="run `delay-gateway declare` with this version, or start without "
                                          "--no-declare; until then old chains are not retired")
-            elif self.settings.retire:
+            else:
                 misses = 0
-                retire_once(connection, self.chain.prefix, self.key, self.unused, grace_ms, margin_ms,
-                            self._report, registry=registry)
+                self._note_unindexed(connection)
+                if self.settings.retire:
+                    retire_once(connection, self.chain.prefix, self.key, self.unused, grace_ms, margin_ms,
+                                self._report, registry=registry)
             deadline = time.monotonic() + tick
             while not self.stop.is_set() and time.monotonic() < deadline:
                 if self.metrics is not None and time.monotonic() - counted_at >= COUNT_EVERY_S:
@@ -237,6 +241,15 @@ class Upkeep:
                 if self.beats is not None:
                     self.beats.maybe(connection)
                 connection.process_data_events(time_limit=min(0.2, max(0.0, deadline - time.monotonic())))
+
+    def _note_unindexed(self, connection) -> None:
+        if self.settings.pending_index:
+            return
+        now = wall_ms()
+        if self._noted_ms is None or now - self._noted_ms >= unindexed_every_ms(self.chain):
+            record = note_unindexed_gateway(connection, self.chain, now)
+            self._noted_ms = now
+            self.log.info("unlisted_noted", until_ms=record.until_ms, why="--no-pending-index")
 
     def _report(self, event: str, **fields) -> None:
         level = "warning" if event in ("retire_blocked", "retire_queue_not_empty") else \

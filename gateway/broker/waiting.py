@@ -1,12 +1,16 @@
-"""The index of what waits on the broker: the gateways' beats, and reading the waiting
-streams for `delay-gateway pending` (what the records mean: gateway/core/waiting.py).
+"""The index of what waits on the broker: the gateways' beats, noting where messages may wait
+unlisted, and reading the waiting streams for `delay-gateway pending` (what the records
+mean: gateway/core/waiting.py; what a reader makes of them: gateway/core/listing.py).
 
 Reading: passive declares say whether messages wait unread where a gateway should take
-them (the distributor and returning queues) and who consumes them; the done stream's last
-seconds hold the gateways' beats; from both the reader knows how far back a message may be
-overdue (`waiting.horizon`). It then reads the done records since then, and each band from
-its span before; each stream up to its end as of the start, which it learns by appending a
-mark of its own and reading until it comes back (AMQP does not say where a stream ends).
+them (check-in, and the distributor and returning queues) and who consumes them; the
+registry says whether messages may wait unlisted since an upgrade; the done stream's last
+seconds hold the gateways' beats. From these the reader knows how far back a message may be
+overdue (`listing.horizon`) and whether the answer can be exact (`listing.gaps`). It then
+reads the done stream since then, and each band from its span before; each stream up to its
+end as of the start, which it learns by appending a mark of its own and reading until it
+comes back (AMQP does not say where a stream ends). However long that takes: a reader that
+hears nothing from the broker for STALL_S gives up, one that reads on is never cut short.
 """
 
 import datetime
@@ -18,34 +22,44 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import structlog
 from pika.exceptions import AMQPError, ChannelClosedByBroker
 
-from topology.broker.inventory import Prober
+from topology import Topology
+from topology.broker.declare import declare
+from topology.broker.inventory import Prober, append, read_registry
 from topology.names import Names
-from topology.settings import QUEUE_TYPES
+from topology.registry import Record, fold
+from topology.settings import QUEUE_TYPES, ChainSettings
 from topology.waiting import BANDS, DONE, RETENTION_SLACK_MS, band_key
 
 from gateway.broker import lazy_properties
 from gateway.clock import wall_ms
-from gateway.core import waiting
+from gateway.core import listing, waiting
+from gateway.core.listing import Gap, Horizon, Place, View
+from gateway.core.waiting import Consumers
 from gateway.core.wire import Properties
 
 MARK = b"DGM1"
 PREFETCH = 64  # records (each up to a carrier's worth of entries) unacknowledged per stream
 CLOCKS_MS = 60_000  # read this much earlier: the streams' chunk times are the broker's clock
-MARK_TIMEOUT_S = 120.0
+STALL_S = 60.0  # nothing at all from the broker for this long: the read fails
+PROGRESS_EVERY_S = 0.5
 RECORD = Properties.build(delivery_mode=2)
+DAY_MS = 86_400_000
 
 
 class Beats:
     """A gateway's beat, every BEAT_EVERY_MS, into the done stream (from the upkeep thread):
-    which roles it runs, and the earliest due time of what its distributor holds (`low`,
-    set by the worker; now when nothing)."""
+    which roles it runs, how many consumers of each kind (`consumers`, set by the worker's
+    session), whether it writes entries, and the earliest due time of what its distributor
+    holds (`low`, set by the worker; now when nothing)."""
 
-    def __init__(self, names: Names, role: str) -> None:
+    def __init__(self, names: Names, role: str, indexes: bool = True) -> None:
         self.names = names
         self.id = uuid.uuid4().bytes
         self.roles = (waiting.ROLE_CHECK_IN if role in ("all", "check-in") else 0) \
             | (waiting.ROLE_DISTRIBUTOR if role in ("all", "distributor") else 0)
+        self.flags = waiting.INDEXES if indexes else 0
         self.low: Callable[[], Optional[int]] = lambda: None
+        self.consumers = Consumers()
         self._channel: Any = None
         self._sent = 0.0
         self._off = False
@@ -61,7 +75,7 @@ class Beats:
             if self._channel is None or not self._channel.is_open:
                 self._channel = connection.channel()
             self._channel.basic_publish(self.names.waiting, DONE, waiting.pack_beat(
-                self.id, self.roles, now if low is None else min(low, now), now),
+                self.id, self.roles, now if low is None else min(low, now), now, self.consumers, self.flags),
                 lazy_properties.WireProperties(RECORD))
         except ChannelClosedByBroker as exc:  # the exchange is missing: an older topology
             self._channel = None
@@ -75,31 +89,122 @@ class Beats:
         self._channel = None
 
 
+# -- noting where messages may wait unlisted ---------------------------------------------------
+def index_missing(prober: Prober, names: Names) -> bool:
+    """Whether the index's streams are not declared (before a declare: an upgrade from a
+    version without them, or a new broker)."""
+    return prober.queue(names.waiting_stream(DONE)) is None
+
+
+def chain_queues(settings: ChainSettings) -> List[str]:
+    """Every queue where a message of this chain can wait without an entry."""
+    n = settings.names
+    out = [n.check_in, n.retry, n.returning, n.distributor, settings.meditation]
+    out += [n.exit_distributor(t) for t in QUEUE_TYPES] + [n.exit_returning(t) for t in QUEUE_TYPES]
+    for k in range(settings.max_level):
+        out += [n.delay_queue(k), n.pass_queue(k)]
+    return out
+
+
+def note_messages_before_index(connection, settings: ChainSettings, now_ms: int) -> Optional[Record]:
+    """Just after a declare that created the index where messages already wait (an upgrade):
+    say in the registry until when they may wait unlisted. A message passes a gateway at
+    least once a lap (and is listed from then); a day on top for gateways of the earlier
+    version still running beside the new ones meanwhile (a rolling upgrade)."""
+    prober = Prober(connection)
+    waiting_now = sum(c.messages for c in (prober.queue(q) for q in chain_queues(settings)) if c is not None)
+    prober.close()
+    if not waiting_now:
+        return None
+    since = datetime.datetime.fromtimestamp(now_ms / 1000, datetime.timezone.utc).isoformat(timespec="seconds")
+    record = Record("unlisted", now_ms, until_ms=now_ms + settings.meditation_ms + DAY_MS,
+                    why=f"messages scheduled before {since} (before the index of what waits existed) are listed "
+                        "from their next lap, or not at all until due")
+    append(connection, settings.names, [record])
+    return record
+
+
+def declare_noting(channel, topology: Topology, declaring: Callable[[Any, Topology], None] = declare) -> None:
+    """Declare (or, `declaring=verify`, find) the topology; if that created the index where
+    messages already wait, say so in the registry (`note_messages_before_index`)."""
+    prober = Prober(channel.connection)
+    missing = index_missing(prober, topology.settings.names)
+    prober.close()
+    declaring(channel, topology)
+    if missing and declaring is declare:
+        note_messages_before_index(channel.connection, topology.settings, wall_ms())
+
+
+def unindexed_every_ms(settings: ChainSettings) -> int:
+    """How often a gateway without entries notes it (a quarter lap, at least ten minutes)."""
+    return max(settings.meditation_ms // 4, 600_000)
+
+
+def note_unindexed_gateway(connection, settings: ChainSettings, now_ms: int) -> Record:
+    """A gateway that writes no entries (--no-pending-index) says, as it runs, until when what
+    it sends on may wait unlisted: a lap after the next time it says so (`unindexed_every_ms`),
+    and a minute for clocks."""
+    until = now_ms + unindexed_every_ms(settings) + settings.meditation_ms + 60_000
+    record = Record("unlisted", now_ms, until_ms=until,
+                    why="a gateway runs (or ran) with --no-pending-index: what it sent on is listed from its next "
+                        "lap, or not at all until due")
+    append(connection, settings.names, [record])
+    return record
+
+
 # -- reading -----------------------------------------------------------------------------------
 @dataclass
 class Found:
-    """What a reading found beside the view: the streams read, and what was left unread."""
+    """What a reading found beside the view: the streams read, and what may be missing."""
 
-    horizon: waiting.Horizon
+    horizon: Horizon
     bands: List[int]
     unread_check_in: Optional[int]  # messages in check-in no gateway has read yet (not listed)
+    gaps: List[Gap] = field(default_factory=list)
     records: int = 0
-    notes: List[str] = field(default_factory=list)
+
+    @property
+    def exact(self) -> bool:
+        """Nothing can wait unlisted, and the horizon is a minute."""
+        return self.horizon.exact and not self.gaps
+
+    def reasons(self) -> List[str]:
+        """Why the answer is not exact, in short."""
+        return ([] if self.horizon.exact else [self.horizon.why]) + [g.why for g in self.gaps]
+
+    def notes(self) -> List[str]:
+        """Why the answer is not exact, for people: what was read instead, and until when."""
+        out = []
+        if not self.horizon.exact:
+            out.append(f"{self.horizon.why}: everything the streams keep was read (up to "
+                       f"{RETENTION_SLACK_MS // 3_600_000} h past due)")
+        for gap in self.gaps:
+            until = "" if gap.until_ms is None else f" (until {iso(gap.until_ms)})"
+            out.append(gap.why + until)
+        return out
+
+
+def iso(ms: int) -> str:
+    return datetime.datetime.fromtimestamp(ms / 1000, datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 class Missing(RuntimeError):
     """The waiting streams are not declared under the prefix."""
 
 
-def read(connection, names: Names, now_ms: int,
-         make_view: Callable[[waiting.Horizon], waiting.View]) -> Tuple[waiting.View, Found]:
+Progress = Callable[[int, int], None]  # (entries read, keys read), every PROGRESS_EVERY_S
+
+
+def read(connection, names: Names, now_ms: int, make_view: Callable[[Horizon], View],
+         progress: Optional[Progress] = None) -> Tuple[View, Found]:
     """Read the index into a view (see the module doc). Raises Missing."""
     prober = Prober(connection)
-    places: Dict[str, Tuple[int, int]] = {}
+    places: Dict[str, Place] = {}
     for place, exits in (("distributor", names.exit_distributor), ("returning", names.exit_returning)):
         counts = [c for c in (prober.queue(exits(t)) for t in QUEUE_TYPES) if c is not None]
-        places[place] = (sum(c.messages for c in counts), sum(c.consumers for c in counts))
-    check_in = prober.queue(names.check_in)
+        places[place] = Place(sum(c.messages for c in counts), sum(c.consumers for c in counts))
+    entrance = [c for c in (prober.queue(names.check_in), prober.queue(names.retry)) if c is not None]
+    check_in = Place(sum(c.messages for c in entrance), sum(c.consumers for c in entrance))
     bands = [b for b in range(BANDS) if prober.queue(names.waiting_stream(band_key(b))) is not None]
     done_there = prober.queue(names.waiting_stream(DONE)) is not None
     prober.close()
@@ -107,34 +212,25 @@ def read(connection, names: Names, now_ms: int,
         raise Missing(f"the waiting streams ({names.waiting_stream('NN')}) are not declared under prefix "
                       f"{names.prefix!r}: run `delay-gateway declare` with this version (the gateways then list "
                       "what they send on from that moment)")
+    records = read_registry(connection, names)
+    unlisted = [Gap(r.why, r.until_ms) for r in fold(records or []).unlisted]
     reader = StreamReader(connection, names)
     recent: List[waiting.Beat] = []
-    done: List[int] = []
 
-    def on_done(body: bytes) -> None:
+    def on_beat(body: bytes) -> None:
         found = waiting.beat(body)
         if found is not None:
             recent.append(found)
-        else:
-            done.extend(waiting.done_keys(body))
-    since = now_ms - waiting.LIVE_MS - CLOCKS_MS
-    reader.read({DONE: since}, {DONE: on_done})
-    at = waiting.horizon(now_ms, recent, places)
-    if at.at_ms - CLOCKS_MS < since:  # overdue messages may be older: their done records too
-        reader.read({DONE: at.at_ms - CLOCKS_MS}, {DONE: lambda body: done.extend(waiting.done_keys(body))})
+    reader.read({DONE: now_ms - waiting.LIVE_MS - CLOCKS_MS}, {DONE: on_beat})
+    at = listing.horizon(now_ms, recent, places)
     view = make_view(at)
-    view.add_done(done)
-    def on_entries(body: bytes) -> None:
-        for m in waiting.entries(body):
-            view.add(m)
-    reader.read({band_key(b): waiting.read_from_ms(b, at) - CLOCKS_MS for b in bands},
-                {band_key(b): on_entries for b in bands})
-    view.finish()
-    result = Found(at, bands, None if check_in is None else check_in.messages, reader.records)
-    if not at.exact:
-        result.notes.append(f"{at.why}: everything the streams keep was read (up to "
-                            f"{RETENTION_SLACK_MS // 3_600_000} h past due)")
-    return view, result
+    if progress is not None:
+        reader.progress = lambda: progress(view.read, view.keys)
+    reader.read({DONE: at.at_ms - CLOCKS_MS}, {DONE: view.add_keys})
+    reader.read({band_key(b): listing.read_from_ms(b, at) - CLOCKS_MS for b in bands},
+                {band_key(b): view.add_entries for b in bands})
+    found = Found(at, bands, check_in.ready, listing.gaps(now_ms, recent, check_in, unlisted), reader.records)
+    return view, found
 
 
 class StreamReader:
@@ -143,6 +239,7 @@ class StreamReader:
     def __init__(self, connection, names: Names) -> None:
         self.connection, self.names = connection, names
         self.records = 0
+        self.progress: Callable[[], None] = lambda: None
 
     def read(self, starts: Dict[str, int], handlers: Dict[str, Callable[[bytes], object]]) -> None:
         """Each stream (by its key) from `starts[key]` (epoch ms), each record's body to its handler."""
@@ -168,14 +265,20 @@ class StreamReader:
             start = datetime.datetime.fromtimestamp(max(0.0, start_ms / 1000), datetime.timezone.utc)
             reading[key] = channel.basic_consume(self.names.waiting_stream(key), consumer(key),
                                                  arguments={"x-stream-offset": start})
-        deadline = time.monotonic() + MARK_TIMEOUT_S
+        heard, seen, told = time.monotonic(), self.records, time.monotonic()
         while reading:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the end of {', '.join(self.names.waiting_stream(k) for k in reading)} did "
-                                   f"not come back within {MARK_TIMEOUT_S:g} s")
             self.connection.process_data_events(time_limit=0.05)
             while ended:
                 channel.basic_cancel(reading.pop(ended.pop()))
+            now = time.monotonic()
+            if self.records != seen:
+                heard, seen = now, self.records
+            elif now - heard > STALL_S:
+                raise TimeoutError(f"nothing came from {', '.join(self.names.waiting_stream(k) for k in reading)} "
+                                   f"for {STALL_S:g} s: is the broker overloaded, or the stream's member down?")
+            if now - told >= PROGRESS_EVERY_S:
+                told = now
+                self.progress()
         channel.close()
 
     def _marks(self, channel, keys: Sequence[str]) -> Dict[str, bytes]:

@@ -32,9 +32,9 @@ from gateway.broker import cancelling
 from gateway.broker.cancelling import Judge
 from gateway.broker.consumer import Pipe
 from gateway.broker.retrying import counting_retries
-from gateway.broker.waiting import Beats
+from gateway.broker.waiting import Beats, declare_noting
 from gateway.core.handlers import CheckIn, Distributor, Parking, Retry, Returning
-from gateway.core.waiting import Recorder
+from gateway.core.waiting import Consumers, Recorder
 from gateway.health import Health
 from gateway.metrics import Metrics
 from gateway.settings import Settings
@@ -83,11 +83,13 @@ class Session:
         self.metrics.connections.inc()
         s, chain, names = self.settings, self.settings.chain, self.settings.chain.names
 
-        def pipe(queue: str, handler, prefetch: int, batched: bool = False, on_caught_up=None) -> None:
+        def pipe(queue: str, handler, prefetch: int, batched: bool = False, on_caught_up=None,
+                 lapping: bool = False) -> None:
             batcher = Batcher(s.carrier_messages, s.carrier_bytes, s.carrier_wait_ms) if batched else None
             still_wanted = handler.still_wanted if isinstance(handler, Distributor) and self.judge is not None \
                 else None
-            recorder = Recorder(bands(chain), chain.meditation_ms) if s.pending_index else None
+            # (without the index: no entries, but the done keys of what others may have listed)
+            recorder = Recorder(bands(chain), chain.meditation_ms, entries=s.pending_index, lapping=lapping)
             self.pipes.append(Pipe(connection, queue, handler, prefetch, self.metrics, names,
                                    on_fatal=self._on_fatal, batcher=batcher, still_wanted=still_wanted,
                                    on_caught_up=on_caught_up, recorder=recorder))
@@ -107,7 +109,7 @@ class Session:
                  on_caught_up=self._caught_up if gate else None)
             for queue in returning:
                 pipe(queue, Returning(chain, s.lead_ms, s.carrier_wait_ms, self.judge), s.prefetch,
-                     batched=True)
+                     batched=True, lapping=True)
             retry = Retry(chain, s.lead_ms, s.retry_rules(), random.Random(), s.carrier_wait_ms, self.judge,
                           self.sequence, s.retry_queues)
             pipe(names.retry, counting_retries(retry, self.metrics), s.prefetch, batched=True)
@@ -120,6 +122,10 @@ class Session:
             held = [p.flow.ledger for p in self.pipes if p.queue in distributors]
             # (read from the upkeep thread: the earliest due time of a heap, one list index)
             self.beats.low = lambda: min((t for t in (h.next_due() for h in held) if t is not None), default=None)
+            consumed = [p.queue for p in self.pipes]
+            self.beats.consumers = Consumers(sum(q in (names.check_in, names.retry) for q in consumed),
+                                             sum(q in returning for q in consumed),
+                                             sum(q in distributors for q in consumed))
         for p in self.pipes[:1] if gate else self.pipes:
             p.open()
         if gate:
@@ -130,7 +136,7 @@ class Session:
         if self._opened_all or not self.connection.is_open:
             return
         recorded = self.check_in.recorded if self.check_in is not None else None
-        if not late and recorded and self.judge is not None and not self.judge.store.holds(recorded):
+        if not late and recorded and self.judge is not None and not self.judge.holds(recorded):
             # confirmed, but the follower has not read them back yet: in a moment
             self.connection.ioloop.call_later(0.01, self._caught_up)
             return
@@ -279,7 +285,7 @@ def one(settings: Settings, stop: threading.Event, metrics: Metrics, health: Hea
         refusals: Optional["Refusals"] = None) -> int:
     """The consumers of one virtual host (the URLs'), with their upkeep and cancellations."""
     from gateway.broker import upkeep
-    beats = Beats(settings.chain.names, settings.role) if settings.pending_index else None
+    beats = Beats(settings.chain.names, settings.role, settings.pending_index)
     # counted as a user of the chain; retires unused chains; counts queues; beats
     upkeep.start(settings, stop, metrics, beats)
     return run(settings, stop, metrics, health, cancelling.start(settings, metrics, stop), beats, refusals)
@@ -315,8 +321,8 @@ class Preparation:
         settings = self.settings
         if not self._checked:
             with blocking_channel(url, "delay-gateway declare", settings.tls) as channel:
-                (declare if settings.declare else verify)(channel, build(
-                    settings.chain, cancelling.retention_ms(settings.chain, settings.cancel_retention)))
+                declare_noting(channel, build(settings.chain, cancelling.retention_ms(
+                    settings.chain, settings.cancel_retention)), declare if settings.declare else verify)
             self._log.info("topology_declared" if settings.declare else "topology_found",
                            prefix=settings.chain.prefix, generation=settings.chain.generation,
                            max_level=settings.chain.max_level)
@@ -333,7 +339,7 @@ class Preparation:
             if missing is not None:
                 raise BrokerError(missing)
         if cancels is not None:  # read times above every cancel held, whatever the clock did
-            self.sequence.above(cancels.store.newest_read_us)
+            self.sequence.above(cancels.newest_read_us())
         return True
 
 
@@ -355,7 +361,7 @@ def run(settings: Settings, stop: threading.Event, metrics: Metrics, health: Hea
             if not prepared.on(url, stop):
                 break
             session = Session(url, settings, metrics, health, stop, other_exits(url, settings),
-                              Judge(cancels.store, metrics) if cancels is not None else None, prepared.sequence,
+                              cancels.judge(metrics) if cancels is not None else None, prepared.sequence,
                               beats, refusals.back if refusals is not None else None)
             session.run()
             trouble = classify(session.error, url) if session.error is not None else None

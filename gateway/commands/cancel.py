@@ -74,7 +74,7 @@ def main(settings: Settings, ids: List[str], from_file: Optional[str], wait: flo
         return 2
     window_ms = cancelling.retention_ms(chain, settings.cancel_retention)
     with blocking_channel(one_vhost(settings.urls, settings.vhosts), "delay-gateway cancel", settings.tls) as channel:
-        before = latest(cancelling.read(channel.connection, names, window_ms))
+        before = latest(cancelling.read(channel.connection, names, window_ms).ids)
         channel.confirm_delivery()
         for mid in good:
             try:
@@ -109,7 +109,7 @@ def wait_recorded(connection, names, window_ms: int, ids: List[bytes], before: D
     """The new cancels' times, once the gateway recorded them (up to wait_s)."""
     deadline = time.monotonic() + wait_s
     while True:
-        found = {mid: at for mid, at in latest(cancelling.read(connection, names, window_ms)).items()
+        found = {mid: at for mid, at in latest(cancelling.read(connection, names, window_ms).ids).items()
                  if mid in ids and at != before.get(mid)}
         if len(found) == len(set(ids)) or time.monotonic() >= deadline:
             return found

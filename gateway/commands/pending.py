@@ -1,18 +1,23 @@
-"""`delay-gateway pending`: list, count, cancel and export the messages that wait.
+"""`delay-gateway pending`: list, count, cancel and export the messages that wait; the
+group cancels (rules) that are live, and withdrawing one.
 
 What waits is read from the waiting streams the gateways write (gateway/core/waiting.py,
-gateway/broker/waiting.py), filtered by message id, routing key, due time, header or
-retries. `cancel` cancels what the filters select through the path `delay-gateway cancel`
-takes, by each message's handle: exactly the messages selected, with every guarantee of a
-confirmed cancel (docs/cancelling.md).
+gateway/broker/waiting.py, gateway/core/listing.py), filtered by message id, routing key,
+due time, header or retries. `cancel` publishes one rule with the same filters
+(gateway/core/rules.py) through the path of `delay-gateway cancel`: every gateway cancels
+every message the rule selects that was published before it, listed or not, with every
+guarantee of a confirmed cancel (docs/cancelling.md).
 """
 
 import argparse
+import base64
 import csv
 import datetime
 import json
 import re
 import sys
+import time
+import uuid
 from typing import IO, Any, Callable, Dict, List, Optional, Tuple
 
 import pika
@@ -21,9 +26,10 @@ from gateway.broker import cancelling
 from gateway.broker import waiting as index
 from gateway.broker.amqp import blocking_channel
 from gateway.clock import wall_ms
-from gateway.commands import cancel as cancelling_command
-from gateway.core import cancels, waiting
-from gateway.core.waiting import Listed, Selection
+from gateway.core import listing, rules, wire
+from gateway.core.selection import Selection
+from gateway.core.waiting import Listed
+from gateway.core.wire import Table
 from gateway.settings import Settings, UsageError, argument, integer
 from gateway.urls import one_vhost
 
@@ -71,6 +77,7 @@ def header(text: str) -> Tuple[str, str]:
 
 
 def selection(args: argparse.Namespace, now_ms: int) -> Selection:
+    """The filters of a command line."""
     at = when(now_ms)
     try:
         after = at(args.due_after) if args.due_after is not None else None
@@ -110,9 +117,26 @@ def count_options(p: argparse.ArgumentParser) -> None:
 
 def cancel_options(p: argparse.ArgumentParser) -> None:
     _filters(p)
+    p.add_argument("--all", action="store_true",
+                   help="no filter: every waiting message (refused without it when no filter is given)")
+    p.add_argument("--expect", type=argument(integer(0)), metavar="N",
+                   help="refuse (exit 2, nothing cancelled) unless exactly N waiting messages match")
+    p.add_argument("--name", metavar="NAME", help="the rule's name, for `pending rules` and `pending withdraw` "
+                                                  "(default: pending- and 12 random letters)")
     p.add_argument("--yes", action="store_true", help="cancel them (without it: say how many, and show some)")
     p.add_argument("--wait", type=float, default=10.0, metavar="SECONDS",
-                   help="how long to wait for a gateway to record the cancels (default 10)")
+                   help="how long to wait for a gateway to record the rule, and to report what it removed "
+                        "(default 10)")
+
+
+def rules_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="one JSON object a line")
+
+
+def withdraw_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("rule", metavar="RULE", help="the name `pending rules` shows")
+    p.add_argument("--wait", type=float, default=10.0, metavar="SECONDS",
+                   help="how long to wait for a gateway to record the withdrawal (default 10)")
 
 
 def export_options(p: argparse.ArgumentParser) -> None:
@@ -125,10 +149,13 @@ ACTIONS = {
     "list": ("list the messages that wait, soonest due first: message id (or handle), routing key, due time, "
              "size, retry attempt", list_options),
     "count": ("count the messages that wait, per due-time range", count_options),
-    "cancel": ("cancel the messages the filters select, exactly those (by their handles), through the path "
-               "`delay-gateway cancel` takes; only with --yes", cancel_options),
+    "cancel": ("cancel every message the filters select that was published before it, listed or not, with "
+               "one rule every gateway applies (say how many match; only with --yes)", cancel_options),
     "export": ("write every message that waits to a CSV or JSON-lines file (for Spark, or a spreadsheet)",
                export_options),
+    "rules": ("show the live rules (group cancels) and how many messages each removed so far", rules_options),
+    "withdraw": ("withdraw a rule: from the moment a gateway records it, it cancels nothing more (what it "
+                 "removed stays removed)", withdraw_options),
 }
 
 
@@ -171,7 +198,6 @@ def relative(ms: int) -> str:
 def record(m: Listed) -> Dict[str, object]:
     """One message for scripts (JSON, CSV): text where it is text, and the exact bytes in
     base64 beside it where it is not."""
-    import base64
     out: Dict[str, object] = {}
     for name, raw in (("message_id", m.message_id), ("routing_key", m.routing_key)):
         if raw is None:
@@ -213,31 +239,37 @@ def command(args: argparse.Namespace, settings: Settings) -> int:
     chain = settings.chain
     names = chain.names
     now = wall_ms()
-    select = selection(args, now)
-    limit = getattr(args, "limit", 0) if args.action == "list" else 0
     window_ms = cancelling.retention_ms(chain, settings.cancel_retention)
+    url = one_vhost(settings.urls, settings.vhosts)
+    if args.action == "rules":
+        with blocking_channel(url, "delay-gateway pending rules", settings.tls) as channel:
+            return show_rules(args, cancelling.read(channel.connection, names, window_ms), now)
+    if args.action == "withdraw":
+        name = rule_name(args.rule, "RULE")
+        with blocking_channel(url, "delay-gateway pending withdraw", settings.tls) as channel:
+            return withdraw(args, channel, names, window_ms, name)
+    select = selection(args, now)
+    if args.action == "cancel":
+        everything = checked_cancel(args, select)
     exporting: Optional[Exporter] = Exporter(args.out) if args.action == "export" else None
-    selected: Dict[str, Listed] = {}
-    # (a count keeps none of them, an export writes each as it comes, a cancel keeps one per
-    # handle; only a list keeps messages, --limit of them)
-    each: Optional[Callable[[Listed], object]] = exporting.write if exporting is not None else \
-        (lambda m: selected.setdefault(m.handle, m)) if args.action == "cancel" else \
-        (lambda m: None) if args.action == "count" else None
-    with blocking_channel(one_vhost(settings.urls, settings.vhosts), f"delay-gateway pending {args.action}",
-                          settings.tls) as channel:
-        store = cancels.Store(window_ms)
-        for mid, at in cancelling.read(channel.connection, names, window_ms):
-            store.add(mid, at, now)
+    keep = None if args.action in ("count", "export") else SAMPLE if args.action == "cancel" else args.limit
+    progress = Progress() if sys.stderr.isatty() else None
+    with blocking_channel(url, f"delay-gateway pending {args.action}", settings.tls) as channel:
+        recorded = cancelling.read(channel.connection, names, window_ms)
+        judge = listing.cancelled_by(recorded.store(window_ms, now), recorded.rules, now)
         try:
-            view, found = index.read(channel.connection, names, now, lambda at: waiting.View(
-                now, at, waiting.cancelled_by(store, now), select, limit, each))
+            view, found = index.read(channel.connection, names, now, lambda at: listing.View(
+                now, at, judge, select, keep, exporting.write if exporting is not None else None),
+                progress.show if progress is not None else None)
         except index.Missing as exc:
             raise UsageError(str(exc)) from None
         finally:
+            if progress is not None:
+                progress.clear()
             if exporting is not None:
                 exporting.close()
         if args.action == "cancel":
-            return cancel_selected(args, channel, names, selected, found, window_ms, now)
+            return cancel_selected(args, channel, names, select, everything, view, found, window_ms, now)
     if args.action == "list":
         show_list(args, view, found, now)
     elif args.action == "count":
@@ -247,6 +279,25 @@ def command(args: argparse.Namespace, settings: Settings) -> int:
         for note in notes(found):
             print(f"note: {note}", file=sys.stderr)
     return 0
+
+
+class Progress:
+    """A line on the terminal (stderr) while a long reading goes on."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.shown = False
+
+    def show(self, entries: int, keys: int) -> None:
+        if time.monotonic() - self.started < 1.0:
+            return
+        self.shown = True
+        print(f"\rreading the index: {entries:,} entries, {keys:,} done keys, "
+              f"{time.monotonic() - self.started:.0f} s", end="", file=sys.stderr, flush=True)
+
+    def clear(self) -> None:
+        if self.shown:
+            print("\r\033[K", end="", file=sys.stderr, flush=True)
 
 
 class Exporter:
@@ -278,14 +329,10 @@ class Exporter:
 
 
 def notes(found: index.Found) -> List[str]:
-    out = list(found.notes)
-    if found.unread_check_in:
-        out.append(f"{found.unread_check_in} message(s) wait in check-in, not read by a gateway yet: not listed "
-                   "until it has read them")
-    return out
+    return found.notes()
 
 
-def show_list(args: argparse.Namespace, view: waiting.View, found: index.Found, now_ms: int) -> None:
+def show_list(args: argparse.Namespace, view: listing.View, found: index.Found, now_ms: int) -> None:
     listed = view.listed()
     shown = f"{len(listed)} shown" if len(listed) < view.total else "all shown"
     summary = f"{view.total} waiting message(s) match; {shown} (soonest due first)"
@@ -308,53 +355,166 @@ def show_list(args: argparse.Namespace, view: waiting.View, found: index.Found, 
         print(f"note: {note}", file=sys.stderr)
 
 
-def show_count(args: argparse.Namespace, view: waiting.View, found: index.Found, now_ms: int) -> None:
+def show_count(args: argparse.Namespace, view: listing.View, found: index.Found, now_ms: int) -> None:
     ranges = {label: n for (label, _), n in zip(view.counts.ranges, view.counts.counts, strict=True)}
     if args.json:
-        print(json.dumps({"total": view.total, "ranges": ranges, "exact": found.horizon.exact, "at_ms": now_ms,
+        print(json.dumps({"total": view.total, "ranges": ranges, "exact": found.exact, "at_ms": now_ms,
                           "unread_in_check_in": found.unread_check_in, "notes": notes(found)}, indent=2))
         return
-    print(f"{view.total} waiting message(s) match")
+    print(f"{view.total} waiting message(s) match" + ("" if found.exact else " (not exact: see the notes)"))
     for label, n in ranges.items():
         print(f"  {label:<16} {n:>10}")
     for note in notes(found):
         print(f"note: {note}")
 
 
-def cancel_selected(args: argparse.Namespace, channel, names, selected: Dict[str, Listed], found: index.Found,
-                    window_ms: int, now_ms: int) -> int:
-    """Say how many and show some; with --yes, cancel each by its handle and say what was."""
-    print(f"{len(selected)} waiting message(s) match" + (", for example:" if selected else ""))
-    if selected:
-        sample = sorted(selected.values(), key=lambda m: (m.due_ms, m.read_us))[:SAMPLE]
-        print("\n".join(table(sample, now_ms)))
+# -- group cancels -----------------------------------------------------------------------------
+def checked_cancel(args: argparse.Namespace, select: Selection) -> bool:
+    """Whether the cancel means every message (--all); refuses what is ambiguous."""
+    if args.all and not select.empty:
+        raise UsageError("--all with a filter: give the filters, or --all alone")
+    if select.empty and not args.all and args.yes:
+        raise UsageError("no filter: this would cancel every waiting message; add --all to mean it, or give "
+                         "--key, --id, --header, --due-after, --due-before or --retries")
+    if args.name is not None:
+        rule_name(args.name, "--name")
+    return bool(args.all)
+
+
+def rule_name(text: str, what: str) -> bytes:
+    raw = text.encode("utf-8", "surrogateescape")
+    if not raw or len(raw) > rules.MAX_NAME_BYTES:
+        raise UsageError(f"{what}: a rule's name is 1 to {rules.MAX_NAME_BYTES} bytes, not {len(raw)}")
+    return raw
+
+
+def rule_headers(select: Selection, everything: bool, name: bytes) -> Table:
+    """The rule as any AMQP client publishes it (rules.py's vocabulary)."""
+    return Table([wire.longstr(rules.NAME, name)] + rules.filter_fields(select, everything))
+
+
+def cancel_selected(args: argparse.Namespace, channel, names, select: Selection, everything: bool,
+                    view: listing.View, found: index.Found, window_ms: int, now_ms: int) -> int:
+    """Say how many match and show some; with --yes, publish one rule and say what became of it."""
+    print(f"{view.total} waiting message(s) match" + (", for example:" if view.total else ""))
+    if view.total:
+        print("\n".join(table(view.listed(), now_ms)))
     for note in notes(found):
         print(f"note: {note}")
-    if not selected:
-        return 0
+    if args.expect is not None and args.expect != view.total:
+        print(f"delay-gateway pending cancel: error: {view.total} waiting message(s) match, not {args.expect} "
+              "(--expect): nothing cancelled", file=sys.stderr)
+        return 2
     if not args.yes:
-        print(f"nothing cancelled: add --yes to cancel these {len(selected)}")
+        if select.empty and not everything:
+            print("nothing cancelled: add --all --yes to cancel every waiting message")
+        else:
+            print(f"nothing cancelled: add --yes to cancel these {view.total}, and every other message the "
+                  "filters select that was published before the cancel (listed or not)")
         return 0
-    handles = [h.encode("ascii") for h in selected]
-    before = cancelling_command.latest(cancelling.read(channel.connection, names, window_ms))
+    name = (args.name or f"pending-{uuid.uuid4().hex[:12]}").encode("utf-8")
     channel.confirm_delivery()
-    for h in handles:
-        try:
-            channel.basic_publish(names.cancel, "", b"", pika.BasicProperties(message_id=h.decode("ascii"),
-                                                                              delivery_mode=2), mandatory=True)
-        except pika.exceptions.UnroutableError:
-            print(f"delay-gateway pending cancel: {names.cancel} is bound to no queue: declare the topology "
-                  "(delay-gateway declare) or start the gateway", file=sys.stderr)
-            return 3
-    recorded = cancelling_command.wait_recorded(channel.connection, names, window_ms, handles, before, args.wait)
-    for h in handles:
-        m = selected[h.decode("ascii")]
-        ident = _shown(_text(m.message_id)[0]) if m.message_id is not None else h.decode("ascii")
-        state = "cancelled" if h in recorded else "queued (no gateway recorded it yet: it applies once check-in " \
-                                                  "reads it)"
-        print(f"{state}: {ident} {_shown(_text(m.routing_key)[0])!r} due {iso(m.due_ms)} ({h.decode('ascii')})")
-    done = sum(1 for h in handles if h in recorded)
-    print(f"{done} of {len(handles)} cancelled" + ("" if done == len(handles) else
-                                                    f"; {len(handles) - done} queued"))
+    try:
+        channel.basic_publish(names.cancel, "", b"", pika.BasicProperties(
+            headers=_pika_headers(rule_headers(select, everything, name)), delivery_mode=2), mandatory=True)
+    except pika.exceptions.UnroutableError:
+        print(f"delay-gateway pending cancel: {names.cancel} is bound to no queue: declare the topology "
+              "(delay-gateway declare) or start the gateway", file=sys.stderr)
+        return 3
+    shown = name.decode("utf-8", "replace")
+    print(f"rule {shown}: {select.describe() if not everything else '--all'}, published; "
+          f"{view.total} waiting message(s) listed match it")
+    deadline = time.monotonic() + args.wait
+    rule, removed = wait_for_rule(channel.connection, names, window_ms, name, view.total, deadline)
+    if rule is None:
+        print(f"queued: no gateway recorded rule {shown} within {args.wait:g} s (none running, or a backlog in "
+              "check-in); once check-in reads it, it cancels every message it selects that was published before "
+              "it, whether or not it is listed")
+        return 0
+    print(f"recorded at {iso(rule.at.read_us // 1000)}: no message it selects that was published before then "
+          "will be delivered")
+    rest = f"; the rest as each next passes a gateway (the last is due {iso(view.latest_due_ms)})" \
+        if removed < view.total and view.latest_due_ms is not None else ""
+    print(f"removed so far: {removed} of the {view.total} expected{rest}")
     return 0
 
+
+def _pika_headers(table: Table) -> Dict[str, Any]:
+    """A table of longstr, array-of-longstr, long, boolean and nested longstr table, for pika."""
+    out: Dict[str, Any] = {}
+    for e in table.entries:
+        value = e.value
+        if isinstance(value, Table):
+            value = value.to_dict()
+        out[e.name.decode("utf-8")] = value
+    return out
+
+
+def wait_for_rule(connection, names, window_ms: int, name: bytes, expected: int,
+                  deadline: float) -> Tuple[Optional[rules.Rule], int]:
+    """The rule once a gateway recorded it (None if none did by `deadline`), and what the
+    gateways reported removing by it once they report all `expected` (or by `deadline`)."""
+    found: Optional[rules.Rule] = None
+    while True:
+        recorded = cancelling.read(connection, names, window_ms)
+        found = found or next((r for r in recorded.rules.live if r.name == name), None)
+        removed = recorded.tallies.get(name, 0)
+        if (found is not None and removed >= expected) or time.monotonic() >= deadline:
+            return found, removed
+        time.sleep(0.5)
+
+
+def withdraw(args: argparse.Namespace, channel, names, window_ms: int, name: bytes) -> int:
+    before = cancelling.read(channel.connection, names, window_ms)
+    live = [r for r in before.rules.live if r.name == name]
+    channel.confirm_delivery()
+    try:
+        channel.basic_publish(names.cancel, "", b"", pika.BasicProperties(
+            headers={rules.WITHDRAW: name.decode("utf-8")}, delivery_mode=2), mandatory=True)
+    except pika.exceptions.UnroutableError:
+        print(f"delay-gateway pending withdraw: {names.cancel} is bound to no queue: declare the topology "
+              "(delay-gateway declare) or start the gateway", file=sys.stderr)
+        return 3
+    shown = name.decode("utf-8", "replace")
+    deadline = time.monotonic() + args.wait
+    while True:
+        after = cancelling.read(channel.connection, names, window_ms)
+        done = after.rules.recorded.get(name, -1) > before.rules.recorded.get(name, -1)
+        if done or time.monotonic() >= deadline:
+            break
+        time.sleep(0.5)
+    if not done:
+        print(f"queued: no gateway recorded the withdrawal of {shown} within {args.wait:g} s; it applies once "
+              "check-in reads it (to rules of this name published before it)")
+    elif live:
+        print(f"withdrawn: rule {shown} cancels nothing more; it removed {after.tallies.get(name, 0)} message(s) "
+              "before")
+    else:
+        print(f"withdrawn: no live rule was named {shown} (one still queued in check-in before the withdrawal is "
+              "withdrawn with it)")
+    return 0
+
+
+def show_rules(args: argparse.Namespace, recorded: cancelling.Recorded, now_ms: int) -> int:
+    live = sorted(recorded.rules.live, key=lambda r: r.at.read_us)
+    if args.json:
+        for r in live:
+            print(json.dumps({"rule": r.name.decode("utf-8", "backslashreplace"), "recorded": iso(r.at.read_us // 1000),
+                              "recorded_us": r.at.read_us, "filter": described(r),
+                              "removed": recorded.tallies.get(r.name, 0)}, ensure_ascii=False))
+        return 0
+    if not live:
+        print("no live rule (group cancel) in the retention window")
+        return 0
+    cells = [("rule", "recorded (UTC)", "removed", "filter")] + [
+        (_shown(r.name.decode("utf-8", "backslashreplace")), clock_text(r.at.read_us // 1000),
+         str(recorded.tallies.get(r.name, 0)), _shown(described(r))) for r in live]
+    widths = [max(len(c[i]) for c in cells) for i in range(3)]
+    for c in cells:
+        print("  ".join([c[0].ljust(widths[0]), c[1].ljust(widths[1]), c[2].rjust(widths[2]), c[3]]))
+    print(f"\n{len(live)} live rule(s); each cancels what it selects that was published before it was recorded")
+    return 0
+
+
+def described(rule: rules.Rule) -> str:
+    return "--all" if rule.everything else rule.select.describe()

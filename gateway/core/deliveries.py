@@ -15,6 +15,8 @@ channels, one that consumes and acknowledges and one that publishes with confirm
   With RabbitMQ's redelivery order (what a dead consumer held comes back in the order it
   was first delivered, before anything newer: verified on 3.10 and 4.3, classic and
   quorum), what a crash hands back is read again in its first order around every cancel.
+- A delivery that records will speak of (the index's done keys, published a little later
+  for company) is acknowledged only once they are published and confirmed too.
 - Every delivery ends exactly once: acknowledged, or rejected (handed back or dead-lettered).
 - A publish the broker refuses (basic.nack) is handed back to be retried later.
 - A publish that comes back unroutable (basic.return, mandatory) is reported when its
@@ -29,7 +31,7 @@ channels, one that consumes and acknowledges and one that publishes with confirm
 """
 
 from dataclasses import dataclass
-from typing import Dict, Generic, Iterable, List, Optional, Set, Tuple, TypeVar
+from typing import Dict, Generic, Iterable, List, Mapping, Optional, Set, Tuple, TypeVar
 
 from gateway.core.carrier import Holds
 from gateway.core.confirms import Outcome, P, Publication, Window
@@ -45,6 +47,7 @@ class _Delivery:
     pending: int = 0  # publishes made for it and not yet confirmed
     holds: int = 0  # its messages among the held ones (a carrier holds several)
     fence: bool = False  # acknowledged in order (see the module doc)
+    owed: int = 0  # records that speak of it, not yet published (the index's done keys)
 
 
 class Deliveries(Generic[P, H]):
@@ -130,6 +133,22 @@ class Deliveries(Generic[P, H]):
             self._deliveries[tag].holds -= 1
         return held
 
+    def owe(self, tags: Iterable[int]) -> None:
+        """A record to be published later will speak of each of these (once per tag given)."""
+        for tag in tags:
+            d = self._deliveries.get(tag)
+            if d is not None:
+                d.owed += 1
+
+    def pay(self, counts: Mapping[int, int]) -> None:
+        """The records owed were published now, for these deliveries (tag -> how many owed).
+        They were published for them (`publish`), so none can settle before their confirms."""
+        for tag, n in counts.items():
+            d = self._deliveries.get(tag)
+            if d is not None:
+                d.owed = max(0, d.owed - n)
+                self._settle(tag, d)
+
     def finish(self, tag: int) -> None:
         """No more publishes will be made for this delivery."""
         d = self._deliveries[tag]
@@ -178,7 +197,7 @@ class Deliveries(Generic[P, H]):
         return len(self._done)
 
     def _settle(self, tag: int, d: _Delivery) -> None:
-        if d.finished and d.pending == 0 and not d.holds:
+        if d.finished and d.pending == 0 and not d.holds and not d.owed:
             self._done.add(tag)
 
     # -- publishes ------------------------------------------------------------------------

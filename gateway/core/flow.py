@@ -31,7 +31,7 @@ from topology.names import Names
 from topology.waiting import DONE
 
 from gateway.core import envelope, handlers, waiting
-from gateway.core.actions import Enqueue, Forward
+from gateway.core.actions import Drop, Enqueue, Forward
 from gateway.core.inputs import Delivery
 from gateway.core.routes import LEAVES, STAYS, Way
 from gateway.core.effects import Effects, Handler, Member, Observer, Payload, Sent
@@ -127,6 +127,9 @@ class Flow:
         else:
             self._unsent[tag] = len(actions)
         for action in actions:
+            if isinstance(action, Drop):
+                self._drop(tag, action.entry, now, out)
+                continue
             self._observer.forwarded(action)
             if isinstance(action, Enqueue):
                 route = (action.exchange, action.routing_key, action.outcome, action.entry.exchange)
@@ -230,6 +233,8 @@ class Flow:
     def consuming_lost(self) -> None:
         """The consuming channel is gone: its deliveries return to their queue by themselves."""
         self.ledger.lost()
+        if self._recorder is not None:
+            self._recorder.forget_tags()
         self._batcher.drain()
         self._delivered.clear()
         self._unsent.clear()
@@ -247,10 +252,13 @@ class Flow:
             if self._still_wanted is None or self._still_wanted(action):
                 self._send([tag], action, [(tag, action.entry)], now, out)
             else:
-                self._drop(tag, now, out)
+                self._drop(tag, action.entry, now, out)
 
-    def _drop(self, tag: int, now: int, out: Effects) -> None:
-        """One of the delivery's messages will not be published (it was cancelled)."""
+    def _drop(self, tag: int, entry: Optional[Entry], now: int, out: Effects) -> None:
+        """One of the delivery's messages will not be published (it was cancelled): the index
+        notes it gone."""
+        if self._recorder is not None:
+            self.ledger.owe(self._recorder.left([(tag, entry)], now))
         left = self._unsent.get(tag, 0) - 1
         if left > 0:
             self._unsent[tag] = left
@@ -291,24 +299,30 @@ class Flow:
         self._apply(answer, now, out)
         if self._recorder is not None:
             if forward.outcome in STAYS:
-                self._recorder.waits(forward.outcome is Way.MEDITATION, members, now)
+                self.ledger.owe(self._recorder.waits(forward.outcome is Way.MEDITATION, members, now))
             elif forward.outcome in LEAVES:
-                self._recorder.left(members, now)
+                self.ledger.owe(self._recorder.left(members, now))
 
     def _record(self, now: int, out: Effects) -> None:
-        """Publish what the recorder holds (waiting.Recorder): after the messages it speaks
-        of, on the same channel; the entries for their deliveries, the done keys for none."""
+        """Publish what the recorder holds (waiting.Recorder), after the messages it speaks
+        of, on the same channel, each record for the deliveries it speaks of: the entries at
+        once, the done and lapped keys once they have waited for company."""
         if self._recorder is None:
             return
         for key, tags, body in self._recorder.take_entries():
-            live = tuple(t for t in dict.fromkeys(tags) if t in self.ledger)
-            record = Forward(self._names.waiting, key.encode(), RECORD, body, Way.INDEX, mandatory=True)
-            self._apply(self.ledger.publish(live, Payload(record, [(t, None) for t in live]), (), side=True),
-                        now, out)
-        done = self._recorder.take_done(now, self._draining)
-        if done is not None:
-            record = Forward(self._names.waiting, DONE.encode(), RECORD, done, Way.INDEX, mandatory=True)
-            self._apply(self.ledger.publish((), Payload(record, []), (), side=True), now, out)
+            self._side_record(key, tags, body, now, out)
+        taken = self._recorder.take_keys(now, self._draining)
+        if taken is not None:
+            owed, bodies = taken
+            live = Counter(t for t in owed if t in self.ledger)
+            for body in bodies:
+                self._side_record(DONE, list(live), body, now, out)
+            self.ledger.pay(live)
+
+    def _side_record(self, key: str, tags: List[int], body: bytes, now: int, out: Effects) -> None:
+        live = tuple(t for t in dict.fromkeys(tags) if t in self.ledger)
+        record = Forward(self._names.waiting, key.encode(), RECORD, body, Way.INDEX, mandatory=True)
+        self._apply(self.ledger.publish(live, Payload(record, [(t, None) for t in live]), (), side=True), now, out)
 
     def _give_up(self, tag: int) -> None:
         """The delivery is gone (the broker dead-letters it): none of its messages may be sent."""
@@ -391,6 +405,6 @@ class Flow:
             for copy in copies:
                 self._observer.forwarded(copy)
                 if self._recorder is not None:
-                    self._recorder.left([(tag, copy.entry)], now)
+                    self.ledger.owe(self._recorder.left([(tag, copy.entry)], now))
                 self._apply(self.ledger.publish((tag,), Payload(copy, [(tag, copy.entry)]), (), parking=True),
                             now, out)

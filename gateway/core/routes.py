@@ -20,7 +20,9 @@ class Way(str, Enum):
     INDEX = "index"  # a record of what waits, into a waiting stream (waiting.py)
 
 
-STAYS = (Way.CHAIN, Way.MEDITATION, Way.DISTRIBUTOR, Way.RECHECK)  # sent on to wait
+# Sent on to wait (an entry in the index). A recheck (the distributor had it far too early)
+# waits until the same due time as the entry that sent it there says: no new entry.
+STAYS = (Way.CHAIN, Way.MEDITATION, Way.DISTRIBUTOR)
 LEAVES = (Way.DELIVERED, Way.RETRIED, Way.PARKED)  # sent on to leave the gateway
 
 # A carrier batch's route (carrier.Batcher): exchange, routing key, way, and the messages'

@@ -15,7 +15,8 @@ from gateway.broker import cancelling, stamp
 from gateway.broker import waiting as index
 from gateway.commands.status.metrics import carried_from_metrics, held_from_metrics, retries_from_metrics
 from gateway.commands.status.report import HORIZONS, Report, report
-from gateway.core import cancels, waiting
+from gateway.core import listing
+from gateway.core.selection import Selection
 from gateway.settings import Settings
 
 
@@ -90,7 +91,7 @@ def read_report(connection, settings: Settings, own: ChainKey, now_ms: int,
     r = report(prefix, own, settings.lead_ms, registry, chains, observed, held, source, now_ms, carried)
     window_ms = cancelling.retention_ms(own.settings(prefix), settings.cancel_retention)
     records = cancelling.read(connection, Names(prefix), window_ms)
-    held_ids = {mid for mid, _ in records}
+    held_ids = {mid for mid, _ in records.ids}
     if index_counts and not r.missing:
         r.waiting = waiting_messages(connection, Names(prefix), records, window_ms, now_ms)
     check_in = observed.queues.get(Names(prefix).check_in)
@@ -102,16 +103,14 @@ def read_report(connection, settings: Settings, own: ChainKey, now_ms: int,
     return r
 
 
-def waiting_messages(connection, names: Names, records: Sequence[Tuple[bytes, cancels.Time]], window_ms: int,
+def waiting_messages(connection, names: Names, records: cancelling.Recorded, window_ms: int,
                      now_ms: int) -> Dict[str, Any]:
     """The messages that wait, from the index, by due time (cumulative, as `due_within`)."""
-    store = cancels.Store(window_ms)
-    for mid, at in records:
-        store.add(mid, at, now_ms)
+    judge = listing.cancelled_by(records.store(window_ms, now_ms), records.rules, now_ms)
     ranges = [(label, ms) for label, ms in HORIZONS] + [("later", None)]
     try:
-        view, found = index.read(connection, names, now_ms, lambda at: waiting.View(
-            now_ms, at, waiting.cancelled_by(store, now_ms), lambda m: True, 0, lambda m: None, ranges))
+        view, found = index.read(connection, names, now_ms, lambda at: listing.View(
+            now_ms, at, judge, Selection(), None, None, ranges))
     except index.Missing:
         return {"total": None, "exact": False, "why": "the index of what waits is not declared (run `delay-gateway "
                                                         "declare` with this version)"}
@@ -119,4 +118,4 @@ def waiting_messages(connection, names: Names, records: Sequence[Tuple[bytes, ca
     for (label, _), n in zip(ranges, view.counts.counts, strict=True):
         running += n if label != "later" else 0
         cumulative[label] = running if label != "later" else n
-    return {"total": view.total, "due_within": cumulative, "exact": found.horizon.exact, "why": found.horizon.why}
+    return {"total": view.total, "due_within": cumulative, "exact": found.exact, "why": "; ".join(found.reasons())}

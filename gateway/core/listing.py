@@ -1,0 +1,333 @@
+"""What `delay-gateway pending` makes of the index's records (pure; records: waiting.py):
+which messages wait, counted and listed, and whether the answer is exact.
+
+A reader first learns how far back a message may be overdue (`horizon`): a minute past the
+earliest due time the gateways hold while every consumer of the distributor and returning
+queues keeps up, else as far back as the streams keep. It reads the done stream from then
+(done and lapped keys), and each band from its span before then. An entry stands for a
+message that waits:
+- while its `until_ms` has not passed (it waits where the entry says), unless a done key
+  says it left (a delivered copy of a message the broker holds twice: listed once, not twice);
+- after it, since the horizon, unless a done key says it left or a lapped key says its lap is
+  over (a later entry says where it waits now): an overdue message.
+Each entry is decided as it is read, so memory is the done and lapped keys of the horizon
+(8 bytes each), and the messages kept for a listing (`limit` of them); never the messages
+that wait. Records are read a whole record at a time (numpy), and an entry becomes a Python
+object only when a filter, a cancel or the listing needs it.
+
+`Gap`s say what can wait unlisted (messages not read yet, a gateway that does not write
+entries or says nothing, messages from before the index, a horizon that is not a minute):
+the answer is exact only without any.
+"""
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from topology.waiting import RETENTION_SLACK_MS, span_ms
+
+from gateway.core import cancels, envelope
+from gateway.core.rules import Rules
+from gateway.core.selection import Selection
+from gateway.core.waiting import (ENTRIES, FIXED, HAS_ID, KEY, LAPPED_KEYS, LIVE_MS, RETRY, DONE_KEYS, Beat, Listed)
+
+GRACE_MS = 60_000  # what a message may be overdue while the gateways keep up
+
+# -- how far back a reader looks ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Horizon:
+    """How far back a message may be overdue and still wait, as a reader finds it."""
+
+    at_ms: int
+    exact: bool  # the gateways keep up: within GRACE_MS of the earliest due time they hold
+    why: str  # when not: why everything kept is read
+
+
+@dataclass(frozen=True)
+class Place:
+    """A kind of queue where messages wait for a gateway: what the broker says of it."""
+
+    ready: int  # messages no consumer has read
+    consumers: int
+
+
+def live_beats(now_ms: int, beats: Iterable[Beat]) -> List[Beat]:
+    """Each gateway's latest beat, of those that beat within LIVE_MS."""
+    latest: Dict[bytes, Beat] = {}
+    for b in beats:
+        if now_ms - b.at_ms <= LIVE_MS and (b.gateway not in latest or b.at_ms > latest[b.gateway].at_ms):
+            latest[b.gateway] = b
+    return list(latest.values())
+
+
+def silent(place: str, consumers: int, live: Sequence[Beat]) -> int:
+    """How many consumers of a kind of queue no live beat accounts for."""
+    counted: int = sum(getattr(b.consumers, place) for b in live)
+    return max(0, consumers - counted)
+
+
+def horizon(now_ms: int, beats: Iterable[Beat], places: Dict[str, Place]) -> Horizon:
+    """From the gateways' beats and the `distributor` and `returning` places: every consumer
+    of them beat lately and nothing waits unread there, so nothing is overdue by more than
+    GRACE_MS past the earliest due time they hold. Else the reader looks as far back as the
+    streams keep."""
+    live = live_beats(now_ms, beats)
+    everything = now_ms - RETENTION_SLACK_MS
+    for place in ("distributor", "returning"):
+        found = places.get(place, Place(0, 0))
+        if found.ready:
+            return Horizon(everything, False, f"{found.ready} message(s) wait unread in the {place} queue")
+        if found.consumers == 0:
+            return Horizon(everything, False, f"no gateway consumes the {place} queue")
+        quiet = silent(place, found.consumers, live)
+        if quiet:
+            return Horizon(everything, False, f"{quiet} consumer(s) of the {place} queue said nothing for "
+                                              f"{LIVE_MS // 1000} s (a gateway of an earlier version, or one blocked)")
+    low = min([now_ms] + [b.low_ms for b in live])
+    return Horizon(low - GRACE_MS, True, "")
+
+
+def read_from_ms(b: int, at: Horizon) -> int:
+    """Where a reader starts reading band b (by the time entries were written)."""
+    return at.at_ms - span_ms(b)
+
+
+@dataclass(frozen=True)
+class Gap:
+    """Why messages may wait unlisted, and until when (None: until someone acts)."""
+
+    why: str
+    until_ms: Optional[int] = None
+
+
+def gaps(now_ms: int, beats: Iterable[Beat], check_in: Place, unlisted: Iterable[Gap]) -> List[Gap]:
+    """What can wait unlisted beside the horizon: messages no gateway has read yet, a gateway
+    that writes no entries or says nothing while it reads check-in, and what the registry
+    records (messages from before the index: topology/registry.py's `unlisted`)."""
+    live = live_beats(now_ms, beats)
+    out: List[Gap] = []
+    if check_in.ready:
+        out.append(Gap(f"{check_in.ready} message(s) wait in check-in, not read by a gateway yet: listed once one "
+                       "has read them"))
+    quiet = silent("check_in", check_in.consumers, live)
+    if quiet:
+        out.append(Gap(f"{quiet} consumer(s) of check-in said nothing for {LIVE_MS // 1000} s (a gateway of an "
+                       "earlier version, or one blocked): what they send on may not be listed"))
+    blind = sum(1 for b in live if not b.indexes and b.consumers.check_in)
+    if blind:
+        out.append(Gap(f"{blind} gateway(s) run with --no-pending-index: what they send on is not listed"))
+    out += [g for g in unlisted if g.until_ms is None or g.until_ms > now_ms]
+    return out
+
+
+# -- the view ----------------------------------------------------------------------------------
+Cancelled = Callable[[Listed], bool]
+
+
+def cancelled_by(store: cancels.Store, held: Rules, now_ms: int) -> Optional[Cancelled]:
+    """Whether a cancel or a rule held cancels a listed message (the gateway's rule: by its
+    message id, a cancel after it; by its handle, always; a rule that selects it, after it).
+    None when there is nothing to judge by."""
+    if not len(store) and not len(held):
+        return None
+
+    def judge(m: Listed) -> bool:
+        if len(store) and m.read_us in store.handle_times and store.get(m.handle.encode("ascii")) is not None:
+            return True
+        stamp = envelope.broker_stamp(m.properties.headers, now_ms) if not m.retry else None
+        taken_in = cancels.Time(m.read_us, stamp)
+        found = store.get(m.message_id) if len(store) and m.message_id is not None else None
+        if found is not None and found.cancels(taken_in):
+            return True
+        return held.first(m.message_id, m.routing_key, m.due_ms, m.retry, lambda: m.properties.headers,
+                          lambda: m.handle.encode("ascii"), m.read_us, taken_in) is not None
+    return judge
+
+
+@dataclass
+class Counts:
+    """How many are due within each range (exclusive: due by then, not by the one before)."""
+
+    ranges: List[Tuple[str, Optional[int]]]  # (label, up to ms from now; None: later)
+    counts: List[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * len(self.ranges)
+        self._bounds = np.array([upto for _, upto in self.ranges if upto is not None], dtype=np.int64)
+
+    def add(self, due_in_ms: int) -> None:
+        for i, (_, upto) in enumerate(self.ranges):
+            if upto is None or due_in_ms <= upto:
+                self.counts[i] += 1
+                return
+
+    def add_all(self, due_in_ms: "np.ndarray") -> None:
+        if not len(due_in_ms):
+            return
+        found = np.bincount(np.searchsorted(self._bounds, due_in_ms, side="left"), minlength=len(self.ranges))
+        for i in range(len(self.ranges)):
+            self.counts[i] += int(found[i])
+
+
+RANGES: Tuple[Tuple[str, Optional[int]], ...] = (
+    ("overdue", 0), ("within 1 minute", 60_000), ("within 1 hour", 3_600_000), ("within 1 day", 86_400_000),
+    ("within 1 week", 7 * 86_400_000), ("within 30 days", 30 * 86_400_000), ("within 1 year", 365 * 86_400_000),
+    ("later", None))
+
+# the fixed part of an entry (waiting.FIXED), as numpy reads it
+_FIXED_DTYPE = np.dtype([("read_us", ">i8"), ("crc", ">u4"), ("due", ">i8"), ("until", ">i8"), ("size", ">u4"),
+                         ("attempt", ">u2"), ("flags", "u1"), ("id_len", "u1"), ("key_len", "u1"),
+                         ("props_len", ">u4")])
+assert _FIXED_DTYPE.itemsize == FIXED.size
+_KEY_DTYPE = np.dtype([("read_us", ">i8"), ("crc", ">u4")])
+assert _KEY_DTYPE.itemsize == KEY.size
+_MIX = np.uint64(0x9E3779B97F4A7C15)  # an odd multiplier: a message's 64-bit key (`mixed`)
+
+
+def mixed(read_us: "np.ndarray", crc: "np.ndarray") -> "np.ndarray":
+    """A message's key (waiting.key_of) in 64 bits: read time x an odd number, plus the
+    checksum. Two messages with one checksum never meet; others by chance, 1 in 2^64."""
+    out: np.ndarray = np.add(np.multiply(read_us.astype(np.uint64), _MIX), crc.astype(np.uint64))
+    return out
+
+
+def _member(sorted_keys: "np.ndarray", keys: "np.ndarray") -> "np.ndarray":
+    if not len(sorted_keys):
+        return np.zeros(len(keys), dtype=bool)
+    at = np.searchsorted(sorted_keys, keys)
+    found: np.ndarray = sorted_keys[np.minimum(at, len(sorted_keys) - 1)] == keys
+    return found
+
+
+class View:
+    """What waits, from the done stream's keys and the bands' entries (see the module doc):
+    `add_keys` for every record of the done stream first, then `add_entries` for every record
+    of the bands."""
+
+    def __init__(self, now_ms: int, at: Horizon, cancelled: Optional[Cancelled], select: Selection,
+                 keep: Optional[int] = None, each: Optional[Callable[[Listed], object]] = None,
+                 ranges: Sequence[Tuple[str, Optional[int]]] = RANGES) -> None:
+        """`keep`: how many to keep for a listing, the soonest due (None: none, a count; 0:
+        all); `each`: told of every one instead, in no order (an export of millions keeps
+        none); `ranges`: what to count by (`Counts`)."""
+        self.now_ms, self.at, self.cancelled, self.select, self.keep = now_ms, at, cancelled, select, keep
+        self.each = each
+        self._done_parts: List[np.ndarray] = []
+        self._lapped_parts: List[np.ndarray] = []
+        self._done: Optional[np.ndarray] = None
+        self._lapped: Optional[np.ndarray] = None
+        self._kept: List[Tuple[int, int, int, Listed]] = []  # (-due, -seq, ...) a max-heap of the soonest
+        self._seq = 0
+        self.total = 0
+        self.latest_due_ms: Optional[int] = None  # of those counted
+        self.counts = Counts(list(ranges))
+        self.read = 0  # entries read
+        self.keys = 0  # done and lapped keys read
+
+    # -- the done stream ---------------------------------------------------------------------
+    def add_keys(self, body: bytes) -> None:
+        """A record of the done stream: done or lapped keys (anything else: nothing)."""
+        for magic, parts in ((DONE_KEYS, self._done_parts), (LAPPED_KEYS, self._lapped_parts)):
+            if body.startswith(magic) and len(body) >= 8:
+                count = int.from_bytes(body[4:8], "big")
+                if 8 + count * KEY.size <= len(body):
+                    keys = np.frombuffer(body, dtype=_KEY_DTYPE, count=count, offset=8)
+                    parts.append(mixed(keys["read_us"], keys["crc"]))
+                    self.keys += count
+
+    def _sealed(self) -> Tuple["np.ndarray", "np.ndarray"]:
+        if self._done is None or self._lapped is None:
+            def joined(parts: List["np.ndarray"]) -> "np.ndarray":
+                return np.unique(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.uint64)
+            self._done, self._lapped = joined(self._done_parts), joined(self._lapped_parts)
+            self._done_parts.clear()
+            self._lapped_parts.clear()
+        return self._done, self._lapped
+
+    # -- the bands ---------------------------------------------------------------------------
+    def add_entries(self, body: bytes) -> None:
+        """A record of a band: each entry decided as it is read."""
+        if not body.startswith(ENTRIES) or len(body) < 8:
+            return
+        count = int.from_bytes(body[4:8], "big")
+        end = 8 + count * FIXED.size
+        if end > len(body) or not count:
+            return
+        done, lapped = self._sealed()
+        fixed = np.frombuffer(body, dtype=_FIXED_DTYPE, count=count, offset=8)
+        self.read += count
+        until = fixed["until"]
+        current = until >= self.now_ms
+        doubt = ~current & (until >= self.at.at_ms)
+        keys = mixed(fixed["read_us"], fixed["crc"])
+        waits = (current | doubt) & ~_member(done, keys)
+        if len(lapped):
+            waits &= ~(doubt & _member(lapped, keys))
+        if not waits.any():
+            return
+        due = fixed["due"].astype(np.int64)
+        if self.select.empty and self.cancelled is None and self.each is None and self.keep != 0:
+            # Nothing to judge one by one: count what cannot enter the listing (all of it for a
+            # count; what is due no sooner than the latest kept once it is full) in one go.
+            counted = waits.copy()
+            if self.keep is not None:
+                if len(self._kept) >= self.keep:
+                    counted &= due >= -self._kept[0][0]
+                else:
+                    counted[:] = False
+            waits &= ~counted
+            chosen = np.nonzero(counted)[0]
+            if len(chosen):
+                self.total += len(chosen)
+                self.counts.add_all(due[chosen] - self.now_ms)
+                latest = int(due[chosen].max())
+                self.latest_due_ms = latest if self.latest_due_ms is None else max(latest, self.latest_due_ms)
+            if not waits.any():
+                return
+        lengths = fixed["id_len"].astype(np.int64) + fixed["key_len"] + fixed["props_len"].astype(np.int64)
+        starts = end + np.concatenate(([0], np.cumsum(lengths)[:-1]))
+        if starts[-1] + lengths[-1] > len(body):
+            return  # (a damaged record: its entries cannot be told apart)
+        for i in np.nonzero(waits)[0].tolist():
+            row = fixed[i]
+            offset, id_len, key_len = int(starts[i]), int(row["id_len"]), int(row["key_len"])
+            flags = int(row["flags"])
+            rk_at = offset + id_len
+            props_at = rk_at + key_len
+            self._consider(Listed(int(row["read_us"]), int(row["crc"]), int(row["due"]), int(row["until"]),
+                                  int(row["size"]), (int(row["attempt"]) or None) if flags & RETRY else None,
+                                  bool(flags & RETRY), body[offset:rk_at] if flags & HAS_ID else None,
+                                  body[rk_at:props_at], body[props_at:props_at + int(row["props_len"])]))
+
+    def _consider(self, m: Listed) -> None:
+        if not self.select.matches(m.message_id, m.routing_key, m.due_ms, m.retry, lambda: m.properties.headers,
+                                   lambda: m.handle.encode("ascii")):
+            return
+        if self.cancelled is not None and self.cancelled(m):
+            return
+        self.total += 1
+        self.counts.add(m.due_ms - self.now_ms)
+        if self.latest_due_ms is None or m.due_ms > self.latest_due_ms:
+            self.latest_due_ms = m.due_ms
+        if self.each is not None:
+            self.each(m)
+            return
+        if self.keep is None:
+            return
+        self._seq += 1
+        item = (-m.due_ms, -self._seq, self._seq, m)
+        if not self.keep:
+            self._kept.append(item)
+        elif len(self._kept) < self.keep:
+            heapq.heappush(self._kept, item)
+        elif item > self._kept[0]:  # due sooner than the latest kept
+            heapq.heapreplace(self._kept, item)
+
+    def listed(self) -> List[Listed]:
+        """The messages kept, soonest due first (first read first among equals)."""
+        return [m for _, _, _, m in sorted(self._kept, key=lambda i: (-i[0], i[2]))]
+

@@ -1,0 +1,207 @@
+"""What a reader makes of the index's records (gateway/core/listing.py), pure: an entry waits
+while its time has not passed, or after it within the horizon; done keys take a message off,
+lapped keys end a lap's entry; cancels and rules hide what they cancel; the horizon is a
+minute only while every consumer beats; and the answer says why it is not exact. The fast
+path (whole records at once) counts exactly as the one-by-one path does."""
+
+from typing import List, Optional, Sequence, Tuple
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from gateway.core import cancels, listing, rules, waiting
+from gateway.core.carrier import Entry
+from gateway.core.listing import Gap, Horizon, Place, View
+from gateway.core.selection import Selection
+from gateway.core.waiting import Beat, Consumers
+from gateway.core.wire import Properties, Table, long, longstr
+
+from .support import examples
+
+NOW = 1_800_000_000_000
+EXACT = Horizon(NOW - listing.GRACE_MS, True, "")
+
+
+def entry(key: bytes = b"k", mid: Optional[bytes] = b"m", due: int = NOW + 60_000, read_us: int = NOW * 1000,
+          body: bytes = b"body", exchange: Optional[str] = None, headers: Optional[Table] = None) -> Entry:
+    values = {"headers": headers} if headers is not None else {}
+    if mid is not None:
+        values["message_id"] = mid
+    return Entry(key, Properties.build(**values), body, due, read_us, exchange)
+
+
+def key(e: Entry) -> bytes:
+    found = waiting.done_key(e)
+    assert found is not None
+    return found
+
+
+def view(written: Sequence[Tuple[Entry, int]], done: Sequence[Entry] = (), lapped: Sequence[Entry] = (),
+         select: Optional[Selection] = None, cancelled=None, keep: Optional[int] = 0, at: Horizon = EXACT,
+         one_record: bool = False) -> View:
+    """A view fed as a reader feeds it: the done stream's records, then the bands' (each
+    entry a record of its own, or all of them in one)."""
+    v = View(NOW, at, cancelled, select or Selection(), keep)
+    if done:
+        v.add_keys(waiting.pack_done([key(e) for e in done]))
+    if lapped:
+        v.add_keys(waiting.pack_lapped([key(e) for e in lapped]))
+    records = [waiting.entry_record(e, until) for e, until in written]
+    for group in ([records] if one_record else [[r] for r in records]):
+        v.add_entries(waiting.pack_entries(group))
+    return v
+
+
+def test_a_lapped_key_ends_a_laps_entry_and_leaves_the_next_one():
+    e = entry(due=NOW + 10 * 86_400_000)
+    lap_ended, next_lap = (e, NOW - 1000), (e, NOW + 5000)  # its lap ended a second ago
+    for order in ([lap_ended, next_lap], [next_lap, lap_ended]):
+        v = view(order, lapped=[e])
+        assert v.total == 1 and [m.until_ms for m in v.listed()] == [NOW + 5000]
+    # a gateway of an earlier version writes no lapped keys: listed twice for up to the grace
+    # (and the reader says it is not exact: a consumer that does not beat as 1.0 does)
+    assert view([lap_ended, next_lap]).total == 2
+
+
+def test_a_lapped_key_never_takes_off_a_message_that_waits_now():
+    e = entry(due=NOW + 10 * 86_400_000)
+    assert view([(e, NOW + 5000)], lapped=[e]).total == 1
+
+
+def test_overdue_within_the_horizon_waits_and_leaves_when_done():
+    e = entry(due=NOW - 30_000)
+    v = view([(e, e.due_ms)])  # due half a minute ago, no gateway delivered it yet
+    assert v.total == 1 and v.counts.counts[0] == 1  # overdue
+    assert view([(e, e.due_ms)], done=[e]).total == 0
+    old = entry(due=NOW - listing.GRACE_MS - 1)
+    assert view([(old, old.due_ms)]).total == 0  # past the horizon: delivered by gateways that keep up
+    assert view([(old, old.due_ms)], at=Horizon(NOW - 3_600_000, False, "no gateway")).total == 1
+
+
+def test_a_delivered_copy_takes_the_message_off_even_where_it_still_waits():
+    """A message the broker holds twice (a crash after it was sent on), one copy delivered:
+    listed once at most, never more often than it will be delivered."""
+    e = entry(due=NOW + 5000)
+    assert view([(e, e.due_ms)], done=[e]).total == 0
+
+
+def test_a_copy_written_twice_is_listed_as_often_as_the_broker_holds_it():
+    """A copy read again after a crash has a read time of its own; one sent on again with its
+    read time (from a carrier handed back) is in the broker twice, and will be delivered
+    twice: listed twice, never more."""
+    first, again = entry(read_us=NOW * 1000), entry(read_us=NOW * 1000 + 7)
+    assert view([(first, first.due_ms), (again, again.due_ms)]).total == 2
+    assert view([(first, first.due_ms), (first, first.due_ms)]).total == 2
+
+
+def test_two_processes_reading_in_the_same_microsecond_list_two_messages():
+    """Read times of two gateways meet (each counts from its millisecond); a message's key,
+    property or body tells them apart, even on the same routing key."""
+    a, b = entry(b"load.1", b"m-1", read_us=NOW * 1000), entry(b"load.1", b"m-2", read_us=NOW * 1000)
+    assert view([(a, a.due_ms), (b, b.due_ms)]).total == 2
+
+
+def test_cancels_by_id_after_the_message_by_handle_always_and_rules_after_the_message():
+    store = cancels.Store(window_ms=10**9)
+    held = rules.Rules(window_ms=10**9)
+    t = NOW * 1000
+    by_id, by_handle, after, spared = (entry(b"k", b"x", read_us=t + 10), entry(b"k", None, read_us=t + 20),
+                                       entry(b"k", b"y", read_us=t + 30), entry(b"k", b"z", read_us=t + 40))
+    by_rule, after_rule = entry(b"orders.42.a", b"r", read_us=t + 50), entry(b"orders.42.b", b"s", read_us=t + 70)
+    store.add(b"x", cancels.Time(t + 11), NOW)
+    store.add(b"y", cancels.Time(t + 29), NOW)  # before the message (a reschedule): it stays
+    store.add(cancels.handle(t + 20, waiting.checksum(by_handle)).encode(), cancels.Time(t + 1), NOW)
+    held.add(rules.Rule(b"r1", Selection(key="orders.42.#"), cancels.Time(t + 60)), NOW)
+    v = view([(e, e.due_ms) for e in (by_id, by_handle, after, spared, by_rule, after_rule)],
+             cancelled=listing.cancelled_by(store, held, NOW))
+    assert [m.message_id for m in v.listed()] == [b"y", b"z", b"s"]
+    assert listing.cancelled_by(cancels.Store(1000), rules.Rules(1000), NOW) is None
+
+
+FILTERED = [entry(b"orders.42.reminder", b"a1", NOW + 3_600_000, 1), entry(b"orders.421.x", b"a2", NOW + 60_000, 2),
+            entry(b"orders.42.reminder", b"b1", NOW + 90_000_000, 3,
+                  headers=Table([long("customer", 42), longstr("tier", b"gold")])),
+            entry(b"orders.42.other", None, NOW + 10_000, 4, headers=Table([longstr("customer", b"42")])),
+            entry(b"jobs", b"r1", NOW + 5000, 5, exchange="", headers=Table([long("x-retry-attempt", 3)]))]
+
+
+@pytest.mark.parametrize("one_record", [False, True])
+def test_filters_combine_and_the_soonest_due_are_kept(one_record):
+    def chosen(**given) -> List[int]:
+        return [m.read_us for m in view([(e, e.due_ms) for e in FILTERED], select=Selection(**given),
+                                        one_record=one_record).listed()]
+    assert chosen(key="orders.42.#") == [4, 1, 3]
+    assert chosen(key="orders.42.#", due_after_ms=NOW + 60_000, due_before_ms=NOW + 86_400_000) == [1]
+    assert chosen(headers=(("customer", "42"),)) == [4, 3]
+    assert chosen(headers=(("customer", "42"), ("tier", "gold"))) == [3]
+    assert chosen(ids=(b"a*",)) == [2, 1] and chosen(ids=(b"a1", b"r1")) == [5, 1]
+    assert chosen(ids=(cancels.handle(4, waiting.checksum(FILTERED[3])).encode(),)) == [4]
+    assert chosen(retries=True) == [5]
+    v = view([(e, e.due_ms) for e in FILTERED], keep=2, one_record=one_record)
+    assert [m.read_us for m in v.listed()] == [5, 4] and v.total == 5 and v.latest_due_ms == NOW + 90_000_000
+    v = view([(e, e.due_ms) for e in FILTERED], keep=None, one_record=one_record)
+    assert v.listed() == [] and v.total == 5
+
+
+@settings(max_examples=examples(300))
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(-120_000, 400 * 86_400_000), st.integers(-150_000, 10**9),
+                          st.booleans(), st.booleans(), st.sampled_from([b"a.1", b"a.2", b"b.1"])),
+                max_size=60),
+       st.sampled_from([None, 0, 3]), st.booleans(), st.booleans())
+def test_the_fast_path_counts_and_keeps_what_one_by_one_does(items, keep, filtered, one_record):
+    """Whole records judged at once (no filter, no cancel) against the same with a filter
+    that selects everything (judged one by one): the same totals, counts and listing; and
+    both as a plain model of the rules says."""
+    written, done, lapped = [], [], []
+    for n, (reader, due_in, until_in, is_done, is_lapped, rk) in enumerate(items):
+        e = entry(rk, f"m{n}".encode(), NOW + due_in, (NOW + reader) * 1000 + n)
+        written.append((e, NOW + until_in))
+        if is_done:
+            done.append(e)
+        if is_lapped:
+            lapped.append(e)
+    fast = view(written, done, lapped, keep=keep, one_record=one_record)
+    slow = view(written, done, lapped, select=Selection(key="#") if filtered else Selection(),
+                cancelled=(lambda m: False), keep=keep, one_record=one_record)
+    model = [(e, until) for e, until in written if e not in done
+             and (until >= NOW or (until >= EXACT.at_ms and e not in lapped))]
+    assert fast.total == slow.total == len(model)
+    assert fast.counts.counts == slow.counts.counts
+    assert sorted(m.read_us for m in fast.listed()) == sorted(m.read_us for m in slow.listed())
+    if keep:
+        assert [m.due_ms for m in fast.listed()] == sorted(e.due_ms for e, _ in model)[:keep]
+
+
+# -- the horizon and the gaps ------------------------------------------------------------------
+def beat(n: int, roles: int, at: int, consumers: Optional[Consumers] = None, indexes: bool = True) -> Beat:
+    return Beat(bytes([n]) * 16, roles, NOW - 10, at, consumers or Consumers(1, 1, 1),
+                waiting.INDEXES if indexes else 0)
+
+
+@pytest.mark.parametrize("distributor,returning,beats,exact", [
+    ((0, 1), (0, 1), [beat(0, 3, NOW - 1000)], True),
+    ((0, 2), (0, 1), [beat(0, 3, NOW - 1000)], False),  # a consumer that said nothing
+    ((0, 2), (0, 2), [beat(0, 3, NOW - 1000, Consumers(2, 2, 2))], True),  # a classic chain: two exits each
+    ((5, 1), (0, 1), [beat(0, 3, NOW - 1000)], False),  # unread in the distributor queue
+    ((0, 0), (0, 0), [], False),  # no gateway
+    ((0, 1), (0, 1), [beat(0, 3, NOW - 60_000)], False),  # its last beat is old
+    ((0, 1), (0, 1), [beat(0, 2, NOW - 1000, Consumers(0, 0, 1)), beat(1, 1, NOW - 900, Consumers(2, 1, 0))],
+     True),  # roles split
+])
+def test_the_horizon_is_a_minute_only_while_every_consumer_keeps_up(distributor, returning, beats, exact):
+    found = listing.horizon(NOW, beats, {"distributor": Place(*distributor), "returning": Place(*returning)})
+    assert found.exact == exact
+    assert found.at_ms == (NOW - 10 - listing.GRACE_MS if exact else NOW - listing.RETENTION_SLACK_MS)
+
+
+def test_what_can_wait_unlisted_is_said_until_it_cannot():
+    live = [beat(0, 3, NOW - 1000, Consumers(2, 1, 1))]
+    assert listing.gaps(NOW, live, Place(0, 2), []) == []
+    unread = listing.gaps(NOW, live, Place(7, 2), [])
+    assert [g.why.split(":")[0] for g in unread] == ["7 message(s) wait in check-in, not read by a gateway yet"]
+    quiet = listing.gaps(NOW, live, Place(0, 3), [])  # a check-in consumer that does not beat: an older gateway
+    assert len(quiet) == 1 and quiet[0].why.startswith("1 consumer(s) of check-in said nothing")
+    blind = listing.gaps(NOW, [beat(0, 3, NOW - 1000, Consumers(2, 1, 1), indexes=False)], Place(0, 2), [])
+    assert len(blind) == 1 and "--no-pending-index" in blind[0].why
+    before = Gap("messages scheduled before the index", NOW + 1)
+    assert listing.gaps(NOW, live, Place(0, 2), [before, Gap("over", NOW - 1)]) == [before]
