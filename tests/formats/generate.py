@@ -1,0 +1,475 @@
+"""The golden samples of what this version writes where messages wait, from fixed inputs.
+
+`samples()` runs this tree's own writers (the handlers, carriers, cancel records, the index of
+what waits, the chains registry, move-from-plugin, the pick-up stamp) on the publishers'
+messages below and returns, per format and variant, the bytes written and what this tree's
+code reads back from them (checked against what the writer held). tests/test_formats.py
+compares them with the newest sample of each format; when a format changes on purpose,
+
+    .venv/bin/python -m tests.formats.generate --write
+
+adds a sample of the new format for each format whose bytes changed, named by the commit
+that is checked out (commit the change first). It never changes or deletes a sample: every
+era stays, and the test reads each one with today's code (tests/formats/README.md).
+
+The samples of earlier eras were made the same way by each earlier commit's own code, from
+these inputs.
+"""
+
+import argparse
+import dataclasses
+import json
+import random
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from pika import spec
+
+from gateway.core import cancels, carrier, envelope, handlers, retries, waiting
+from gateway.core.actions import Enqueue, Forward
+from gateway.core.carrier import Entry
+from gateway.core.inputs import Delivery
+from gateway.core.wire import Properties
+from topology import ChainSettings
+from topology import registry
+from topology.waiting import bands
+
+SAMPLES = Path(__file__).parent / "samples"
+NOW = 1_795_310_000_000  # 2026-11-21T22:33:20Z, the clock every handler is given
+LEAD_MS = 50
+DAY_MS = 86_400_000
+STAMP = NOW - 250
+CHAIN = ChainSettings(prefix="delay", max_level=20, resolution_ms=1000)
+NAMES = CHAIN.names
+Json = Dict[str, Any]
+
+
+def hx(b: Optional[bytes]) -> Optional[str]:
+    return None if b is None else bytes(b).hex()
+
+
+def props_raw(**kw: Any) -> bytes:
+    """A publisher's properties as pika puts them on the wire."""
+    return b"".join(spec.BasicProperties(**kw).encode())
+
+
+# -- the publishers' messages (exchange, routing key, body, properties as wire bytes) -----------------
+DEATH = {"count": 1, "reason": "rejected", "queue": "orders",
+         "time": datetime(2026, 11, 21, 22, 33, 19, tzinfo=timezone.utc), "exchange": "", "routing-keys": ["orders"]}
+FIRST = {"x-first-death-exchange": "", "x-first-death-queue": "orders", "x-first-death-reason": "rejected"}
+PUBLISHED: Dict[str, Tuple[str, bytes, bytes, bytes]] = {
+    "chain": ("delay.check-in", b"reminder.review", b'{"order": 42}', props_raw(
+        content_type="application/json", headers={"x-delay": 90_000, "tenant": "acme"}, delivery_mode=2, priority=3,
+        correlation_id="corr-1", expiration="86400000", message_id="order-42-review", timestamp=1_795_310_000,
+        app_id="shop")),
+    "chain-second": ("delay.check-in", "reminder.caf\u00e9".encode(), b'{"order": 43}', props_raw(
+        content_type="application/json", headers={"x-delay": 90_000}, delivery_mode=2, message_id="order-43-review")),
+    "meditation": ("delay.check-in", b"invoice.due", b"pay up", props_raw(
+        content_type="text/plain", headers={"x-delay": 30 * DAY_MS}, delivery_mode=2, message_id="invoice-7")),
+    "distributor": ("delay.check-in", b"tick", b"", props_raw(headers={"x-delay": 300})),
+    "stamped": ("delay.check-in", b"reminder.stamped", b"stamped body", props_raw(
+        headers={"x-delay": 90_000, "timestamp_in_ms": STAMP}, delivery_mode=2, message_id="stamped-1")),
+    "unreadable": ("delay.check-in", b"reminder.bad", b"bad delay", props_raw(
+        headers={"x-delay": "soon"}, delivery_mode=2, message_id="bad-1")),
+    "cancel": ("delay.cancel", b"", b"", props_raw(delivery_mode=2, message_id="order-42-review")),
+    "cancel-stamped": ("delay.cancel", b"", b"", props_raw(
+        headers={"timestamp_in_ms": NOW - 100}, delivery_mode=2, message_id="stamped-1")),
+    "cancel-no-id": ("delay.cancel", b"", b"", props_raw(delivery_mode=2)),
+    "retry": ("delay.retry", b"orders", b"job 7", props_raw(
+        content_type="application/json", headers={"x-death": [DEATH], **FIRST, "x-retry-attempt": 2},
+        delivery_mode=2, message_id="job-7")),
+    "retry-second": ("delay.retry", b"orders", b"job 8", props_raw(
+        headers={"x-death": [DEATH], **FIRST, "x-retry-attempt": 2}, delivery_mode=2, message_id="job-8")),
+    "retry-gave-up": ("delay.retry", b"orders", b"job 9", props_raw(
+        headers={"x-death": [DEATH], **FIRST, "x-retry-attempt": 10, "x-retry-reason": "timeout"},
+        delivery_mode=2, message_id="job-9")),
+}
+
+
+def published(name: str) -> Json:
+    ex, rk, body, raw = PUBLISHED[name]
+    return {"body": hx(body), "exchange": ex, "properties": hx(raw), "routing_key": hx(rk)}
+
+
+def delivery(name: str) -> Delivery:
+    ex, rk, body, raw = PUBLISHED[name]
+    exchange = {"delay.check-in": NAMES.check_in, "delay.cancel": NAMES.cancel, "delay.retry": NAMES.retry}[ex]
+    return Delivery(exchange, rk, Properties.parse(raw), body)
+
+
+def check_in() -> handlers.CheckIn:
+    return handlers.CheckIn(CHAIN, LEAD_MS)
+
+
+def retry() -> handlers.Retry:
+    return handlers.Retry(CHAIN, LEAD_MS, (retries.Policy(),), random.Random(7))
+
+
+def only(actions: List[Any]) -> Any:
+    assert len(actions) == 1, actions
+    return actions[0]
+
+
+def enqueued(handler: Callable[[Delivery, int], List[Any]], name: str) -> Enqueue:
+    action = only(handler(delivery(name), NOW))
+    assert isinstance(action, Enqueue), action
+    return action
+
+
+# -- the bytes of a publish, and what they say ------------------------------------------------------------
+def wire_of(f: Forward) -> Json:
+    return {"body": hx(f.body), "exchange": f.exchange, "properties": hx(f.props.raw), "routing_key": hx(f.routing_key)}
+
+
+def entry_json(e: Entry) -> Json:
+    return {"accepted_us": e.accepted_us, "body": hx(e.body), "due_ms": e.due_ms, "exchange": e.exchange,
+            "routing_key": hx(e.routing_key), "user_properties": hx(e.user.raw)}
+
+
+def read_single(msg: Json) -> Json:
+    inside = envelope.Inside(Properties.parse(bytes.fromhex(msg["properties"])))
+    return {"due_ms": inside.due_ms, "routing_key": hx(inside.routing_key),
+            "user_properties": hx(inside.user.raw) if inside.user is not None else None, "body": msg["body"],
+            "accepted_us": inside.accepted_us, "exchange": inside.exchange, "error": inside.error}
+
+
+def read_carrier(msg: Json) -> Json:
+    props = Properties.parse(bytes.fromhex(msg["properties"]))
+    got = carrier.unpack(bytes.fromhex(msg["body"]), carrier.accepted_times(props), envelope.destination(props.headers))
+    return {"count": props.headers.get(carrier.COUNT), "due_ms": props.headers.get(envelope.DUE_AT),
+            "messages": [entry_json(e) for e in got]}
+
+
+def single(f: Forward, written: Optional[Entry], produced_by: str, inputs: Json) -> Json:
+    msg = wire_of(f)
+    expected = read_single(msg)
+    if written is not None:
+        for k, v in entry_json(written).items():
+            assert expected[k] == v, (produced_by, k, expected[k], v)
+    return {"produced_by": produced_by, "inputs": inputs, "message": msg, "expected": expected,
+            "route": f.outcome.value}
+
+
+def carried(f: Forward, written: List[Entry], produced_by: str, inputs: Json) -> Json:
+    msg = wire_of(f)
+    expected = read_carrier(msg)
+    assert expected["messages"] == [entry_json(e) for e in written], produced_by
+    return {"produced_by": produced_by, "inputs": inputs, "message": msg, "expected": expected,
+            "route": f.outcome.value}
+
+
+def inputs_of(*names: str, **more: Any) -> Json:
+    found = [published(n) for n in names]
+    return {"published": found[0] if len(found) == 1 else found, "now_ms": NOW, **more}
+
+
+# -- each format ---------------------------------------------------------------------------------------------
+def alone(name: str, produced_by: str) -> Json:
+    e = enqueued(check_in(), name)
+    f = handlers.carry(e.exchange, e.routing_key, e.outcome, [e.entry])
+    return single(f, e.entry, produced_by, inputs_of(name, lead_ms=LEAD_MS))
+
+
+def envelope_samples() -> Json:
+    return {"chain": alone("chain", "handlers.CheckIn -> a level of the chain (one message alone)"),
+            "distributor": alone("distributor", "handlers.CheckIn -> the distributor (due within a unit)")}
+
+
+def meditation_samples() -> Json:
+    h = check_in()
+    a, b = enqueued(h, "meditation"), enqueued(h, "chain")
+    second = dataclasses.replace(b.entry, due_ms=NOW + 40 * DAY_MS)
+    f = handlers.carry(a.exchange, a.routing_key, a.outcome, [a.entry, second])
+    return {"alone": alone("meditation", "handlers.CheckIn -> meditation (x-delay 30 days)"),
+            "carrier": carried(f, [a.entry, second], "handlers.CheckIn x2 -> handlers.carry to meditation",
+                               inputs_of("meditation", "chain", lead_ms=LEAD_MS,
+                                         note="the second message's due time set to now + 40 days"))}
+
+
+def carrier_samples() -> Json:
+    h = check_in()
+    a, b = enqueued(h, "chain"), enqueued(h, "chain-second")
+    two = handlers.carry(a.exchange, a.routing_key, a.outcome, [a.entry, b.entry])
+    h = check_in()
+    a, b = enqueued(h, "chain"), enqueued(h, "chain-second")
+    old = dataclasses.replace(b.entry, accepted_us=None)  # one from before read times, re-batched by returning
+    mixed = handlers.carry(a.exchange, a.routing_key, a.outcome, [a.entry, old])
+    return {"mixed-times": carried(mixed, [a.entry, old],
+                                   "handlers.carry of one entry with a read time and one without",
+                                   inputs_of("chain", "chain-second", lead_ms=LEAD_MS,
+                                             note="the second entry's accepted_us set to None")),
+            "two": carried(two, [a.entry, b.entry], "handlers.CheckIn x2 -> handlers.carry (a carrier of two)",
+                           inputs_of("chain", "chain-second", lead_ms=LEAD_MS))}
+
+
+def arrival_stamp_samples() -> Json:
+    return {"message": alone("stamped", "handlers.CheckIn of a stamped message (x-delay counts from the stamp)")}
+
+
+def parked_samples() -> Json:
+    out: Json = {}
+    f = only(check_in()(delivery("unreadable"), NOW))
+    out["unreadable-delay"] = single(f, None, "handlers.CheckIn parks a message whose x-delay cannot be read",
+                                     inputs_of("unreadable"))
+    e = enqueued(check_in(), "chain").entry
+    f = handlers.Distributor(CHAIN, LEAD_MS).unroutable(e)
+    out["unroutable-at-pick-up"] = single(
+        f, e, "the distributor (or parking) parks a due message no queue is bound for",
+        inputs_of("chain", note="unroutable at pick-up"))
+    f = only(check_in()(delivery("cancel-no-id"), NOW))
+    out["cancel-without-id"] = single(f, None, "handlers.CheckIn parks a cancel with no message_id",
+                                      inputs_of("cancel-no-id"))
+    f = only(retry()(delivery("retry-gave-up"), NOW))
+    out["retry-gave-up"] = single(f, f.entry, "handlers.Retry parks a message after its last attempt",
+                                  inputs_of("retry-gave-up"))
+    for name, sample in out.items():
+        assert sample["expected"]["error"], name
+    return out
+
+
+def retry_samples() -> Json:
+    e = enqueued(retry(), "retry")
+    f = handlers.carry(e.exchange, e.routing_key, e.outcome, [e.entry])
+    more = {"lead_ms": LEAD_MS, "policy": "retries.Policy() defaults", "rng": "random.Random(7)"}
+    h = retry()
+    a, b = enqueued(h, "retry"), enqueued(h, "retry-second")
+    assert (a.exchange, a.routing_key) == (b.exchange, b.routing_key)
+    two = handlers.carry(a.exchange, a.routing_key, a.outcome, [a.entry, b.entry])
+    return {"alone": single(f, e.entry, "handlers.Retry -> the chain (a retry alone)", inputs_of("retry", **more)),
+            "carrier": carried(two, [a.entry, b.entry], "handlers.Retry x2 -> handlers.carry (retries to one queue)",
+                               inputs_of("retry", "retry-second", lead_ms=LEAD_MS))}
+
+
+def record_expected(f: Forward) -> Json:
+    found = cancels.read_record(f.props.headers)
+    assert found is not None
+    return {"id": hx(found[0]), "read_us": found[1].read_us, "arrived_ms": found[1].arrived_ms}
+
+
+def cancel_record_samples() -> Json:
+    out: Json = {}
+    for variant, name, about in (("record", "cancel", "handlers.CheckIn records a cancel (no arrival stamp)"),
+                                 ("stamped", "cancel-stamped", "handlers.CheckIn records a cancel the broker stamped")):
+        f = only(check_in()(delivery(name), NOW))
+        out[variant] = {"produced_by": about, "inputs": inputs_of(name), "message": wire_of(f),
+                        "expected": record_expected(f), "route": f.outcome.value}
+    token = b"0123456789abcdef0123456789abcdef"
+    mark = cancels.mark(token)
+    out["mark"] = {"produced_by": "cancels.mark (a gateway's mark to find the stream's end)",
+                   "inputs": {"token": hx(token)},
+                   "message": {"exchange": "", "routing_key": "", "properties": hx(mark.raw), "body": ""},
+                   "expected": {"mark": hx(cancels.read_mark(mark.headers))}}
+    # a cancel by handle, as `pending cancel` publishes it for a message without an id
+    named = enqueued(check_in(), "distributor").entry
+    rec = waiting.Recorder(16, CHAIN.meditation_ms)
+    rec.waits(False, [(1, named)], NOW)
+    ((_, _, record),) = rec.take_entries()
+    (listed,) = list(waiting.entries(record))
+    handle = listed.handle.encode()
+    d = dataclasses.replace(delivery("cancel"), props=Properties.build(delivery_mode=2, message_id=handle))
+    f = only(check_in()(d, NOW))
+    out["handle"] = {
+        "produced_by": "pending cancel's handle of a message, recorded by handlers.CheckIn",
+        "inputs": inputs_of("distributor", note="the handle of the message 'distributor' (no message id) as that "
+                            "version's index lists it, published as a cancel's message_id and recorded by check-in"),
+        "message": wire_of(f), "expected": {**record_expected(f), "handle": handle.decode(),
+                                            "named_message": entry_json(named)},
+        "route": f.outcome.value}
+    return out
+
+
+def listed_json(m: waiting.Listed) -> Json:
+    return {k: hx(v) if isinstance(v, bytes) else v for k, v in dataclasses.asdict(m).items()}
+
+
+def index_records(rec: waiting.Recorder) -> List[Json]:
+    return [{"band": key, "body": hx(record), "expected": [listed_json(m) for m in waiting.entries(record)]}
+            for key, _, record in rec.take_entries()]
+
+
+def waiting_samples() -> Json:
+    h = check_in()
+    chain_e, med_e, noid_e = (enqueued(h, n).entry for n in ("chain", "meditation", "distributor"))
+    retry_e = enqueued(retry(), "retry").entry
+    n = bands(CHAIN)
+    rec = waiting.Recorder(n, CHAIN.meditation_ms)
+    rec.waits(False, [(1, chain_e), (2, noid_e), (3, retry_e)], NOW)
+    rec.waits(True, [(4, med_e)], NOW)
+    out: Json = {"entries": {
+        "produced_by": "waiting.Recorder.waits -> take_entries (DGW1)",
+        "inputs": {**inputs_of("chain", "distributor", "retry", "meditation"), "bands": n,
+                   "lap_ms": CHAIN.meditation_ms},
+        "records": index_records(rec), "messages": [entry_json(e) for e in (chain_e, noid_e, retry_e, med_e)]}}
+    h = check_in()
+    a, b = enqueued(h, "chain").entry, enqueued(h, "chain-second").entry
+    rec = waiting.Recorder(n, CHAIN.meditation_ms)
+    rec.waits(False, [(1, a), (1, b)], NOW)
+    out["entries-carried"] = {
+        "produced_by": "waiting.Recorder.waits of a carrier's two messages (one DGW1 record)",
+        "inputs": {**inputs_of("chain", "chain-second"), "bands": n, "lap_ms": CHAIN.meditation_ms},
+        "records": index_records(rec), "messages": [entry_json(e) for e in (a, b)]}
+    h = check_in()
+    a, b = enqueued(h, "chain").entry, enqueued(h, "distributor").entry
+    rec = waiting.Recorder(16, CHAIN.meditation_ms)
+    rec.left([(1, a), (2, b)], NOW)
+    done = rec.take_done(NOW, now=True)
+    assert done is not None
+    out["done"] = {"produced_by": "waiting.Recorder.left -> take_done (DGD1)",
+                   "inputs": inputs_of("chain", "distributor"), "body": hx(done),
+                   "expected": {"keys": waiting.done_keys(done)}, "messages": [entry_json(e) for e in (a, b)]}
+    gw = bytes(range(16))
+    body = waiting.pack_beat(gw, waiting.ROLE_CHECK_IN | waiting.ROLE_DISTRIBUTOR, NOW + 1234, NOW)
+    beat = waiting.beat(body)
+    assert beat is not None
+    out["beat"] = {"produced_by": "waiting.pack_beat (DGB1)",
+                   "inputs": {"gateway": hx(gw), "roles": 3, "low_ms": NOW + 1234, "now_ms": NOW}, "body": hx(body),
+                   "expected": {"gateway": hx(beat.gateway), "roles": beat.roles, "low_ms": beat.low_ms,
+                                "at_ms": beat.at_ms}}
+    from gateway.broker.waiting import MARK  # (the reader's mark is written by the broker side)
+    token = bytes(range(16, 32))
+    out["mark"] = {"produced_by": "gateway.broker.waiting.MARK + a token (a reader's mark to find a stream's end)",
+                   "inputs": {"token": hx(token)}, "body": hx(MARK + token),
+                   "expected": {"entries": 0, "done_keys": [], "beat": None}}
+    return out
+
+
+def registry_samples() -> Json:
+    key = registry.ChainKey(1000, "quorum", "queue", 20)
+    records = [registry.Record("declared", NOW, key),
+               registry.Record("sealed", NOW + 1, None, {
+                   "delay.1000ms-quorum-queue.level.19.delay": NOW + 2 ** 19 * 1000,
+                   "delay.1000ms-quorum-queue.meditation.20": NOW + 2 ** 20 * 1000}),
+               registry.Record("retired", NOW + 2, key)]
+    out = []
+    for r in records:
+        body = registry.encode(r)
+        back = registry.decode(body)
+        assert back == r
+        out.append({"body": hx(body), "expected": {
+            "event": r.event, "at_ms": r.at_ms, "chain": dataclasses.asdict(r.chain) if r.chain else None,
+            "queues": dict(r.queues)}})
+    return {"records": {"produced_by": "topology.registry.encode", "records": out, "inputs": {
+        "note": "declared, sealed and retired records of the chain 1000ms-quorum-queue, 20 levels"}}}
+
+
+def moved_samples() -> Json:
+    from types import SimpleNamespace
+
+    from gateway.commands import move
+    _, rk, body, raw = PUBLISHED["chain"]
+    plugin = SimpleNamespace(routing_key=rk, properties=raw, body=body, due_ms=NOW + 90_000)
+    ((exchange, key, props, out_body),) = list(move.outgoing([plugin], NAMES.distributor,
+                                                             cancels.Sequencer(), NOW))
+    msg = {"body": hx(out_body), "exchange": exchange, "properties": hx(props.raw),
+           "routing_key": hx(envelope.as_bytes(key))}
+    return {"from-plugin": {
+        "produced_by": "gateway.commands.move.outgoing (a plugin's message moved to the distributor)",
+        "inputs": {"plugin_message": {"routing_key": hx(rk), "properties": hx(raw), "body": hx(body),
+                                      "due_ms": NOW + 90_000}, "now_ms": NOW},
+        "message": msg, "expected": read_single(msg)}}
+
+
+def pick_up_stamp_samples() -> Json:
+    e = enqueued(check_in(), "chain").entry
+    props = envelope.stamped(e.user, e.due_ms)
+    return {"delivered": {
+        "produced_by": "envelope.stamped (the distributor with --stamp-due-at)", "inputs": inputs_of("chain"),
+        "message": {"exchange": NAMES.pick_up, "routing_key": hx(e.routing_key), "properties": hx(props.raw),
+                    "body": hx(e.body)},
+        "expected": {"due_ms": e.due_ms}}}
+
+
+FORMATS: Dict[str, Callable[[], Json]] = {
+    "arrival-stamp": arrival_stamp_samples,
+    "cancel-record": cancel_record_samples,
+    "carrier": carrier_samples,
+    "envelope": envelope_samples,
+    "meditation": meditation_samples,
+    "moved": moved_samples,
+    "parked": parked_samples,
+    "pick-up-stamp": pick_up_stamp_samples,
+    "registry": registry_samples,
+    "retry": retry_samples,
+    "waiting": waiting_samples,
+}
+
+
+def samples() -> Dict[str, Json]:
+    """format -> variant -> sample, as this tree writes them."""
+    return {name: make() for name, make in FORMATS.items()}
+
+
+# -- the sample files ----------------------------------------------------------------------------------------
+def files(fmt: str) -> List[Path]:
+    """A format's sample files, oldest first (their names start with the commit's date)."""
+    return sorted((SAMPLES / fmt).glob("*.json"))
+
+
+def load(path: Path) -> Json:
+    with path.open() as f:
+        found: Json = json.load(f)
+    return found
+
+
+def written_bytes(sample: Json) -> Any:
+    """What a sample says was written: the part a format change changes."""
+    if "message" in sample:
+        return sample["message"]["properties"], sample["message"]["body"]
+    if "records" in sample:
+        return [r["body"] for r in sample["records"]]
+    return sample["body"]
+
+
+def changed(fmt: str, now: Json) -> List[str]:
+    """The variants whose bytes differ from the newest sample of `fmt` (all, if it has none)."""
+    found = files(fmt)
+    newest = load(found[-1])["samples"] if found else {}
+    return sorted(set(newest) ^ set(now) | {v for v in now if v in newest
+                                            and written_bytes(now[v]) != written_bytes(newest[v])})
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], capture_output=True, text=True, check=True,
+                          cwd=Path(__file__).parent).stdout.strip()
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tests.formats.generate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--write", action="store_true", help="add a sample file for each format that changed")
+    p.add_argument("--changed", default="", help="with --write: what changed, for the new files")
+    args = p.parse_args(argv)
+    now = samples()
+    differ = {fmt: changed(fmt, variants) for fmt, variants in now.items()}
+    differ = {fmt: v for fmt, v in differ.items() if v}
+    if not differ:
+        print("every format writes what its newest sample says: nothing to add")
+        return 0
+    for fmt, variants in differ.items():
+        print(f"{fmt}: changed {', '.join(variants)}")
+    if not args.write:
+        print("run again with --write (after committing the change) to add their samples")
+        return 1
+    full, date, adate = _git("log", "-1", "--format=%H%n%cI%n%aI").split("\n")
+    info = {"commit": full, "date": date, "author_date": adate}
+    for fmt in differ:
+        path = SAMPLES / fmt / f"{date[:16].replace(':', '')}-{full[:7]}.json"
+        if path.exists():
+            print(f"{path} exists: not overwritten", file=sys.stderr)
+            return 2
+        about = load(files(fmt)[-1])["about"] if files(fmt) else ""
+        doc = {"format": fmt, "about": about, "written_by": info, "same_bytes_until": info, "checkpoints": {},
+               "changed": args.changed or "(say what changed)",
+               "generated": "by python -m tests.formats.generate at this commit, with fixed inputs; 'expected' is "
+                            "what this commit's own code read back from these bytes",
+               "samples": now[fmt]}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
