@@ -1,16 +1,19 @@
 """Releases: one version, pyproject.toml's, named alike by `delay-gateway --version`, the
 Helm chart (its version and appVersion, so the image tag it runs by default), the kustomize
 base and the guides; CHANGELOG.md's newest entry is that version's, and every entry says
-what changed, what to do when upgrading and which formats it touches."""
+what changed, what to do when upgrading and which formats it touches. scripts/release
+refuses, in one line, a version without its entry or a chart of another version."""
 
+import os
 import re
 import subprocess
 import sys
 import tomllib
 from datetime import date
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
+import pytest
 import yaml
 
 from .k8s.manifests import CHART, pod_spec, render
@@ -92,3 +95,62 @@ def test_every_changelog_entry_says_what_changed_what_to_do_and_the_formats_touc
             assert text.strip(), f"{v}: nothing under {heading!r}"
             if when != "unreleased":
                 assert "TODO" not in text, f"{v} is dated {when} but its {heading!r} still holds a TODO"
+
+
+# -- scripts/release's checks, in a repository of their own -------------------------------------
+RELEASE = Path(ROOT) / "scripts" / "release"
+CHART_YAML = "deploy/k8s/helm/delay-gateway/Chart.yaml"
+
+
+def without_entry(text: str, version: str) -> str:
+    """CHANGELOG.md less the entry of this version."""
+    return re.sub(rf"^## {re.escape(version)} - .*?(?=^## )", "", text, flags=re.M | re.S)
+
+
+def release_in(tmp_path: Path, changes: Dict[str, Optional[str]]) -> subprocess.CompletedProcess:
+    """scripts/release run in a new git repository holding the script, pyproject.toml,
+    CHANGELOG.md and the chart's Chart.yaml as they are here, but for `changes` (None:
+    left out), committed. Its Python is one that does not exist: the checks come first."""
+    repo = tmp_path / "repo"
+    files = {name: (Path(ROOT) / name).read_text() for name in ("pyproject.toml", "CHANGELOG.md", CHART_YAML)}
+    files.update(changes)
+    for name, text in [("scripts/release", RELEASE.read_text()), *files.items()]:
+        if text is not None:
+            (repo / name).parent.mkdir(parents=True, exist_ok=True)
+            (repo / name).write_text(text)
+    (repo / "scripts" / "release").chmod(0o755)
+    git = ["git", "-c", "user.name=release test", "-c", "user.email=release-test@example.invalid"]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "a release to check"]):
+        subprocess.run([*git, *args], cwd=repo, check=True, capture_output=True)
+    return subprocess.run([str(repo / "scripts" / "release")], cwd=repo, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "DELAY_GATEWAY_RELEASE_PYTHON": str(tmp_path / "no-python")})
+
+
+@pytest.mark.parametrize("case", ["no entry", "no changelog", "an older newest entry", "another chart version"])
+def test_release_refuses_a_version_without_its_changelog_entry_or_chart(tmp_path, case):
+    v, older = version(), changelog()[1][0]
+    changelog_text = (Path(ROOT) / "CHANGELOG.md").read_text()
+    changes: Dict[str, Optional[str]] = {
+        "no entry": {"CHANGELOG.md": without_entry(changelog_text, v)},
+        "no changelog": {"CHANGELOG.md": None},
+        "an older newest entry": {"pyproject.toml": (Path(ROOT) / "pyproject.toml").read_text().replace(
+            f'version = "{v}"', f'version = "{older}"')},
+        "another chart version": {CHART_YAML: (CHART / "Chart.yaml").read_text().replace(
+            f'appVersion: "{v}"', 'appVersion: "0.0.1"')},
+    }[case]
+    assert all(text != (Path(ROOT) / name).read_text() if text is not None else True
+               for name, text in changes.items()), "the change did not apply"
+    r = release_in(tmp_path, changes)
+    assert r.returncode == 2, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and r.stdout == "", r.stderr
+    said = {"no entry": f"no entry for {v}", "no changelog": "no CHANGELOG.md",
+            "an older newest entry": f"newest entry is {v}, not {older}",
+            "another chart version": f"appVersion 0.0.1: set both to {v}"}[case]
+    assert said in r.stderr, r.stderr
+    assert not (tmp_path / "repo" / "dist").exists()
+
+
+def test_release_takes_this_repositorys_version_entry_and_chart(tmp_path):
+    """The same checks pass here; the next step finds the test's missing Python."""
+    r = release_in(tmp_path, {})
+    assert r.returncode == 1 and "lacks build, twine or helm-python-sdk" in r.stderr, r.stderr
