@@ -2,13 +2,25 @@
 Helm chart (its version and appVersion, so the image tag it runs by default), the kustomize
 base and the guides; CHANGELOG.md's newest entry is that version's, and every entry says
 what changed, what to do when upgrading and which formats it touches. scripts/release
-refuses, in one line, a version without its entry or a chart of another version."""
+refuses, in one line, a version without its entry or a chart of another version.
 
+And the wheel as a user installs it: built from this checkout once per session (the sdist,
+then the wheel from it, as scripts/release builds them), installed with its dependencies
+into a fresh virtual environment, and run from there, away from the source tree: its
+`delay-gateway run` against each suite broker, and its `delay-gateway selftest` seeing a
+message delivered through it. A few seconds per broker, plus the build and install once."""
+
+import json
 import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
+import time
 import tomllib
+import urllib.request
+from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -17,7 +29,7 @@ import pytest
 import yaml
 
 from .k8s.manifests import CHART, pod_spec, render
-from .support import ROOT
+from .support import ROOT, broker_url, chain_args, free_port, report_figures, wait_until
 
 HEADINGS = ["What changed", "What to do when upgrading", "Formats touched"]
 ENTRY = re.compile(r"^## (\d+\.\d+\.\d+) - (unreleased|\d{4}-\d{2}-\d{2})$")
@@ -154,3 +166,97 @@ def test_release_takes_this_repositorys_version_entry_and_chart(tmp_path):
     """The same checks pass here; the next step finds the test's missing Python."""
     r = release_in(tmp_path, {})
     assert r.returncode == 1 and "lacks build, twine or helm-python-sdk" in r.stderr, r.stderr
+
+
+# -- the wheel, installed into a fresh environment ------------------------------------------------
+@dataclass(frozen=True)
+class Installed:
+    bin: Path  # the fresh environment's bin directory
+    wheel: Path
+    figures: str  # how long the build and the install took
+
+
+@pytest.fixture(scope="session")
+def installed(tmp_path_factory) -> Installed:
+    """A fresh virtual environment (no pip, no packages: pip of this environment installs
+    into it, `--python`) holding the wheel built from this checkout's files (tracked and new,
+    as they are now) and the dependencies pip resolves for it, as for a user."""
+    where = tmp_path_factory.mktemp("release")
+    source, dist, venv = where / "source", where / "dist", where / "venv"
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout.split("\0")
+    for relative in filter(None, listed):
+        if (Path(ROOT) / relative).is_file():
+            (source / relative).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(Path(ROOT) / relative, source / relative)
+    started = time.monotonic()
+    # --no-isolation: the build backend of this environment (the test group's setuptools), as
+    # tests/k8s/test_image.py builds, so building needs no index; scripts/release isolates
+    built = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(dist), str(source)],
+                           capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
+    [wheel] = dist.glob("rabbitmq_delay_gateway-*-py3-none-any.whl")
+    build_s, started = time.monotonic() - started, time.monotonic()
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
+    pip = subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install",
+                          "--disable-pip-version-check", "--quiet", str(wheel)],
+                         capture_output=True, text=True, timeout=600, cwd=where)
+    assert pip.returncode == 0, pip.stderr[-3000:]
+    return Installed(venv / "bin", wheel, f"wheel built in {build_s:.1f} s, installed with its dependencies into a "
+                                          f"fresh environment in {time.monotonic() - started:.1f} s")
+
+
+def outside_env() -> Dict[str, str]:
+    """The environment for the installed command: no setting of this run's and no Python
+    path of its (the fresh environment finds only its own packages)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("DELAY_GATEWAY_", "PYTHON"))}
+
+
+def test_the_wheel_installs_its_version_and_runs_from_its_own_files(installed, tmp_path):
+    report_figures("release", installed.figures)
+    v = version()
+    assert installed.wheel.name == f"rabbitmq_delay_gateway-{v}-py3-none-any.whl"
+    said = subprocess.run([str(installed.bin / "delay-gateway"), "--version"], cwd=tmp_path, env=outside_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert said.stdout.strip() == f"delay-gateway {v}", said.stderr
+    code = "import gateway, topology, pika; print(gateway.__file__, topology.__file__, pika.__file__)"
+    where = subprocess.run([str(installed.bin / "python"), "-c", code], cwd=tmp_path, env=outside_env(),
+                           capture_output=True, text=True, timeout=60, check=True)
+    assert where.stdout.count(str(installed.bin.parent)) == 3, where.stdout  # the wheel's code, its own pika
+
+
+def readyz(port: int) -> Optional[int]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as r:
+            return int(r.status)
+    except OSError:
+        return None
+
+
+def test_the_installed_wheels_gateway_delivers_its_selftest(installed, make_chain, tmp_path):
+    """The installed `delay-gateway run` against this broker, ready on its metrics port; the
+    installed `delay-gateway selftest` publishes through it and sees its message delivered,
+    not early; SIGTERM stops the gateway with exit 0."""
+    chain = make_chain(max_level=4)
+    env = {**outside_env(), "DELAY_GATEWAY_URL": broker_url()}
+    port = free_port()
+    log = tmp_path / "gateway.log"
+    with log.open("w") as out:
+        gateway = subprocess.Popen([str(installed.bin / "delay-gateway"), "run", *chain_args(chain),
+                                    "--metrics-port", str(port), "--log-format", "json"],
+                                   cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: readyz(port) == 200 or gateway.poll() is not None, 60, interval=0.1,
+                   what="the installed gateway's /readyz")
+        assert gateway.poll() is None, log.read_text()[-3000:]
+        started = time.monotonic()
+        r = subprocess.run([str(installed.bin / "delay-gateway"), "selftest", *chain_args(chain), "--delay-ms", "1000",
+                            "--timeout", "30"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        result = json.loads(r.stdout.strip().splitlines()[-1])
+        assert result["delivered"] is True and result["late_ms"] >= 0, result
+        report_figures("release", f"selftest of the installed wheel: {time.monotonic() - started:.1f} s")
+    finally:
+        gateway.send_signal(signal.SIGTERM)
+        code = gateway.wait(60)
+    assert code == 0, log.read_text()[-3000:]
