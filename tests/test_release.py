@@ -197,11 +197,12 @@ def installed(tmp_path_factory) -> Installed:
     assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
     [wheel] = dist.glob("rabbitmq_delay_gateway-*-py3-none-any.whl")
     build_s, started = time.monotonic() - started, time.monotonic()
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60,
+                   env=outside_env())
     pip = subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install",
                           "--disable-pip-version-check", "--quiet", str(wheel)],
-                         capture_output=True, text=True, timeout=600, cwd=where)
-    assert pip.returncode == 0, pip.stderr[-3000:]
+                         capture_output=True, text=True, timeout=600, cwd=where, env=outside_env())
+    assert pip.returncode == 0 and (venv / "bin" / "delay-gateway").is_file(), pip.stdout + pip.stderr[-3000:]
     return Installed(venv / "bin", wheel, f"wheel built in {build_s:.1f} s, installed with its dependencies into a "
                                           f"fresh environment in {time.monotonic() - started:.1f} s")
 
