@@ -2,14 +2,17 @@
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 
+import pytest
 
 from gateway.urls import redact
+from topology import ChainSettings
 
-from .support import ROOT, Receiver, broker_url, chain_args, now_ms, remove, sent_headers
+from .support import ROOT, START_NOTICES, Receiver, broker_url, chain_args, now_ms, remove, sent_headers, unique_prefix
 
 
 def cli(*args, env=None, timeout=60):
@@ -80,5 +83,56 @@ def test_demo_runs_and_checks_its_own_result(broker):
         assert r.returncode == 0, r.stdout + r.stderr
         assert "3 delivered, in due order, 0 early" in r.stdout
     finally:
-        from topology import ChainSettings
         remove(ChainSettings(prefix=prefix, max_level=4))
+
+
+def demo(prefix: str, env=None) -> subprocess.CompletedProcess:
+    """`delay-gateway demo` as ./scripts/run starts it, stdout and stderr in one stream as a
+    terminal shows them (not a terminal here: the gateway's log lines would be JSON)."""
+    return subprocess.run([sys.executable, "-m", "gateway", "demo", "--prefix", prefix, "--max-level", "4",
+                           "--delays", "600,0,300"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=120, env={**os.environ, "DELAY_GATEWAY_URL": broker_url(), **(env or {})})
+
+
+def test_the_demo_says_only_what_concerns_the_demo(broker):
+    """The first minute: on 3.10 (no arrival stamp) the gateway warns at start about cancels
+    with several replicas, which the demo has neither of; the demo shows its table and its
+    summary and nothing else."""
+    prefix = unique_prefix()
+    try:
+        r = demo(prefix)
+        assert r.returncode == 0, r.stdout
+        lines = r.stdout.splitlines()
+        assert not [line for line in lines if any(notice in line for notice in START_NOTICES)], r.stdout
+        assert lines[0] == (f"publishing 3 messages to {prefix}.check-in; receiving from {prefix}.pick-up "
+                            "(binding demo.#)")
+        assert lines[1] == "" and lines[2].split() == ["routing", "key", "x-delay", "arrived", "after", "late", "by"]
+        assert [line.split()[:3] for line in lines[3:6]] == [["demo.1", "0", "ms"], ["demo.2", "300", "ms"],
+                                                             ["demo.0", "600", "ms"]]
+        assert lines[6] == "" and lines[7].startswith("3 delivered, in due order, 0 early; lateness ")
+        assert len(lines) == 8, r.stdout
+    finally:
+        remove(ChainSettings(prefix=prefix, max_level=4))
+
+
+@pytest.mark.brokers("rmq3.10", reason="the demo's own handling of its gateway's exit; the broker plays no part")
+def test_the_demo_names_its_gateways_log_when_the_gateway_fails(broker):
+    """The gateway's log goes to a file; when the gateway stops on an error, the demo says so
+    in one line with the gateway's last line and where the whole log is, and keeps the file."""
+    prefix = unique_prefix()
+    with socket.socket() as taken:  # the gateway's metrics port, already bound: it cannot start
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        try:
+            r = demo(prefix, env={"DELAY_GATEWAY_METRICS_PORT": str(taken.getsockname()[1])})
+        finally:
+            remove(ChainSettings(prefix=prefix, max_level=4))
+    assert r.returncode == 1, r.stdout
+    [said] = [line for line in r.stdout.splitlines() if line.startswith("delay-gateway demo: ")]
+    found = re.search(r"the gateway exited early \(exit \d+\): .*Address already in use.* \(its log: (\S+)\)$",
+                      said)
+    assert found, said
+    try:
+        assert "Address already in use" in open(found.group(1)).read()
+    finally:
+        os.unlink(found.group(1))

@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def doc_files() -> List[str]:
-    patterns = ["README.md", "BENCHMARKS.md", "docs/*.md", "deploy/**/*.md"]
+    patterns = ["README.md", "BENCHMARKS.md", "CHANGELOG.md", "docs/*.md", "deploy/**/*.md"]
     found = {os.path.relpath(path, ROOT) for pattern in patterns
              for path in glob.glob(os.path.join(ROOT, pattern), recursive=True)}
     return sorted(found)
@@ -100,7 +100,7 @@ GUIDES = ["docs/contract.md", "docs/operating.md", "docs/kubernetes.md", "docs/s
 
 def test_the_docs_exist():
     files = doc_files()
-    for required in ["README.md", "BENCHMARKS.md"] + GUIDES:
+    for required in ["README.md", "BENCHMARKS.md", "CHANGELOG.md"] + GUIDES:
         assert required in files
 
 

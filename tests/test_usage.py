@@ -50,24 +50,6 @@ def test_a_bad_environment_value_names_the_variable(capsys):
     assert "DELAY_GATEWAY_QUEUE_TYPE" in err and "'stream' is not one of quorum, classic" in err
 
 
-def test_the_version_has_one_source_and_every_place_that_names_it_agrees():
-    """pyproject.toml's version is what `delay-gateway --version` says (the installed
-    metadata), and what the chart, the image's build line and the guides name."""
-    import re
-    import subprocess
-    import sys
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
-    version = re.search(r'^version = "([^"]+)"', (root / "pyproject.toml").read_text(), re.M).group(1)
-    out = subprocess.run([sys.executable, "-m", "gateway", "--version"], cwd=root, capture_output=True, text=True)
-    assert out.stdout.strip() == f"delay-gateway {version}", out
-    chart = (root / "deploy/k8s/helm/delay-gateway/Chart.yaml").read_text()
-    assert f'appVersion: "{version}"' in chart
-    for path in ("deploy/k8s/Dockerfile", "docs/development.md", "docs/kubernetes.md"):
-        named = set(re.findall(r"rabbitmq-delay-gateway:(\d+\.\d+\.\d+)", (root / path).read_text()))
-        assert named <= {version}, (path, named)
-
-
 def test_what_reads_the_environment_is_said_as_it_is(capsys):
     """Every setting reads its variable, and only the settings: the help and the README say
     so, not that every flag does (`--format` of render reads nothing)."""

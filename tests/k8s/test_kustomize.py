@@ -13,10 +13,11 @@ import yaml
 
 from gateway.settings import OPTIONS
 
-from .manifests import BASE, OVERLAY, by_kind, effective_env, kustomize, normalized, pod_spec, render
+from .manifests import BASE, CHART, OVERLAY, by_kind, effective_env, kustomize, normalized, pod_spec, render
 from .test_chart import KUBERNETES
 
 ROLES = ("check-in", "distributor")
+VERSION = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]  # the image the base runs too
 
 
 def test_the_base_and_the_overlay_build_and_are_valid():
@@ -69,7 +70,7 @@ def test_the_overlay_changes_what_it_says():
     for d in deployments.values():
         spec = pod_spec(d)
         for container in spec["initContainers"] + spec["containers"]:
-            assert container["image"] == "registry.example.com/rabbitmq-delay-gateway:0.1.0"
+            assert container["image"] == f"registry.example.com/rabbitmq-delay-gateway:{VERSION}"
             env = effective_env(container, config_maps)
             assert (env["DELAY_GATEWAY_MAX_LEVEL"], env["DELAY_GATEWAY_LEAD_MS"]) == ("24", "100")
             assert env["DELAY_GATEWAY_RESOLUTION_MS"] == "1000"  # merged, not replaced
