@@ -94,7 +94,7 @@ def test_what_waits_is_listed_exactly_through_laps_a_retry_and_cancels(make_chai
         arrived.extend(m.properties.message_id for m in drain_received(receiver))
         meanwhile = set(arrived) - before
         shown = {r["message_id"] or "noid" for r in rows}
-        assert len(shown) == len(rows), rows  # each once: laps supersede their entries
+        assert len(shown) == len(rows), rows  # each once: a lap's next entry takes its place
         assert shown <= waiting - before and waiting - before - shown <= meanwhile, (shown, arrived)
         if total is not None:
             assert len(rows) <= total <= len(rows) + len(meanwhile), (total, rows, meanwhile)
@@ -144,27 +144,28 @@ def first_handle(rows: List[dict]) -> str:
 
 
 def test_pending_cancel_cancels_what_its_filters_select_and_nothing_else(make_chain, run_gateway):
-    """`--key 'orders.42.#'`: the three of customer 42 (one without an id) are cancelled;
-    orders.421.x, a bystander due just after them, arrives on time, as does orders.43.y."""
+    """`--key 'orders.42.#'`: one rule; the three of customer 42 (one without an id) are
+    cancelled, the gateway reports removing them as they pass it; orders.421.x, a bystander
+    due just after them, arrives on time, as does orders.43.y."""
     chain = make_chain(max_level=4, resolution_ms=250)
     run_gateway(chain)
     receiver = Receiver(chain)
     t0 = now_ms()
-    # (due in 20 s: five commands run before then, each a Python start on a busy machine)
-    publish(chain, [("orders.42.a", "42-a", t0 + 20_000), ("orders.42.b", "42-b", t0 + 20_000),
-                    ("orders.42.c", None, t0 + 20_000), ("orders.421.x", "421-x", t0 + 20_500),
-                    ("orders.43.y", "43-y", t0 + 20_500)])
+    # (due in 30 s: five commands run before then, each a Python start on a busy machine)
+    publish(chain, [("orders.42.a", "42-a", t0 + 30_000), ("orders.42.b", "42-b", t0 + 30_000),
+                    ("orders.42.c", None, t0 + 30_000), ("orders.421.x", "421-x", t0 + 30_500),
+                    ("orders.43.y", "43-y", t0 + 30_500)])
     wait_until(lambda: counted(chain)["total"] == 5, 15, 0.2, "the five in the index")
     dry = cli(chain, "pending", "cancel", "--key", "orders.42.#")
     assert dry.returncode == 0 and dry.stdout.startswith("3 waiting message(s) match, for example:"), dry.stdout
     assert "nothing cancelled: add --yes to cancel these 3" in dry.stdout
     assert counted(chain)["total"] == 5
     done = cli(chain, "pending", "cancel", "--key", "orders.42.#", "--yes")
-    assert done.returncode == 0 and done.stdout.rstrip().endswith("3 of 3 cancelled"), done.stdout + done.stderr
+    assert done.returncode == 0 and "recorded at " in done.stdout, done.stdout + done.stderr
     assert ids_of(listed(chain)) == ["421-x", "43-y"]
-    assert now_ms() < t0 + 20_000, "too slow to cancel before they were due"
-    got = receiver.collect(2, 30)
-    late = [m.at_ms - t0 - 20_500 for m in got]
+    assert now_ms() < t0 + 30_000, "too slow to cancel before they were due"
+    got = receiver.collect(2, 40)
+    late = [m.at_ms - t0 - 30_500 for m in got]
     assert sorted(m.properties.message_id for m in got) == ["421-x", "43-y"] and all(ms >= 0 for ms in late), late
     # (customer 42's were due half a second earlier: released before these, had they not been cancelled)
     assert drain(receiver.channel, receiver.queue) == []

@@ -63,13 +63,10 @@ def test_entries_read_back_exactly(items):
         assert m.key == waiting.key_of(e.accepted_us, cancels.checksum(e.routing_key, e.user.raw, e.body))
 
 
-def test_done_and_lapped_keys_and_beats_read_back_and_nothing_else_reads_as_them():
+def test_done_keys_and_beats_read_back_and_nothing_else_reads_as_them():
     a, b = entry(b"a", read_us=1), entry(b"b", read_us=2)
     keys = [waiting.key_of(1, waiting.checksum(a)), waiting.key_of(2, waiting.checksum(b))]
     assert waiting.done_keys(waiting.pack_done([waiting.done_key(a), waiting.done_key(b)])) == keys
-    assert waiting.lapped_keys(waiting.pack_lapped([waiting.done_key(a), waiting.done_key(b)])) == keys
-    assert waiting.lapped_keys(waiting.pack_done([waiting.done_key(a)])) == []
-    assert waiting.done_keys(waiting.pack_lapped([waiting.done_key(a)])) == []
     assert waiting.done_key(entry(read_us=None)) is None  # (from before read times were kept: never indexed)
     beat = waiting.beat(waiting.pack_beat(b"g" * 16, 3, NOW - 5, NOW, Consumers(2, 1, 2), 0))
     assert beat == waiting.Beat(b"g" * 16, 3, NOW - 5, NOW, Consumers(2, 1, 2), 0) and not beat.indexes
@@ -297,26 +294,6 @@ def test_a_cancelled_message_dropped_at_release_is_noted_gone():
     assert not out.ack
     flow.confirmed(done.seq, False, True, NOW + 400)
     assert flow.tick(NOW + 500).ack == [(1, True)]
-
-
-def test_the_returning_consumer_says_which_laps_are_over():
-    """A message back from a lap of meditation is sent on (a new entry); its lap's entry is
-    over: a lapped key, confirmed before the delivery is acknowledged."""
-    returning = handlers.Returning(CHAIN, 50)
-    flow = Flow(NAMES.returning, NAMES, returning, Quiet(),
-                recorder=Recorder(bands(CHAIN), CHAIN.meditation_ms, lapping=True))
-    flow.publishing_opened(NOW)
-    e = entry(due=NOW + 400 * 86_400_000)
-    out = flow.delivered(1, Delivery(NAMES.returning, b"", handlers.next_hop(e), e.body), NOW)
-    sent, entry_record = out.publish
-    assert sent.payload.forward.outcome is Way.MEDITATION and entry_record.tags == (1,)
-    for pub in out.publish:
-        flow.confirmed(pub.seq, False, True, NOW + 11)
-    assert not flow.tick(NOW + 20).ack
-    [lapped] = flow.tick(NOW + 10 + waiting.DONE_FLUSH_MS).publish
-    assert waiting.lapped_keys(lapped.payload.forward.body) == [waiting.key_of(e.accepted_us, waiting.checksum(e))]
-    flow.confirmed(lapped.seq, False, True, NOW + 300)
-    assert flow.tick(NOW + 400).ack == [(1, True)]
 
 
 def test_keys_outlive_a_lost_channel_but_speak_for_no_new_delivery():

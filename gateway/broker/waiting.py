@@ -7,10 +7,11 @@ them (check-in, and the distributor and returning queues) and who consumes them;
 registry says whether messages may wait unlisted since an upgrade; the done stream's last
 seconds hold the gateways' beats. From these the reader knows how far back a message may be
 overdue (`listing.horizon`) and whether the answer can be exact (`listing.gaps`). It then
-reads the done stream since then, and each band from its span before; each stream up to its
-end as of the start, which it learns by appending a mark of its own and reading until it
-comes back (AMQP does not say where a stream ends). However long that takes: a reader that
-hears nothing from the broker for STALL_S gives up, one that reads on is never cut short.
+reads the done stream since then, and each band from its span before, one after the other,
+the highest first (listing.View says why); each stream up to its end as of its start,
+which it learns by appending a mark of its own and reading until it comes back (AMQP does
+not say where a stream ends). However long that takes: a reader that hears nothing from the
+broker for STALL_S gives up, one that reads on is never cut short.
 """
 
 import datetime
@@ -83,6 +84,11 @@ class Beats:
                 self._off = True
                 self.log.warning("waiting_beats_off", exchange=self.names.waiting,
                                  fix="run `delay-gateway declare` with this version")
+
+    def count(self, consumers: Consumers) -> None:
+        """The worker's session consumes these now: beat soon, so that readers know at once."""
+        self.consumers = consumers
+        self._sent = 0.0
 
     def forget(self) -> None:
         """The connection is gone."""
@@ -227,8 +233,10 @@ def read(connection, names: Names, now_ms: int, make_view: Callable[[Horizon], V
     if progress is not None:
         reader.progress = lambda: progress(view.read, view.keys)
     reader.read({DONE: at.at_ms - CLOCKS_MS}, {DONE: view.add_keys})
-    reader.read({band_key(b): listing.read_from_ms(b, at) - CLOCKS_MS for b in bands},
-                {band_key(b): view.add_entries for b in bands})
+    for b in sorted(bands, reverse=True):  # (the highest first: a lap's entry before its next one)
+        reader.read({band_key(b): listing.read_from_ms(b, at) - CLOCKS_MS},
+                    {band_key(b): lambda body: view.add_entries(body, wall_ms())})
+    view.finish()
     found = Found(at, bands, check_in.ready, listing.gaps(now_ms, recent, check_in, unlisted), reader.records)
     return view, found
 

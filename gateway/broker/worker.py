@@ -83,13 +83,12 @@ class Session:
         self.metrics.connections.inc()
         s, chain, names = self.settings, self.settings.chain, self.settings.chain.names
 
-        def pipe(queue: str, handler, prefetch: int, batched: bool = False, on_caught_up=None,
-                 lapping: bool = False) -> None:
+        def pipe(queue: str, handler, prefetch: int, batched: bool = False, on_caught_up=None) -> None:
             batcher = Batcher(s.carrier_messages, s.carrier_bytes, s.carrier_wait_ms) if batched else None
             still_wanted = handler.still_wanted if isinstance(handler, Distributor) and self.judge is not None \
                 else None
             # (without the index: no entries, but the done keys of what others may have listed)
-            recorder = Recorder(bands(chain), chain.meditation_ms, entries=s.pending_index, lapping=lapping)
+            recorder = Recorder(bands(chain), chain.meditation_ms, entries=s.pending_index)
             self.pipes.append(Pipe(connection, queue, handler, prefetch, self.metrics, names,
                                    on_fatal=self._on_fatal, batcher=batcher, still_wanted=still_wanted,
                                    on_caught_up=on_caught_up, recorder=recorder))
@@ -109,7 +108,7 @@ class Session:
                  on_caught_up=self._caught_up if gate else None)
             for queue in returning:
                 pipe(queue, Returning(chain, s.lead_ms, s.carrier_wait_ms, self.judge), s.prefetch,
-                     batched=True, lapping=True)
+                     batched=True)
             retry = Retry(chain, s.lead_ms, s.retry_rules(), random.Random(), s.carrier_wait_ms, self.judge,
                           self.sequence, s.retry_queues)
             pipe(names.retry, counting_retries(retry, self.metrics), s.prefetch, batched=True)
@@ -123,9 +122,8 @@ class Session:
             # (read from the upkeep thread: the earliest due time of a heap, one list index)
             self.beats.low = lambda: min((t for t in (h.next_due() for h in held) if t is not None), default=None)
             consumed = [p.queue for p in self.pipes]
-            self.beats.consumers = Consumers(sum(q in (names.check_in, names.retry) for q in consumed),
-                                             sum(q in returning for q in consumed),
-                                             sum(q in distributors for q in consumed))
+            self.beats.count(Consumers(sum(q in (names.check_in, names.retry) for q in consumed),
+                                       sum(q in returning for q in consumed), sum(q in distributors for q in consumed)))
         for p in self.pipes[:1] if gate else self.pipes:
             p.open()
         if gate:

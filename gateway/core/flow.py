@@ -299,24 +299,23 @@ class Flow:
         self._apply(answer, now, out)
         if self._recorder is not None:
             if forward.outcome in STAYS:
-                self.ledger.owe(self._recorder.waits(forward.outcome is Way.MEDITATION, members, now))
+                self._recorder.waits(forward.outcome is Way.MEDITATION, members, now)
             elif forward.outcome in LEAVES:
                 self.ledger.owe(self._recorder.left(members, now))
 
     def _record(self, now: int, out: Effects) -> None:
         """Publish what the recorder holds (waiting.Recorder), after the messages it speaks
         of, on the same channel, each record for the deliveries it speaks of: the entries at
-        once, the done and lapped keys once they have waited for company."""
+        once, the done keys once they have waited for company."""
         if self._recorder is None:
             return
         for key, tags, body in self._recorder.take_entries():
             self._side_record(key, tags, body, now, out)
-        taken = self._recorder.take_keys(now, self._draining)
+        taken = self._recorder.take_done(now, self._draining)
         if taken is not None:
-            owed, bodies = taken
+            owed, body = taken
             live = Counter(t for t in owed if t in self.ledger)
-            for body in bodies:
-                self._side_record(DONE, list(live), body, now, out)
+            self._side_record(DONE, list(live), body, now, out)
             self.ledger.pay(live)
 
     def _side_record(self, key: str, tags: List[int], body: bytes, now: int, out: Effects) -> None:

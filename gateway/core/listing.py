@@ -4,16 +4,23 @@ which messages wait, counted and listed, and whether the answer is exact.
 A reader first learns how far back a message may be overdue (`horizon`): a minute past the
 earliest due time the gateways hold while every consumer of the distributor and returning
 queues keeps up, else as far back as the streams keep. It reads the done stream from then
-(done and lapped keys), and each band from its span before then. An entry stands for a
-message that waits:
-- while its `until_ms` has not passed (it waits where the entry says), unless a done key
-  says it left (a delivered copy of a message the broker holds twice: listed once, not twice);
-- after it, since the horizon, unless a done key says it left or a lapped key says its lap is
-  over (a later entry says where it waits now): an overdue message.
-Each entry is decided as it is read, so memory is the done and lapped keys of the horizon
-(8 bytes each), and the messages kept for a listing (`limit` of them); never the messages
-that wait. Records are read a whole record at a time (numpy), and an entry becomes a Python
-object only when a filter, a cancel or the listing needs it.
+(done keys), then each band from its span before then, the highest band first. An entry
+stands for a message that waits, unless a done key says it left (a delivered copy of a
+message the broker holds twice is listed once, not twice):
+- while its `until_ms` has not passed (it waits where the entry says);
+- after it, since the horizon, if it is due: an overdue message;
+- a lap's entry (due after its `until_ms`) whose lap had ended when the reader met it: the
+  message came back from meditation and has a next entry, or is on its way to one (*in
+  transit*). It counts once: as its next entry if the reader meets one (the same key), else as
+  this one. A lap's next entry is written after it, in the same band or a lower one (what is
+  left of a wait is never longer than a lap), so reading the bands from the highest down
+  meets the lap's entry first; a next entry written after the reader passed its band is not
+  met, and the lap's entry counts instead.
+Each entry is decided as it is read, but laps in transit, so memory is the done keys of the
+horizon (8 bytes each), the laps that ended within it and the messages kept for a listing
+(`keep` of them); never the messages that wait. Records are read a whole record at a time
+(numpy), and an entry becomes a Python object only when a filter, a cancel, the listing or
+a transit needs it.
 
 `Gap`s say what can wait unlisted (messages not read yet, a gateway that does not write
 entries or says nothing, messages from before the index, a horizon that is not a minute):
@@ -31,7 +38,7 @@ from topology.waiting import RETENTION_SLACK_MS, span_ms
 from gateway.core import cancels, envelope
 from gateway.core.rules import Rules
 from gateway.core.selection import Selection
-from gateway.core.waiting import (ENTRIES, FIXED, HAS_ID, KEY, LAPPED_KEYS, LIVE_MS, RETRY, DONE_KEYS, Beat, Listed)
+from gateway.core.waiting import DONE_KEYS, ENTRIES, FIXED, HAS_ID, KEY, LIVE_MS, RETRY, Beat, Listed
 
 GRACE_MS = 60_000  # what a message may be overdue while the gateways keep up
 
@@ -206,7 +213,7 @@ def _member(sorted_keys: "np.ndarray", keys: "np.ndarray") -> "np.ndarray":
 class View:
     """What waits, from the done stream's keys and the bands' entries (see the module doc):
     `add_keys` for every record of the done stream first, then `add_entries` for every record
-    of the bands."""
+    of the bands, the highest band first, then `finish`."""
 
     def __init__(self, now_ms: int, at: Horizon, cancelled: Optional[Cancelled], select: Selection,
                  keep: Optional[int] = None, each: Optional[Callable[[Listed], object]] = None,
@@ -217,59 +224,74 @@ class View:
         self.now_ms, self.at, self.cancelled, self.select, self.keep = now_ms, at, cancelled, select, keep
         self.each = each
         self._done_parts: List[np.ndarray] = []
-        self._lapped_parts: List[np.ndarray] = []
         self._done: Optional[np.ndarray] = None
-        self._lapped: Optional[np.ndarray] = None
+        self._transit: Dict[int, Listed] = {}  # laps just ended, by their 64-bit key (`mixed`)
         self._kept: List[Tuple[int, int, int, Listed]] = []  # (-due, -seq, ...) a max-heap of the soonest
         self._seq = 0
         self.total = 0
         self.latest_due_ms: Optional[int] = None  # of those counted
         self.counts = Counts(list(ranges))
         self.read = 0  # entries read
-        self.keys = 0  # done and lapped keys read
+        self.keys = 0  # done keys read
 
     # -- the done stream ---------------------------------------------------------------------
     def add_keys(self, body: bytes) -> None:
-        """A record of the done stream: done or lapped keys (anything else: nothing)."""
-        for magic, parts in ((DONE_KEYS, self._done_parts), (LAPPED_KEYS, self._lapped_parts)):
-            if body.startswith(magic) and len(body) >= 8:
-                count = int.from_bytes(body[4:8], "big")
-                if 8 + count * KEY.size <= len(body):
-                    keys = np.frombuffer(body, dtype=_KEY_DTYPE, count=count, offset=8)
-                    parts.append(mixed(keys["read_us"], keys["crc"]))
-                    self.keys += count
+        """A record of the done stream: done keys (anything else: nothing)."""
+        if body.startswith(DONE_KEYS) and len(body) >= 8:
+            count = int.from_bytes(body[4:8], "big")
+            if 8 + count * KEY.size <= len(body):
+                keys = np.frombuffer(body, dtype=_KEY_DTYPE, count=count, offset=8)
+                self._done_parts.append(mixed(keys["read_us"], keys["crc"]))
+                self.keys += count
 
-    def _sealed(self) -> Tuple["np.ndarray", "np.ndarray"]:
-        if self._done is None or self._lapped is None:
-            def joined(parts: List["np.ndarray"]) -> "np.ndarray":
-                return np.unique(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.uint64)
-            self._done, self._lapped = joined(self._done_parts), joined(self._lapped_parts)
+    def _sealed(self) -> "np.ndarray":
+        if self._done is None:
+            self._done = np.unique(np.concatenate(self._done_parts)) if self._done_parts \
+                else np.zeros(0, dtype=np.uint64)
             self._done_parts.clear()
-            self._lapped_parts.clear()
-        return self._done, self._lapped
+        return self._done
 
     # -- the bands ---------------------------------------------------------------------------
-    def add_entries(self, body: bytes) -> None:
-        """A record of a band: each entry decided as it is read."""
+    def add_entries(self, body: bytes, read_at_ms: Optional[int] = None) -> None:
+        """A record of a band, read at `read_at_ms` (the reader's clock: default `now_ms`):
+        each entry decided as it is read (but laps in transit)."""
         if not body.startswith(ENTRIES) or len(body) < 8:
             return
         count = int.from_bytes(body[4:8], "big")
         end = 8 + count * FIXED.size
         if end > len(body) or not count:
             return
-        done, lapped = self._sealed()
+        done = self._sealed()
         fixed = np.frombuffer(body, dtype=_FIXED_DTYPE, count=count, offset=8)
         self.read += count
-        until = fixed["until"]
-        current = until >= self.now_ms
-        doubt = ~current & (until >= self.at.at_ms)
-        keys = mixed(fixed["read_us"], fixed["crc"])
-        waits = (current | doubt) & ~_member(done, keys)
-        if len(lapped):
-            waits &= ~(doubt & _member(lapped, keys))
-        if not waits.any():
-            return
+        until = fixed["until"].astype(np.int64)
         due = fixed["due"].astype(np.int64)
+        keys = mixed(fixed["read_us"], fixed["crc"])
+        current = until >= self.now_ms
+        waits = (current | ((until >= self.at.at_ms) & (due <= self.now_ms))) & ~_member(done, keys)
+        transit = (due > until) & (until < (self.now_ms if read_at_ms is None else read_at_ms)) \
+            & (until >= self.at.at_ms) & ~_member(done, keys)
+        waits &= ~transit
+        if not waits.any() and not transit.any():
+            return
+        lengths = fixed["id_len"].astype(np.int64) + fixed["key_len"] + fixed["props_len"].astype(np.int64)
+        starts = end + np.concatenate(([0], np.cumsum(lengths)[:-1]))
+        if starts[-1] + lengths[-1] > len(body):
+            return  # (a damaged record: its entries cannot be told apart)
+
+        def listed(i: int) -> Listed:
+            row = fixed[i]
+            offset, id_len, key_len = int(starts[i]), int(row["id_len"]), int(row["key_len"])
+            flags = int(row["flags"])
+            rk_at = offset + id_len
+            props_at = rk_at + key_len
+            return Listed(int(row["read_us"]), int(row["crc"]), int(row["due"]), int(row["until"]), int(row["size"]),
+                          (int(row["attempt"]) or None) if flags & RETRY else None, bool(flags & RETRY),
+                          body[offset:rk_at] if flags & HAS_ID else None, body[rk_at:props_at],
+                          body[props_at:props_at + int(row["props_len"])])
+        for i in np.nonzero(transit)[0].tolist():
+            self._transit[int(keys[i])] = listed(i)
+        self._superseded(keys, waits & current)
         if self.select.empty and self.cancelled is None and self.each is None and self.keep != 0:
             # Nothing to judge one by one: count what cannot enter the listing (all of it for a
             # count; what is due no sooner than the latest kept once it is full) in one go.
@@ -286,22 +308,21 @@ class View:
                 self.counts.add_all(due[chosen] - self.now_ms)
                 latest = int(due[chosen].max())
                 self.latest_due_ms = latest if self.latest_due_ms is None else max(latest, self.latest_due_ms)
-            if not waits.any():
-                return
-        lengths = fixed["id_len"].astype(np.int64) + fixed["key_len"] + fixed["props_len"].astype(np.int64)
-        starts = end + np.concatenate(([0], np.cumsum(lengths)[:-1]))
-        if starts[-1] + lengths[-1] > len(body):
-            return  # (a damaged record: its entries cannot be told apart)
         for i in np.nonzero(waits)[0].tolist():
-            row = fixed[i]
-            offset, id_len, key_len = int(starts[i]), int(row["id_len"]), int(row["key_len"])
-            flags = int(row["flags"])
-            rk_at = offset + id_len
-            props_at = rk_at + key_len
-            self._consider(Listed(int(row["read_us"]), int(row["crc"]), int(row["due"]), int(row["until"]),
-                                  int(row["size"]), (int(row["attempt"]) or None) if flags & RETRY else None,
-                                  bool(flags & RETRY), body[offset:rk_at] if flags & HAS_ID else None,
-                                  body[rk_at:props_at], body[props_at:props_at + int(row["props_len"])]))
+            self._consider(listed(i))
+
+    def _superseded(self, keys: "np.ndarray", current: "np.ndarray") -> None:
+        """Current entries that are the next entries of laps in transit: those laps no longer count."""
+        if self._transit and current.any():
+            laps = np.sort(np.fromiter(self._transit, dtype=np.uint64, count=len(self._transit)))
+            for k in keys[current & _member(laps, keys)].tolist():
+                self._transit.pop(k, None)
+
+    def finish(self) -> None:
+        """Every band read: the laps in transit whose next entry was not met count as they are."""
+        transit, self._transit = self._transit, {}
+        for m in transit.values():
+            self._consider(m)
 
     def _consider(self, m: Listed) -> None:
         if not self.select.matches(m.message_id, m.routing_key, m.due_ms, m.retry, lambda: m.properties.headers,

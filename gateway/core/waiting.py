@@ -9,13 +9,11 @@ time, size, retry attempt, properties, and until when it waits there (`until_ms`
 time, or the end of a meditation lap, after which it passes a gateway again and gets a new
 entry). Then, in the `done` stream:
 - a *done* key when it leaves (delivered, sent back to its queue, parked, or cancelled);
-- a *lapped* key when it comes back from a lap of meditation: its lap's entry is over (the
-  next entry, with the same key, says where it waits now);
 - every few seconds each gateway's *beat*: its roles, how many consumers it runs of each
   kind, whether it writes entries, and the earliest due time its distributor holds.
-Done and lapped keys go out within DONE_FLUSH_MS, and the deliveries they speak of are
-acknowledged only once the broker confirmed them (like the entries): a crash hands the
-delivery back, to be sent on and written down again, so no key is lost with a process.
+Done keys go out within DONE_FLUSH_MS, and the deliveries they speak of are acknowledged
+only once the broker confirmed them (like the entries): a crash hands the delivery back, to
+be sent on and written down again, so no key is lost with a process.
 
 Entries go to one of several streams by how long the message waits there (topology/waiting.py:
 band b holds waits up to 4^b s). A message is identified by its read time and a checksum of
@@ -24,7 +22,7 @@ same wherever it is. One with no message id is listed by its *handle* (`cancels.
 which `cancel` accepts.
 
 Formats (never changed in place: a new one gets a new magic, and readers take every one):
-entries DGW1, done keys DGD1, lapped keys DGL1, beats DGB1 (until 1.0) and DGB2.
+entries DGW1, done keys DGD1, beats DGB1 (until 1.0) and DGB2.
 """
 
 import struct
@@ -39,7 +37,6 @@ from gateway.core.wire import Properties
 
 ENTRIES = b"DGW1"
 DONE_KEYS = b"DGD1"
-LAPPED_KEYS = b"DGL1"
 BEAT = b"DGB1"
 BEAT_V2 = b"DGB2"
 # read time (us), checksum (cancels.checksum), due (ms), until (ms), body size, retry attempt
@@ -90,16 +87,12 @@ def pack_entries(records: Sequence[bytes]) -> bytes:
 
 
 def done_key(e: Entry) -> Optional[bytes]:
-    """What a done or lapped record says of one message (None: not indexed, no read time)."""
+    """What a done record says of one message (None: not indexed, no read time)."""
     return None if e.accepted_us is None else KEY.pack(e.accepted_us, checksum(e))
 
 
 def pack_done(keys: Sequence[bytes]) -> bytes:
     return DONE_KEYS + _COUNT.pack(len(keys)) + b"".join(keys)
-
-
-def pack_lapped(keys: Sequence[bytes]) -> bytes:
-    return LAPPED_KEYS + _COUNT.pack(len(keys)) + b"".join(keys)
 
 
 @dataclass(frozen=True)
@@ -175,23 +168,14 @@ def entries(body: bytes) -> Iterator[Listed]:
                      mid, rk, props)
 
 
-def _keys(body: bytes, magic: bytes) -> List[int]:
-    if not body.startswith(magic) or len(body) < 8:
+def done_keys(body: bytes) -> List[int]:
+    """The keys (key_of) of a done record; [] if it is not one."""
+    if not body.startswith(DONE_KEYS) or len(body) < 8:
         return []
     (count,) = _COUNT.unpack_from(body, 4)
     data = body[8:8 + count * KEY.size]
     return [(read_us << 32) | crc for read_us, crc in KEY.iter_unpack(data)] if len(data) == count * KEY.size \
         else []
-
-
-def done_keys(body: bytes) -> List[int]:
-    """The keys (key_of) of a done record; [] if it is not one."""
-    return _keys(body, DONE_KEYS)
-
-
-def lapped_keys(body: bytes) -> List[int]:
-    """The keys (key_of) of a lapped record; [] if it is not one."""
-    return _keys(body, LAPPED_KEYS)
 
 
 @dataclass(frozen=True)
@@ -225,7 +209,7 @@ LIVE_MS = 20_000  # a gateway that beat within this is alive (it beats every BEA
 BEAT_EVERY_MS = 5_000
 
 # -- what a consumer records -------------------------------------------------------------------
-DONE_FLUSH_MS = 250  # done and lapped keys wait this long for others to share one record
+DONE_FLUSH_MS = 250  # done keys wait this long for others to share one record
 
 
 class Recorder:
@@ -233,36 +217,28 @@ class Recorder:
     acknowledgements): an entry for each message it sends on to wait, in the same event as
     the message and right after it on the same channel (so an entry never names a message
     the broker did not take before it); a done key for each message it sends on to leave
-    (delivered, back to its queue, parked) or drops (cancelled); a lapped key for each it
-    sends on after a lap of meditation (`lapping`: a consumer of the returning queue). With
-    `entries` off (--no-pending-index) it writes no entries, but still the keys: another
-    gateway may have listed the message."""
+    (delivered, back to its queue, parked) or drops (cancelled). With `entries` off
+    (--no-pending-index) it writes no entries, but still the keys: another gateway may have
+    listed the message."""
 
-    def __init__(self, bands: int, lap_ms: int, entries: bool = True, lapping: bool = False) -> None:
-        self.bands, self.lap_ms, self.entries, self.lapping = bands, lap_ms, entries, lapping
+    def __init__(self, bands: int, lap_ms: int, entries: bool = True) -> None:
+        self.bands, self.lap_ms, self.entries = bands, lap_ms, entries
         self._entries: Dict[int, Tuple[List[int], List[bytes]]] = {}  # band -> (tags, records)
         self._done: List[bytes] = []
-        self._lapped: List[bytes] = []
         self._owed: List[int] = []  # the deliveries the keys speak of, one tag per key
         self._done_by: Optional[int] = None
 
-    def waits(self, meditation: bool, members: Iterable[Tuple[int, Optional[Entry]]], now_ms: int) -> List[int]:
-        """These messages were sent on to wait (in meditation for a lap, else until due):
-        the tags that now owe a key (lapped) to the next `take_keys`."""
-        owed: List[int] = []
+    def waits(self, meditation: bool, members: Iterable[Tuple[int, Optional[Entry]]], now_ms: int) -> None:
+        """These messages were sent on to wait: in meditation for a lap, else until due."""
+        if not self.entries:
+            return
         for tag, e in members:
             if e is None or e.accepted_us is None:
                 continue
-            if self.entries:
-                until = now_ms + self.lap_ms if meditation else e.due_ms
-                tags, records = self._entries.setdefault(min(band(until - now_ms), self.bands - 1), ([], []))
-                tags.append(tag)
-                records.append(entry_record(e, until))
-            if self.lapping:
-                self._lapped.append(KEY.pack(e.accepted_us, checksum(e)))
-                owed.append(tag)
-        self._owe(owed, now_ms)
-        return owed
+            until = now_ms + self.lap_ms if meditation else e.due_ms
+            tags, records = self._entries.setdefault(min(band(until - now_ms), self.bands - 1), ([], []))
+            tags.append(tag)
+            records.append(entry_record(e, until))
 
     def left(self, members: Iterable[Tuple[int, Optional[Entry]]], now_ms: int) -> List[int]:
         """These messages left (or were dropped): the tags that now owe a done key."""
@@ -292,15 +268,12 @@ class Recorder:
         self._entries.clear()
         return out
 
-    def take_keys(self, now_ms: int, now: bool = False) -> Optional[Tuple[List[int], List[bytes]]]:
-        """(the tags that owed them, the done and lapped records), once they have waited their
-        time (or `now`)."""
-        if not (self._done or self._lapped) or (not now and self._done_by is not None and now_ms < self._done_by):
+    def take_done(self, now_ms: int, now: bool = False) -> Optional[Tuple[List[int], bytes]]:
+        """(the tags that owed them, the done record), once it has waited its time (or `now`)."""
+        if not self._done or (not now and self._done_by is not None and now_ms < self._done_by):
             return None
-        records = ([pack_done(self._done)] if self._done else []) + ([pack_lapped(self._lapped)] if self._lapped
-                                                                    else [])
-        owed, self._owed, self._done, self._lapped, self._done_by = self._owed, [], [], [], None
-        return owed, records
+        owed, keys, self._owed, self._done, self._done_by = self._owed, self._done, [], [], None
+        return owed, pack_done(keys)
 
     def next_deadline(self) -> Optional[int]:
         return self._done_by
