@@ -18,10 +18,14 @@ import pika
 import pytest
 
 from gateway.broker import lazy_properties
+from gateway.core import envelope
 from gateway.core.wire import Properties, Table, long
+from topology import ChainSettings, Topology, build
+from topology.broker.declare import declare
 
 from .faults.proxy import Proxy
-from .support import ROOT, Receiver, broker_url, chain_args, connect, drain, now_ms, report_figures, wait_until
+from .support import ROOT, Receiver, broker_url, chain_args, connect, drain, now_ms, remove, report_figures, \
+    unique_prefix, wait_until
 
 RETRY_POLICY = [{"queue": "*.jobs", "base_ms": 40_000, "jitter": 0}]
 
@@ -268,3 +272,30 @@ def test_bytes_that_are_not_utf8_come_back_exactly_in_json(make_chain, run_gatew
     assert base64.b64decode(row["routing_key_base64"]) == key and base64.b64decode(row["message_id_base64"]) == mid
     table = cli(chain, "pending", "list")
     assert "k.\\xff\\xfe.bin" in table.stdout, table.stdout
+
+
+def test_after_an_upgrade_from_a_version_without_the_index_the_count_says_what_it_cannot_list(broker):
+    """A broker where messages wait in a chain declared by a version without the index: the
+    declare that creates the index says so in the registry, and `pending count` says until
+    when it cannot be exact instead of an exact 0."""
+    prefix = unique_prefix()
+    chain = ChainSettings(prefix=prefix, max_level=4, resolution_ms=250)
+    full = build(chain)
+    older = Topology(chain, full.exchanges, tuple(q for q in full.queues if q.role != "waiting"),
+                     tuple(b for b in full.bindings if not b.destination.startswith(chain.names.waiting)))
+    try:
+        with connect() as c:
+            declare(c.channel(), older)
+            ch = c.channel()
+            ch.confirm_delivery()
+            user = Properties.build(message_id=b"before-the-index", delivery_mode=2)
+            props = envelope.inside(user, b"orders.1", now_ms() + 200 * 86_400_000)
+            ch.basic_publish(chain.meditation, "", b"waits", lazy_properties.WireProperties(props), mandatory=True)
+        out = cli(chain, "declare")
+        assert out.returncode == 0, out.stderr
+        count = counted(chain)
+        assert count["total"] == 0 and not count["exact"]
+        [note] = [n for n in count["notes"] if "before the index of what waits existed" in n]
+        assert "are listed from their next lap, or not at all until due (until " in note
+    finally:
+        remove(chain)
