@@ -37,7 +37,7 @@ from topology.waiting import RETENTION_SLACK_MS, span_ms
 
 from gateway.core import cancels, envelope
 from gateway.core.rules import Rules
-from gateway.core.selection import Selection
+from gateway.core.selection import Selection, literal_words
 from gateway.core.waiting import DONE_KEYS, ENTRIES, FIXED, HAS_ID, KEY, LIVE_MS, RETRY, Beat, Listed
 
 GRACE_MS = 60_000  # what a message may be overdue while the gateways keep up
@@ -132,27 +132,52 @@ def gaps(now_ms: int, beats: Iterable[Beat], check_in: Place, unlisted: Iterable
 
 
 # -- the view ----------------------------------------------------------------------------------
-Cancelled = Callable[[Listed], bool]
+class Cancels:
+    """What a listing leaves out as cancelled, judged as the gateways judge (a cancel by id
+    after the message; by its handle, always; a rule that selects it, after it), and which
+    entries of a record may be cancelled at all (`suspects`), so that the others are not read
+    one by one."""
 
+    def __init__(self, store: cancels.Store, held: Rules, now_ms: int) -> None:
+        self.store, self.held, self.now_ms = store, held, now_ms
+        self._handle_times = np.array(sorted(set(store.handle_times) | set(held.handle_times())), dtype=np.int64)
+        self._prefixes = held.key_prefixes()
+        self._ids = bool(len(store)) or held.by_id()
 
-def cancelled_by(store: cancels.Store, held: Rules, now_ms: int) -> Optional[Cancelled]:
-    """Whether a cancel or a rule held cancels a listed message (the gateway's rule: by its
-    message id, a cancel after it; by its handle, always; a rule that selects it, after it).
-    None when there is nothing to judge by."""
-    if not len(store) and not len(held):
-        return None
-
-    def judge(m: Listed) -> bool:
+    def __call__(self, m: Listed) -> bool:
+        store = self.store
         if len(store) and m.read_us in store.handle_times and store.get(m.handle.encode("ascii")) is not None:
             return True
-        stamp = envelope.broker_stamp(m.properties.headers, now_ms) if not m.retry else None
+        stamp = envelope.broker_stamp(m.properties.headers, self.now_ms) if not m.retry else None
         taken_in = cancels.Time(m.read_us, stamp)
         found = store.get(m.message_id) if len(store) and m.message_id is not None else None
         if found is not None and found.cancels(taken_in):
             return True
-        return held.first(m.message_id, m.routing_key, m.due_ms, m.retry, lambda: m.properties.headers,
-                          lambda: m.handle.encode("ascii"), m.read_us, taken_in) is not None
-    return judge
+        return self.held.first(m.message_id, m.routing_key, m.due_ms, m.retry, lambda: m.properties.headers,
+                               lambda: m.handle.encode("ascii"), m.read_us, taken_in) is not None
+
+    def suspects(self, r: "_Record", among: "np.ndarray") -> "np.ndarray":
+        """The entries (of `among`) that a cancel or a rule may cancel: the others are not."""
+        if self._prefixes is None:
+            return among
+        found = np.zeros(len(among), dtype=bool)
+        if len(self._handle_times):
+            found |= _sorted_member(self._handle_times, r.read_us)
+        for prefix in self._prefixes:
+            found |= r.key_starts_with(prefix)
+        if self._ids:
+            for i in np.nonzero(among & ~found)[0].tolist():
+                mid = r.message_id(i)
+                if mid is not None and (self.store.get(mid) is not None or self.held.names_id(mid)):
+                    found[i] = True
+        return among & found
+
+
+def cancelled_by(store: cancels.Store, held: Rules, now_ms: int) -> Optional[Cancels]:
+    """The cancels and rules held, as a listing judges by them; None when there are none."""
+    if not len(store) and not len(held):
+        return None
+    return Cancels(store, held, now_ms)
 
 
 @dataclass
@@ -202,6 +227,74 @@ def mixed(read_us: "np.ndarray", crc: "np.ndarray") -> "np.ndarray":
     return out
 
 
+def _sorted_member(sorted_values: "np.ndarray", values: "np.ndarray") -> "np.ndarray":
+    return _member(sorted_values, values)
+
+
+class _Record:
+    """One record of a band, its entries told apart: numpy columns for whole-record tests,
+    Python lists (made when first asked) for the entries read one by one."""
+
+    def __init__(self, body: bytes, fixed: "np.ndarray", end: int) -> None:
+        self.body, self.fixed = body, fixed
+        self.bytes = np.frombuffer(body, dtype=np.uint8)
+        self.read_us = fixed["read_us"].astype(np.int64)
+        self.id_len = fixed["id_len"].astype(np.int64)
+        self.key_len = fixed["key_len"].astype(np.int64)
+        lengths = self.id_len + self.key_len + fixed["props_len"].astype(np.int64)
+        self.id_at = end + np.concatenate(([0], np.cumsum(lengths)[:-1]))
+        self.key_at = self.id_at + self.id_len
+        self.whole = bool(self.id_at[-1] + lengths[-1] <= len(body))  # (else damaged: nothing is read)
+        self._lists: Optional[Dict[str, List[int]]] = None
+
+    def _starts_with(self, at: "np.ndarray", length: "np.ndarray", prefix: bytes, exact: bool) -> "np.ndarray":
+        n = len(prefix)
+        fits = (length == n) if exact else (length >= n)
+        if not n or not fits.any():
+            return fits
+        rows = np.nonzero(fits)[0]
+        same = (self.bytes[at[rows, None] + np.arange(n)] == np.frombuffer(prefix, dtype=np.uint8)).all(axis=1)
+        found = np.zeros(len(fits), dtype=bool)
+        found[rows[same]] = True
+        return found
+
+    def key_starts_with(self, prefix: bytes) -> "np.ndarray":
+        return self._starts_with(self.key_at, self.key_len, prefix, False)
+
+    def id_is(self, wanted: bytes) -> "np.ndarray":
+        """Entries whose message id is `wanted` (or starts with it, where it ends with '*')."""
+        has_id: np.ndarray = (self.fixed["flags"] & HAS_ID) != 0
+        prefix = wanted.endswith(b"*")
+        named = self._starts_with(self.id_at, self.id_len, wanted[:-1] if prefix else wanted, not prefix)
+        found: np.ndarray = has_id & named
+        return found
+
+    @property
+    def lists(self) -> Dict[str, List[int]]:
+        if self._lists is None:
+            f = self.fixed
+            self._lists = {name: f[name].tolist() for name in ("crc", "due", "until", "size", "attempt", "flags")}
+            self._lists.update(read_us=self.read_us.tolist(), id_at=self.id_at.tolist(),
+                               key_at=self.key_at.tolist(), props_at=(self.key_at + self.key_len).tolist(),
+                               props_len=f["props_len"].tolist())
+        return self._lists
+
+    def message_id(self, i: int) -> Optional[bytes]:
+        c = self.lists
+        return self.body[c["id_at"][i]:c["key_at"][i]] if c["flags"][i] & HAS_ID else None
+
+    def key(self, i: int) -> bytes:
+        c = self.lists
+        return self.body[c["key_at"][i]:c["props_at"][i]]
+
+    def listed(self, i: int) -> Listed:
+        c = self.lists
+        flags, props_at = c["flags"][i], c["props_at"][i]
+        return Listed(c["read_us"][i], c["crc"][i], c["due"][i], c["until"][i], c["size"][i],
+                      (c["attempt"][i] or None) if flags & RETRY else None, bool(flags & RETRY),
+                      self.message_id(i), self.key(i), self.body[props_at:props_at + c["props_len"][i]])
+
+
 def _member(sorted_keys: "np.ndarray", keys: "np.ndarray") -> "np.ndarray":
     if not len(sorted_keys):
         return np.zeros(len(keys), dtype=bool)
@@ -215,7 +308,7 @@ class View:
     `add_keys` for every record of the done stream first, then `add_entries` for every record
     of the bands, the highest band first, then `finish`."""
 
-    def __init__(self, now_ms: int, at: Horizon, cancelled: Optional[Cancelled], select: Selection,
+    def __init__(self, now_ms: int, at: Horizon, cancelled: Optional[Cancels], select: Selection,
                  keep: Optional[int] = None, each: Optional[Callable[[Listed], object]] = None,
                  ranges: Sequence[Tuple[str, Optional[int]]] = RANGES) -> None:
         """`keep`: how many to keep for a listing, the soonest due (None: none, a count; 0:
@@ -267,35 +360,27 @@ class View:
         until = fixed["until"].astype(np.int64)
         due = fixed["due"].astype(np.int64)
         keys = mixed(fixed["read_us"], fixed["crc"])
+        alive = ~_member(done, keys)
         current = until >= self.now_ms
-        waits = (current | ((until >= self.at.at_ms) & (due <= self.now_ms))) & ~_member(done, keys)
+        waits = (current | ((until >= self.at.at_ms) & (due <= self.now_ms))) & alive
         transit = (due > until) & (until < (self.now_ms if read_at_ms is None else read_at_ms)) \
-            & (until >= self.at.at_ms) & ~_member(done, keys)
+            & (until >= self.at.at_ms) & alive
         waits &= ~transit
         if not waits.any() and not transit.any():
             return
-        lengths = fixed["id_len"].astype(np.int64) + fixed["key_len"] + fixed["props_len"].astype(np.int64)
-        starts = end + np.concatenate(([0], np.cumsum(lengths)[:-1]))
-        if starts[-1] + lengths[-1] > len(body):
+        r = _Record(body, fixed, end)
+        if not r.whole:
             return  # (a damaged record: its entries cannot be told apart)
-
-        def listed(i: int) -> Listed:
-            row = fixed[i]
-            offset, id_len, key_len = int(starts[i]), int(row["id_len"]), int(row["key_len"])
-            flags = int(row["flags"])
-            rk_at = offset + id_len
-            props_at = rk_at + key_len
-            return Listed(int(row["read_us"]), int(row["crc"]), int(row["due"]), int(row["until"]), int(row["size"]),
-                          (int(row["attempt"]) or None) if flags & RETRY else None, bool(flags & RETRY),
-                          body[offset:rk_at] if flags & HAS_ID else None, body[rk_at:props_at],
-                          body[props_at:props_at + int(row["props_len"])])
         for i in np.nonzero(transit)[0].tolist():
-            self._transit[int(keys[i])] = listed(i)
+            self._transit[int(keys[i])] = r.listed(i)
         self._superseded(keys, waits & current)
-        if self.select.empty and self.cancelled is None and self.each is None and self.keep != 0:
-            # Nothing to judge one by one: count what cannot enter the listing (all of it for a
-            # count; what is due no sooner than the latest kept once it is full) in one go.
-            counted = waits.copy()
+        waits &= self._may_select(r)
+        suspects = self.cancelled.suspects(r, waits) if self.cancelled is not None else np.zeros(count, dtype=bool)
+        if self.select.empty and self.each is None and self.keep != 0:
+            # Nothing to judge one by one but the suspects: count what cannot enter the listing
+            # (all of it for a count; what is due no sooner than the latest kept once it is
+            # full) in one go.
+            counted = waits & ~suspects
             if self.keep is not None:
                 if len(self._kept) >= self.keep:
                     counted &= due >= -self._kept[0][0]
@@ -304,12 +389,44 @@ class View:
             waits &= ~counted
             chosen = np.nonzero(counted)[0]
             if len(chosen):
-                self.total += len(chosen)
-                self.counts.add_all(due[chosen] - self.now_ms)
-                latest = int(due[chosen].max())
-                self.latest_due_ms = latest if self.latest_due_ms is None else max(latest, self.latest_due_ms)
+                self._count_all(due[chosen])
         for i in np.nonzero(waits)[0].tolist():
-            self._consider(listed(i))
+            self._consider_entry(r, i, bool(suspects[i]))
+
+    def _may_select(self, r: _Record) -> "np.ndarray":
+        """The entries the selection may select, from what whole records show (a key pattern's
+        literal words, message ids and prefixes): the others it does not."""
+        select, found = self.select, np.ones(len(r.read_us), dtype=bool)
+        if select.key is not None:
+            words = literal_words(select.key)
+            if words:
+                found &= r.key_starts_with(b".".join(words))
+        if select.ids and not any(i.startswith(b"@") for i in select.ids):
+            named = np.zeros(len(found), dtype=bool)
+            for wanted in select.ids:
+                named |= r.id_is(wanted)
+            found &= named
+        return found
+
+    def _count_all(self, due: "np.ndarray") -> None:
+        self.total += len(due)
+        self.counts.add_all(due - self.now_ms)
+        latest = int(due.max())
+        self.latest_due_ms = latest if self.latest_due_ms is None else max(latest, self.latest_due_ms)
+
+    def _consider_entry(self, r: _Record, i: int, suspect: bool) -> None:
+        """One entry, read only as far as its selection and the listing need."""
+        c = r.lists
+        if not self.select.empty:
+            flags = c["flags"][i]
+            if not self.select.matches(r.message_id(i), r.key(i), c["due"][i], bool(flags & RETRY),
+                                       lambda: r.listed(i).properties.headers,
+                                       lambda: cancels.handle(c["read_us"][i], c["crc"][i]).encode("ascii")):
+                return
+        if suspect or self.each is not None or self.keep is not None:
+            self._take(r.listed(i), suspect)
+        else:
+            self._counted(c["due"][i])
 
     def _superseded(self, keys: "np.ndarray", current: "np.ndarray") -> None:
         """Current entries that are the next entries of laps in transit: those laps no longer count."""
@@ -325,15 +442,22 @@ class View:
             self._consider(m)
 
     def _consider(self, m: Listed) -> None:
-        if not self.select.matches(m.message_id, m.routing_key, m.due_ms, m.retry, lambda: m.properties.headers,
-                                   lambda: m.handle.encode("ascii")):
-            return
-        if self.cancelled is not None and self.cancelled(m):
-            return
+        """A message read whole (a lap in transit): selected, judged, counted, kept."""
+        if self.select.matches(m.message_id, m.routing_key, m.due_ms, m.retry, lambda: m.properties.headers,
+                               lambda: m.handle.encode("ascii")):
+            self._take(m, True)
+
+    def _counted(self, due_ms: int) -> None:
         self.total += 1
-        self.counts.add(m.due_ms - self.now_ms)
-        if self.latest_due_ms is None or m.due_ms > self.latest_due_ms:
-            self.latest_due_ms = m.due_ms
+        self.counts.add(due_ms - self.now_ms)
+        if self.latest_due_ms is None or due_ms > self.latest_due_ms:
+            self.latest_due_ms = due_ms
+
+    def _take(self, m: Listed, judge: bool) -> None:
+        """A selected message: unless cancelled (asked when `judge`), counted and kept."""
+        if judge and self.cancelled is not None and self.cancelled(m):
+            return
+        self._counted(m.due_ms)
         if self.each is not None:
             self.each(m)
             return

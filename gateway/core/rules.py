@@ -413,6 +413,36 @@ class Rules:
                 general.append(rule)
         self._by_id, self._by_handle, self._root, self._general = by_id, by_handle, root, general
 
+    # -- what a reader of the index asks, to skip what no rule can select (listing.Cancels) --------
+    MAX_PREFIXES = 256
+
+    def handle_times(self) -> List[int]:
+        """The read times the rules' handles name."""
+        return list(self._by_handle)
+
+    def by_id(self) -> bool:
+        """Whether some rule selects by exact message ids."""
+        return bool(self._by_id)
+
+    def names_id(self, message_id: bytes) -> bool:
+        return message_id in self._by_id
+
+    def key_prefixes(self) -> Optional[List[bytes]]:
+        """What the routing key of every message a rule of the key index can select starts
+        with; None when a rule may select any message (it has no such words), or there are too
+        many to be worth testing one by one."""
+        if self._general:
+            return None
+        out: List[bytes] = []
+        pending: List[Tuple[List[bytes], _Node]] = [([], self._root)]
+        while pending:
+            words, node = pending.pop()
+            if node.rules:
+                out.append(b".".join(words))
+                continue  # (what starts with these words starts with them, whatever follows)
+            pending += [(words + [w], below) for w, below in node.below.items()]
+        return out if len(out) <= self.MAX_PREFIXES else None
+
     def candidates(self, message_id: Optional[bytes], routing_key: bytes, read_us: Optional[int]) -> List[Rule]:
         """The rules that may select a message with these (each still to be matched in full)."""
         out = list(self._general)
