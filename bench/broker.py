@@ -81,6 +81,11 @@ class Broker:
         out = self.ctl("eval", "[{K, V div 1048576} || {K, V} <- erlang:memory()].")
         return {k: int(v) for k, v in re.findall(r"\{(\w+),(\d+)\}", out)} if out else None
 
+    def memory_limit_mb(self) -> Optional[int]:
+        """The node's memory high watermark (above it, publishers are blocked)."""
+        out = self.ctl("eval", "vm_memory_monitor:get_memory_limit() div 1048576.")
+        return int(out.strip()) if out and out.strip().isdigit() else None
+
     # -- the process ---------------------------------------------------------------------
     def pid(self) -> Optional[int]:
         """The beam.smp listening on the URL's port (psutil), else the node's own answer."""

@@ -1,9 +1,11 @@
-"""The `waiting` scenario: the index of what waits at scale. A million messages wait (due in
-1 to 400 days, a thousand routing keys), then a paced flow of short delays passes beside
-them; before and every few minutes during the flow, `delay-gateway pending count` and
-`pending list --key ...` are timed as a user runs them (their own processes: wall time and
-peak memory), with the gateway's memory and, at the end, the disk the waiting streams take
-on the broker."""
+"""The `waiting` scenario: the index of what waits at scale. Millions of messages wait (due in
+1 to 400 days, ten tenants of a thousand routing keys each: `t3.orders.42.reminder`), then a
+paced flow of short delays passes beside them; before and every few minutes during the flow,
+`delay-gateway pending count` and `pending list --key ...` are timed as a user runs them
+(their own processes: wall time and peak memory), with the gateway's memory. After the flow,
+one tenant's messages (a tenth) are cancelled with one rule (`pending cancel --key 't3.#'`):
+how long until the rule is recorded, and a count of them afterwards. At the end, the broker's
+memory against its high watermark and the disk the waiting streams take on it."""
 
 import os
 import random
@@ -26,7 +28,8 @@ from .stats import lateness_stats
 from .systems import Gateway
 
 DAY_MS = 86_400_000
-KEYS = 1000  # orders.0.reminder ... orders.999.reminder
+KEYS = 1000  # t0.orders.0.reminder ... t9.orders.999.reminder
+TENANTS = 10
 
 
 def waiting(ctx: Context) -> List[dict]:
@@ -45,12 +48,12 @@ def waiting(ctx: Context) -> List[dict]:
 
         def make(i: int):
             due = start + rnd.randint(DAY_MS, 400 * DAY_MS)
-            return (chain.names.check_in, f"orders.{i % KEYS}.reminder", pika.BasicProperties(
+            return (chain.names.check_in, f"t{i % TENANTS}.orders.{i % KEYS}.reminder", pika.BasicProperties(
                 delivery_mode=2, message_id=f"w-{i}", headers={"x-deliver-at": due}), body(i, due, ctx.size), due)
 
         ctx.log(f"  waiting: publishing {n} messages due in 1-400 days")
         pub = Publisher(ctx.url, n, make).run()
-        deadline = time.monotonic() + 1800
+        deadline = time.monotonic() + max(1800, n / 1000)
         while system.forwarded(chain.names.check_in) < pub.acked and time.monotonic() < deadline:
             time.sleep(1)
         ctx.log(f"    published {pub.acked} in {pub.seconds:.0f} s; checked in")
@@ -79,12 +82,16 @@ def waiting(ctx: Context) -> List[dict]:
         receiver.wait(30)
         data = receiver.stop()
         checks.append(_check(ctx, chain, gateway, "after the flow", time.monotonic() - t0))
+        cancelled = _cancel_a_tenant(ctx, chain, gateway)
         disk = _streams_disk(ctx, chain)
+        memory = ctx.broker.erlang_memory_mb() or {}
         r = {"scenario": "waiting", "messages": n, "size": ctx.size, "publish_rate": round(pub.rate_achieved, 1),
              "flow_rate": rate, "flow_seconds": flow_s, "flow_published": flow.acked,
              "flow": lateness_stats(data, flow.acked), "gateway_rss_mb_start": rss0,
-             "checks": checks, "streams_disk_mb": disk}
-        ctx.log(f"    streams on disk: {disk}")
+             "checks": checks, "cancel_a_tenant": cancelled, "streams_disk_mb": disk,
+             "broker_memory_mb": memory.get("total"), "broker_watermark_mb": ctx.broker.memory_limit_mb()}
+        ctx.log(f"    streams on disk: {disk}; broker memory {r['broker_memory_mb']} MB of a watermark of "
+                f"{r['broker_watermark_mb']} MB")
         return [r]
     finally:
         system.close()
@@ -98,8 +105,9 @@ def _rss(process) -> Optional[float]:
         return None
 
 
-def _timed(args: List[str]) -> Dict[str, object]:
-    """A command as a user runs it: wall time, its own peak memory, its first line."""
+def _timed(args: List[str], every_line: bool = False) -> Dict[str, object]:
+    """A command as a user runs it: wall time, its own peak memory, its first line (or, with
+    `every_line`, the lines after its table: what it says of what it did)."""
     with tempfile.TemporaryFile("w+") as out:
         t = time.monotonic()
         proc = subprocess.Popen([sys.executable, "-m", "gateway", *args], cwd=ROOT, stdout=out,
@@ -109,18 +117,34 @@ def _timed(args: List[str]) -> Dict[str, object]:
         proc.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
         lines = out.read().strip().splitlines()
+    said = " / ".join(line for line in lines if line.startswith(("rule ", "recorded", "removed", "queued"))) \
+        if every_line else lines[0] if lines else ""
     return {"seconds": round(seconds, 2), "peak_rss_mb": round(usage.ru_maxrss / 1024, 1), "exit": proc.returncode,
-            "said": lines[0] if lines else ""}
+            "said": said}
 
 
 def _check(ctx: Context, chain: ChainSettings, gateway, when: str, at_s: float) -> dict:
     base = [*chain_args(chain), "--url", ctx.url]
     count = _timed(["pending", "count", *base])
-    listing = _timed(["pending", "list", "--key", "orders.42.#", "--limit", "100", *base])
+    listing = _timed(["pending", "list", "--key", "t2.orders.42.#", "--limit", "100", *base])
     found = {"when": when, "at_s": round(at_s), "gateway_rss_mb": _rss(gateway), "count": count, "list": listing}
     ctx.log(f"    {when} ({at_s:.0f} s): count {count['seconds']} s ({count['said']}), list --key "
             f"{listing['seconds']} s ({count['peak_rss_mb']} / {listing['peak_rss_mb']} MB at most); gateway RSS "
             f"{found['gateway_rss_mb']} MB")
+    return found
+
+
+def _cancel_a_tenant(ctx: Context, chain: ChainSettings, gateway) -> dict:
+    """One rule for a tenth of what waits: the command's own times (the preview read, then how
+    long after its publish a gateway recorded it), and a count of that tenant afterwards."""
+    base = [*chain_args(chain), "--url", ctx.url]
+    rss = _rss(gateway)
+    cancel = _timed(["pending", "cancel", "--key", "t3.#", "--yes", "--wait", "60", *base], every_line=True)
+    after = _timed(["pending", "count", "--key", "t3.#", *base])
+    found = {"cancel": cancel, "count_after": after, "gateway_rss_mb_before": rss,
+             "gateway_rss_mb_after": _rss(gateway)}
+    ctx.log(f"    pending cancel --key 't3.#': {cancel['seconds']} s in all; {cancel['said']}; then a count of t3: "
+            f"{after['said']} ({after['seconds']} s)")
     return found
 
 

@@ -424,15 +424,17 @@ def cancel_selected(args: argparse.Namespace, channel, names, select: Selection,
     shown = name.decode("utf-8", "replace")
     print(f"rule {shown}: {select.describe() if not everything else '--all'}, published; "
           f"{view.total} waiting message(s) listed match it")
-    deadline = time.monotonic() + args.wait
-    rule, removed = wait_for_rule(channel.connection, names, window_ms, name, view.total, deadline)
+    published = time.monotonic()
+    deadline = published + args.wait
+    rule, removed, seen = wait_for_rule(channel.connection, names, window_ms, name, view.total, deadline)
+    recorded_after_s = seen - published
     if rule is None:
         print(f"queued: no gateway recorded rule {shown} within {args.wait:g} s (none running, or a backlog in "
               "check-in); once check-in reads it, it cancels every message it selects that was published before "
               "it, whether or not it is listed")
         return 0
-    print(f"recorded at {iso(rule.at.read_us // 1000)}: no message it selects that was published before then "
-          "will be delivered")
+    print(f"recorded at {iso(rule.at.read_us // 1000)} ({recorded_after_s:.1f} s after it was published): no "
+          "message it selects that was published before then will be delivered")
     rest = f"; the rest as each next passes a gateway (the last is due {iso(view.latest_due_ms)})" \
         if removed < view.total and view.latest_due_ms is not None else ""
     print(f"removed so far: {removed} of the {view.total} expected{rest}")
@@ -451,16 +453,20 @@ def _pika_headers(table: Table) -> Dict[str, Any]:
 
 
 def wait_for_rule(connection, names, window_ms: int, name: bytes, expected: int,
-                  deadline: float) -> Tuple[Optional[rules.Rule], int]:
-    """The rule once a gateway recorded it (None if none did by `deadline`), and what the
-    gateways reported removing by it once they report all `expected` (or by `deadline`)."""
+                  deadline: float) -> Tuple[Optional[rules.Rule], int, float]:
+    """The rule once a gateway recorded it (None if none did by `deadline`), what the gateways
+    reported removing by it once they report all `expected` (or by `deadline`), and when it
+    was first seen recorded (time.monotonic())."""
     found: Optional[rules.Rule] = None
+    seen = 0.0
     while True:
         recorded = cancelling.read(connection, names, window_ms)
-        found = found or next((r for r in recorded.rules.live if r.name == name), None)
+        if found is None:
+            found = next((r for r in recorded.rules.live if r.name == name), None)
+            seen = time.monotonic()
         removed = recorded.tallies.get(name, 0)
         if (found is not None and removed >= expected) or time.monotonic() >= deadline:
-            return found, removed
+            return found, removed, seen
         time.sleep(0.5)
 
 
