@@ -156,3 +156,4 @@ def blocking_channel(urls: Union[str, Sequence[str]], name: str = "delay-gateway
     finally:
         if connection.is_open:
             connection.close()
+

@@ -32,6 +32,7 @@ from typing import Dict, List, Optional, Tuple
 import structlog
 from pika.exceptions import AMQPError, ChannelClosedByBroker
 
+from topology.broker.inventory import close_stream_reader
 from topology.model import cancel_window_ms
 from topology.names import Names
 from topology.settings import ChainSettings
@@ -352,14 +353,13 @@ def read(connection, names: Names, window_ms: int, idle_s: float = 0.3) -> Recor
         ch.basic_ack(method.delivery_tag)
 
     channel.basic_qos(prefetch_count=PREFETCH)
-    tag = channel.basic_consume(names.cancellations, on_record, arguments={"x-stream-offset": window_start(window_ms)})
+    channel.basic_consume(names.cancellations, on_record, arguments={"x-stream-offset": window_start(window_ms)})
     counted, quiet_since = 0, time.monotonic()
     while time.monotonic() - quiet_since < idle_s:
         connection.process_data_events(time_limit=0.02)
         if seen != counted:
             counted, quiet_since = seen, time.monotonic()
-    channel.basic_cancel(tag)
-    channel.close()
+    close_stream_reader(channel)
     out.tallies = rules.tallies(tallied)
     return out
 

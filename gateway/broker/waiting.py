@@ -25,7 +25,7 @@ from pika.exceptions import AMQPError, ChannelClosedByBroker
 
 from topology import Topology
 from topology.broker.declare import declare
-from topology.broker.inventory import Prober, append, read_registry
+from topology.broker.inventory import Prober, append, close_stream_reader, read_registry
 from topology.names import Names
 from topology.registry import Record, fold
 from topology.settings import QUEUE_TYPES, ChainSettings
@@ -261,7 +261,9 @@ class StreamReader:
 
             def on_message(ch, method, properties, body) -> None:
                 self.records += 1
-                if body == token:
+                if key not in reading:
+                    pass  # (past its mark: the stream was read to where it ended at the start)
+                elif body == token:
                     ended.append(key)
                 else:
                     handle(body)
@@ -276,8 +278,8 @@ class StreamReader:
         heard, seen, told = time.monotonic(), self.records, time.monotonic()
         while reading:
             self.connection.process_data_events(time_limit=0.05)
-            while ended:
-                channel.basic_cancel(reading.pop(ended.pop()))
+            while ended:  # (its records after the mark are acknowledged and left aside)
+                reading.pop(ended.pop(), None)
             now = time.monotonic()
             if self.records != seen:
                 heard, seen = now, self.records
@@ -287,7 +289,7 @@ class StreamReader:
             if now - told >= PROGRESS_EVERY_S:
                 told = now
                 self.progress()
-        channel.close()
+        close_stream_reader(channel)
 
     def _marks(self, channel, keys: Sequence[str]) -> Dict[str, bytes]:
         """Append a mark of our own to each stream: read back, everything before it was read."""

@@ -142,6 +142,19 @@ def look_at_generation(look: Look, prefix: str, key: ChainKey, every_level: bool
 
 
 # -- the registry stream --------------------------------------------------------------------
+def close_stream_reader(channel) -> None:
+    """Close a channel that consumes streams without cancelling its consumers first. pika's
+    BlockingChannel cancels them on close (and on basic_cancel) and rejects what arrived
+    meanwhile, which a stream refuses by closing the whole connection (540 NOT_IMPLEMENTED:
+    basic.nack and basic.reject not supported by stream queues). Closing the channel ends its
+    consumers on the broker all the same, and a stream keeps what it holds."""
+    impl = channel._impl  # (the channel under the blocking adapter)
+    if impl.is_open:
+        impl.close()
+    while not (impl.is_closed or channel.connection.is_closed):
+        channel.connection.process_data_events(time_limit=0.05)
+
+
 def read_registry(connection, names: Names, idle_s: float = REGISTRY_IDLE_S) -> Optional[List[Record]]:
     """Every record, oldest first; None if the registry stream does not exist."""
     channel = connection.channel()
@@ -158,14 +171,13 @@ def read_registry(connection, names: Names, idle_s: float = REGISTRY_IDLE_S) -> 
         ch.basic_ack(method.delivery_tag)
 
     channel.basic_qos(prefetch_count=REGISTRY_PREFETCH)
-    tag = channel.basic_consume(names.registry, on_message, arguments={"x-stream-offset": "first"})
+    channel.basic_consume(names.registry, on_message, arguments={"x-stream-offset": "first"})
     seen, quiet_since = 0, time.monotonic()
     while time.monotonic() - quiet_since < idle_s:
         connection.process_data_events(time_limit=0.02)
         if len(bodies) != seen:
             seen, quiet_since = len(bodies), time.monotonic()
-    channel.basic_cancel(tag)
-    channel.close()
+    close_stream_reader(channel)
     return [r for r in (reg.decode(b) for b in bodies) if r is not None]
 
 
