@@ -17,8 +17,8 @@ in one of two ways:
 
 The new version then cancels by id some of what the old one scheduled (a publish to
 `<prefix>.cancel`), reschedules some (a cancel, then the same id published again), and
-cancels by handle, with its own `pending cancel`, messages without an id that the old one
-scheduled. A sentinel due after everything else says when all of it has been released.
+cancels by handle messages without an id that the old one scheduled (the handles from its
+`pending list`, to its `cancel`). A sentinel due after everything else says when all of it has been released.
 
 Checked: nothing lost; nothing early (arrival at or after the due time on the publisher's
 clock); no duplicate: the contract allows them after a crash, a lost connection or a
@@ -71,7 +71,7 @@ FAR_DELAYS_MS = [2 * 3_600_000, 9 * 3_600_000, 86_400_000, 3 * 86_400_000, 45 * 
 # Published first, due after the takeover and the new version's cancels on a busy machine:
 # LATE with ids, some of them cancelled by the new version, and BY_HANDLE without, cancelled
 # by their handles.
-TARGET_MS, LATE, BY_HANDLE = 22_000, 40, 4
+TARGET_MS, LATE, BY_HANDLE = 24_000, 40, 4
 JOBS = 60
 # A rejected job comes back after 1 s, 2 s, then 4 s (which laps meditation), plus jitter.
 RETRY_BASE_MS, RETRY_FACTOR, LAST_ATTEMPT = 1000, 2, 3
@@ -151,11 +151,28 @@ def current_cli(chain: ChainSettings, *args: str) -> subprocess.CompletedProcess
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
+# A `pending` command that stops reading a stream while a gateway writes to it can have its
+# connection closed (pika's basic_cancel rejects the records still arriving, and a stream
+# refuses basic.reject): a bug of `pending` itself (gateway/broker/waiting.py, StreamReader),
+# not of upgrades. Such a run is made again, and counted in the figures.
+STREAM_REJECT = "basic.nack and basic.reject not supported by stream queues"
+PENDING_AGAIN: List[str] = []
+
+
+def pending(chain: ChainSettings, *args: str) -> subprocess.CompletedProcess:
+    """The new version's `pending ...`."""
+    for _ in range(5):
+        out = current_cli(chain, "pending", *args)
+        if out.returncode == 0 or STREAM_REJECT not in out.stderr:
+            break
+        PENDING_AGAIN.append(out.stderr.strip())
+    assert out.returncode == 0, out.stderr
+    return out
+
+
 def counted(chain: ChainSettings, key: str) -> dict:
     """The new version's `pending count --json` of the messages whose key matches."""
-    out = current_cli(chain, "pending", "count", "--json", "--key", key)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
+    return json.loads(pending(chain, "count", "--json", "--key", key).stdout)
 
 
 # -- what is published ---------------------------------------------------------------------------
@@ -387,6 +404,7 @@ def pick(messages: List[Message], prefix: str, count: int, due_after_ms: int, rn
 def test_the_last_release_hands_over_to_this_version_under_load(broker, release, mode, request):
     started = time.monotonic()
     phases: Dict[str, float] = {}
+    PENDING_AGAIN.clear()
 
     def phase(name: str) -> None:
         phases[name] = time.monotonic() - started
@@ -462,18 +480,16 @@ def test_the_last_release_hands_over_to_this_version_under_load(broker, release,
                                  mandatory=True)
         phase("new cancelled")
 
-        # ... and by handle, with its `pending cancel`, those without an id the old one scheduled
-        # (until it has found them all: a version may list what an older one scheduled only from
-        # its next pass through a gateway, here the next lap).
-        by_handle_cancelled: List[str] = []
-
-        def cancel_by_handle() -> bool:
-            out = current_cli(chain, "pending", "cancel", "--key", "handle.#", "--yes", "--wait", "60")
-            assert out.returncode == 0, out.stdout + out.stderr
-            by_handle_cancelled.extend(re.findall(r"^cancelled: .*\((@\w+)\)$", out.stdout, re.M))
-            return len(set(by_handle_cancelled)) >= BY_HANDLE
-        wait_until(cancel_by_handle, 30, 0.2, "the new version's `pending cancel` of those without an id")
-        assert len(set(by_handle_cancelled)) == BY_HANDLE, by_handle_cancelled
+        # ... and by handle, those without an id the old one scheduled: their handles from its
+        # `pending list`, to its `cancel` (until it lists them all: a version may list what an
+        # older one scheduled only from its next pass through a gateway, here the next lap).
+        def handles() -> Optional[List[str]]:
+            out = pending(chain, "list", "--json", "--limit", "0", "--key", "handle.#")
+            rows = [json.loads(line) for line in out.stdout.splitlines()]
+            return [row["handle"] for row in rows] if len(rows) == BY_HANDLE else None
+        listed = wait_until(handles, 30, 0.2, "the new version's `pending list` of those without an id")
+        out = current_cli(chain, "cancel", "--wait", "60", *listed)
+        assert out.returncode == 0 and out.stdout.count(": cancelled at ") == BY_HANDLE, out.stdout + out.stderr
         assert now_ms() < min(m.not_before_ms for m in by_handle) - UNIT_MS, \
             "cancelled by handle too late to be kept: a machine too busy for this test"
         phase("new cancelled by handle")
@@ -560,7 +576,7 @@ def test_the_last_release_hands_over_to_this_version_under_load(broker, release,
         f"jobs={JOBS} retries={len(rejecter.got) - len(jobs)} wrong_attempts={len(wrong_attempts)} "
         f"retry_early={len(retry_early)} takeover_ms={took_over_ms - takeover_ms} "
         f"late_p50_ms={lateness[len(lateness) // 2]} late_max_ms={lateness[-1]} "
-        f"seconds={seconds:.1f} ("
+        f"pending_again={len(PENDING_AGAIN)} seconds={seconds:.1f} ("
         + ", ".join(f"{name} {at:.1f}" for name, at in phases.items()) + ")"))
     assert not lost, f"{len(lost)} lost: {lost[:5]}"
     assert not unknown, f"{len(unknown)} delivered that were never sent: {unknown[:5]}"
