@@ -124,6 +124,7 @@ LONGEST_FIRST = {name: rank for rank, name in enumerate([
     "test_cancel.py",  # 205
     "faults/test_security.py",  # 198
     "test_live_change.py",  # 180
+    "test_upgrade_release.py",  # 120 (4 cases of 25-30 s)
     "spark/test_report.py",
     "faults/test_refusals.py",
     "faults/test_retry_faults.py",

@@ -99,12 +99,14 @@ class GatewayProcess:
     of its own; its JSON log lines are collected.
 
     `url` becomes DELAY_GATEWAY_URL (one URL, or several comma-separated); without it the
-    process inherits the environment's, or the gateway's own default. With
+    process inherits the environment's, or the gateway's own default. `cwd`: where it runs
+    (the repository's root by default, whose `gateway` it then imports first). With
     `die_with_parent`, the process is stopped when the one that started it dies (the thread
     that started it, strictly: start it from a thread that lives as long)."""
 
     def __init__(self, chain: ChainSettings, *extra: str, url: Optional[str] = None,
-                 env: Optional[Dict[str, str]] = None, die_with_parent: bool = False) -> None:
+                 env: Optional[Dict[str, str]] = None, die_with_parent: bool = False,
+                 cwd: Optional[str] = None) -> None:
         self.chain = chain
         self._port_checked = False
         self.lines: List[dict] = []
@@ -118,7 +120,7 @@ class GatewayProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gateway", "run", *chain_args(chain), "--log-format", "json",
              *([] if given else ["--metrics-port", str(self.port)]), *extra],
-            cwd=ROOT, env=full_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            cwd=cwd or ROOT, env=full_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
             preexec_fn=_die_with_parent if die_with_parent else None)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()

@@ -113,8 +113,8 @@ class GatewayProcess(launcher.GatewayProcess):
     against the broker of the test running now unless `url` names another."""
 
     def __init__(self, chain: ChainSettings, *extra: str, url: Optional[str] = None,
-                 env: Optional[Dict[str, str]] = None) -> None:
-        super().__init__(chain, *extra, url=url or broker_url(), env=env)
+                 env: Optional[Dict[str, str]] = None, cwd: Optional[str] = None) -> None:
+        super().__init__(chain, *extra, url=url or broker_url(), env=env, cwd=cwd)
 
 
 @dataclass
