@@ -95,7 +95,7 @@ def links(relative: str) -> Iterator[Tuple[int, str]]:
 
 GUIDES = ["docs/contract.md", "docs/operating.md", "docs/kubernetes.md", "docs/spark.md", "docs/security.md",
           "docs/development.md", "docs/how-it-works.md", "docs/reliability.md", "docs/migrating-from-the-plugin.md",
-          "docs/cancelling.md", "docs/retries.md"]
+          "docs/cancelling.md", "docs/retries.md", "docs/upgrading.md"]
 
 
 def test_the_docs_exist():
