@@ -96,7 +96,7 @@ def read_report(connection, settings: Settings, own: ChainKey, now_ms: int,
         r.waiting = waiting_messages(connection, Names(prefix), records, window_ms, now_ms)
     check_in = observed.queues.get(Names(prefix).check_in)
     promise, problem = cancel_guarantee(stamping[1], stamping[0], check_in.consumers if check_in else None)
-    r.cancellations = {"held": len(held_ids), "window_ms": window_ms, **promise}
+    r.cancellations = {"held": len(held_ids), "window_ms": window_ms, "rules": len(records.rules), **promise}
     r.retries = retried
     if problem:
         r.problems.append(problem)

@@ -57,8 +57,10 @@ def text(r: Report) -> str:
     if r.waiting is not None:
         lines.append(_waiting_line(r.waiting))
     if r.cancellations is not None:
+        rules = r.cancellations.get("rules")
         lines += ["", f"cancellations: {r.cancellations['held']} message id(s) cancelled within the retention "
-                      f"window of {human_ms(r.cancellations['window_ms'])}",
+                      f"window of {human_ms(r.cancellations['window_ms'])}"
+                      + (f"; {rules} live rule(s), which `delay-gateway pending rules` lists" if rules else ""),
                   f"cancels: {_promise(r.cancellations)}"]
     if r.retries:
         lines += ["", "retries by queue (the gateways' counts since they started): waiting ≈ scheduled - delivered"]
