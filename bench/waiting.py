@@ -105,22 +105,33 @@ def _rss(process) -> Optional[float]:
         return None
 
 
+# Runs a command as `python -m gateway` does and, at its exit, writes its own peak memory
+# (VmHWM: since its exec, unlike ru_maxrss, which counts the benchmark's memory it was forked
+# from) to the file the environment names.
+_PEAK = ("import atexit, os, runpy, sys\n"
+         "def peak():\n"
+         "    with open('/proc/self/status') as f, open(os.environ['BENCH_PEAK_FILE'], 'w') as out:\n"
+         "        out.write(next(l.split()[1] for l in f if l.startswith('VmHWM:')))\n"
+         "atexit.register(peak)\n"
+         "sys.argv[0] = 'delay-gateway'\n"
+         "runpy.run_module('gateway', run_name='__main__')\n")
+
+
 def _timed(args: List[str], every_line: bool = False) -> Dict[str, object]:
     """A command as a user runs it: wall time, its own peak memory, its first line (or, with
     `every_line`, the lines after its table: what it says of what it did)."""
-    with tempfile.TemporaryFile("w+") as out:
+    with tempfile.TemporaryFile("w+") as out, tempfile.NamedTemporaryFile("r") as peak:
         t = time.monotonic()
-        proc = subprocess.Popen([sys.executable, "-m", "gateway", *args], cwd=ROOT, stdout=out,
-                                stderr=subprocess.STDOUT, text=True)
-        _, status, usage = os.wait4(proc.pid, 0)
+        proc = subprocess.run([sys.executable, "-c", _PEAK, *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                              text=True, env=dict(os.environ, BENCH_PEAK_FILE=peak.name))
         seconds = time.monotonic() - t
-        proc.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
         lines = out.read().strip().splitlines()
+        kb = peak.read().strip()
     said = " / ".join(line for line in lines if line.startswith(("rule ", "recorded", "removed", "queued"))) \
         if every_line else lines[0] if lines else ""
-    return {"seconds": round(seconds, 2), "peak_rss_mb": round(usage.ru_maxrss / 1024, 1), "exit": proc.returncode,
-            "said": said}
+    return {"seconds": round(seconds, 2), "peak_rss_mb": round(int(kb) / 1024, 1) if kb.isdigit() else None,
+            "exit": proc.returncode, "said": said}
 
 
 def _check(ctx: Context, chain: ChainSettings, gateway, when: str, at_s: float) -> dict:
