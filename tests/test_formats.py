@@ -11,7 +11,7 @@ Where today's code cannot read an era, the test is an expected failure (strict: 
 suite once the code reads it again, so the mark comes off), with the reason; what today's
 code does with such a message instead is asserted by a test beside it.
 
-Pure: no broker, no clock (the samples' time is 2026-11-21T22:33:20Z, `generate.NOW`).
+Pure: no broker, no clock (the samples' time is 2026-11-22T01:13:20Z, `generate.NOW`).
 """
 
 import json
