@@ -25,10 +25,10 @@ import pytest
 from pika import data, spec
 
 from gateway.broker.cancelling import Judge
-from gateway.commands.parked import Parked, destination
-from gateway.core import cancels, carrier, envelope, handlers, listing, retries, rules, waiting
-from gateway.core.actions import Forward
-from gateway.core.carrier import Damaged, Entry
+from gateway.commands.parked import NOT_OURS, Parked, destination
+from gateway.core import cancels, carrier, envelope, handlers, listing, retries, rules, waiting, wire
+from gateway.core.actions import Enqueue, Forward
+from gateway.core.carrier import Entry
 from gateway.core.inputs import Delivery
 from gateway.core.rules import Rules
 from gateway.core.selection import Selection
@@ -42,18 +42,10 @@ from tests.formats.generate import CHAIN, FORMATS, LEAD_MS, NOW, SAMPLES, change
 NAMES = CHAIN.names
 Json = Dict[str, Any]
 
+# -- the eras read by a reader of their own ---------------------------------------------------------------------
+FIRST_FORMAT = ("0a9c351", "a11db56")  # the format of 2026-11-21, until the core rework 1013189 (envelope.first_format)
+
 # -- the eras today's code cannot read (strict expected failures) ---------------------------------------------
-FIRST_FORMAT = ("0a9c351", "a11db56")  # the format of 2026-11-21, until the core rework 1013189
-FIRST_FORMAT_WHY = (
-    "the first format (2026-11-21, 0a9c351..223100e) kept the gateway's headers beside the publisher's in one "
-    "table, with x-gateway-routing-key as a long string and the publisher's expiration and delivery mode in "
-    "x-gateway-expiration / x-gateway-delivery-mode; since the core rework (1013189) envelope.Inside reads the "
-    "routing key only as bytes ('x') and the publisher's properties only from x-gateway-properties, so "
-    "handlers.entries raises Damaged and such a message is parked whole, never delivered")
-FIRST_PARKED_WHY = (
-    "a message parked by the first format (2026-11-21) reads as incomplete: `parked` takes its whole header "
-    "table (x-gateway-* included) for the publisher's properties, its routing key from the parked queue, and no "
-    "due time, so `parked replay` sends it to check-in, where its x-delay counts again")
 OLD_INDEX = "345936a"  # the index of 2026-11-25 22:28 .. 23:01, before 4a05290
 OLD_ENTRIES_WHY = (
     "DGW1 entries written by 345936a..bc3eba0 have no checksum field (fixed part >qqqIHBBBI); 4a05290 added one "
@@ -131,16 +123,16 @@ def entry_of(expected: Json) -> Entry:
 
 SINGLE = {"envelope": None, "meditation": ("alone",), "arrival-stamp": None, "retry": ("alone",), "moved": None}
 CARRIED = {"carrier": None, "meditation": ("carrier",), "retry": ("carrier",)}
-FIRST = {c: FIRST_FORMAT_WHY for c in FIRST_FORMAT}
 
 
 # -- one message in the gateway's format, alone or in carriers ------------------------------------------------
-@pytest.mark.parametrize("commit, sample", cases(SINGLE, FIRST))
+@pytest.mark.parametrize("commit, sample", cases(SINGLE))
 def test_a_message_alone_reads_as_written(commit: str, sample: Json) -> None:
     """handlers.entries (what returning and the distributor read) yields the message the sample
     says: its due time, the publisher's routing key, properties (their exact bytes) and body,
     its read time (None where its version kept none: any cancel for its id cancels it) and
-    where it goes when due (None: pick-up; "": a retry's queue)."""
+    where it goes when due (None: pick-up; "": a retry's queue). A message of the first format
+    (2026-11-21) too: its publisher's properties as that version restored them at pick-up."""
     want = sample["expected"]
     (got,) = handlers.entries(delivery(sample["message"]))
     assert as_expected(got) == {k: want[k] for k in as_expected(got)}
@@ -168,22 +160,26 @@ def with_headers(props: Properties, added: Json) -> Properties:
     return props.replace(headers=headers)
 
 
-def dead_lettered(props: Properties, queue: str, exchange: str, reason: str) -> Properties:
+def dead_lettered(props: Properties, queue: str, exchange: str, reason: str, stamped: bool = True) -> Properties:
     """The properties as they come back from a queue that dead-lettered them: the broker's
     x-death and x-first-death-* (and, where it stamps arrivals, timestamp_in_ms) beside ours."""
     death = {"count": 1, "reason": reason, "queue": queue, "time": datetime(2026, 12, 3, tzinfo=timezone.utc),
              "exchange": exchange, "routing-keys": [""]}
+    stamp = {"timestamp_in_ms": NOW + 12 * 86_400_000} if stamped else {}
     return with_headers(props, {"x-death": [death], "x-first-death-exchange": exchange, "x-first-death-queue": queue,
-                                "x-first-death-reason": reason, "timestamp_in_ms": NOW + 12 * 86_400_000})
+                                "x-first-death-reason": reason, **stamp})
 
 
-@pytest.mark.parametrize("commit, sample", cases({"meditation": None}, FIRST))
+@pytest.mark.parametrize("commit, sample", cases({"meditation": None}))
 def test_a_meditation_lap_reads_as_written(commit: str, sample: Json) -> None:
     """Back from a lap of meditation, with the broker's dead-letter history beside our headers,
-    a message (or a carrier's messages) reads as it was sent round."""
+    a message (or a carrier's messages) reads as it was sent round. (The first format kept our
+    headers in the publisher's own table, where a broker that stamps arrivals stamped the
+    publish to check-in and keeps that stamp on every later publish: the lap adds none, and a
+    stamp there is the publisher's, delivered as that version delivered it.)"""
     message = sample["message"]
     lapped = dead_lettered(Properties.parse(raw(message["properties"])), CHAIN.meditation, message["exchange"],
-                           "expired")
+                           "expired", stamped=commit not in FIRST_FORMAT)
     got = handlers.entries(delivery(message, NAMES.returning, lapped))
     want = sample["expected"]
     messages = want["messages"] if "messages" in want else [
@@ -193,22 +189,35 @@ def test_a_meditation_lap_reads_as_written(commit: str, sample: Json) -> None:
 
 @pytest.mark.parametrize("commit, sample", cases({"envelope": None, "meditation": ("alone",), "arrival-stamp": None},
                                                  only=FIRST_FORMAT))
-def test_the_first_format_is_parked_whole(commit: str, sample: Json) -> None:
-    """What today's gateway does with a message in the first format (2026-11-21) that reaches
-    the distributor or comes back from meditation: it cannot read it (the strict expected
-    failures above) and parks it with its properties and body exactly as they were, so that
-    nothing is lost; `parked list` shows it, with the reason."""
-    d = delivery(sample["message"])
-    with pytest.raises(Damaged):
-        handlers.entries(d)
+def test_the_first_format_goes_on(commit: str, sample: Json) -> None:
+    """A message in the first format (2026-11-21) that reaches the distributor is delivered at
+    its due time with its publisher's routing key, properties and body as that version
+    delivered them; one back from meditation goes on by its due time in today's format."""
+    d, want = delivery(sample["message"]), sample["expected"]
     if sample["message"]["exchange"] == CHAIN.meditation:
-        actions = handlers.Returning(CHAIN, LEAD_MS)(delivery(sample["message"], NAMES.returning), NOW)
-    else:
-        actions = handlers.Distributor(CHAIN, LEAD_MS)(delivery(sample["message"], NAMES.distributor), NOW)
-    (parked,) = actions
-    assert parked.exchange == NAMES.parked and parked.body == d.body
+        (onward,) = handlers.Returning(CHAIN, LEAD_MS)(delivery(sample["message"], NAMES.returning), NOW)
+        assert isinstance(onward, Enqueue)
+        sent = handlers.carry(onward.exchange, onward.routing_key, onward.outcome, [onward.entry])
+        assert envelope.Inside(sent.props).complete and envelope.PROPERTIES in sent.props.headers
+        (got,) = handlers.entries(Delivery(onward.exchange, onward.routing_key, sent.props, sent.body))
+        assert as_expected(got) == {k: want[k] for k in as_expected(got)}
+        return
+    (released,) = handlers.Distributor(CHAIN, LEAD_MS)(delivery(sample["message"], NAMES.distributor),
+                                                       want["due_ms"] - 1)
+    assert (released.exchange, released.routing_key, released.body, released.not_before_ms) == (
+        NAMES.pick_up, raw(want["routing_key"]), d.body, want["due_ms"])
+    assert released.props.raw.hex() == want["user_properties"]
+
+
+@pytest.mark.parametrize("commit, sample", cases({"meditation": ("alone",)}, only=FIRST_FORMAT))
+def test_a_first_format_message_that_cannot_go_on_is_parked_readable(commit: str, sample: Json) -> None:
+    """Parked (handlers.park_delivery: its queue refused it), a message in the first format is
+    parked in today's format with its publisher's properties, routing key and due time."""
+    want = sample["expected"]
+    (parked,) = handlers.park_delivery(NAMES, delivery(sample["message"], NAMES.returning), "refused")
     inside = envelope.Inside(parked.props)
-    assert inside.user == d.props and inside.error is not None and "not in the gateway's format" in inside.error
+    assert (inside.routing_key, inside.user, inside.due_ms, inside.error) == (
+        raw(want["routing_key"]), Properties.parse(raw(want["user_properties"])), want["due_ms"], "refused")
 
 
 @pytest.mark.parametrize("commit, sample", cases({"moved": None}))
@@ -231,12 +240,13 @@ def parked(sample: Json) -> Parked:
     return Parked(1, Properties.parse(raw(message["properties"])), raw(message["body"]), raw(message["routing_key"]))
 
 
-@pytest.mark.parametrize("commit, sample", cases({"parked": None}, {c: FIRST_PARKED_WHY for c in FIRST_FORMAT}))
+@pytest.mark.parametrize("commit, sample", cases({"parked": None}))
 def test_a_parked_message_reads_as_written(commit: str, sample: Json) -> None:
     """`parked list` shows the reason, the publisher's routing key, properties and due time;
     `parked replay` sends a message with a due time to the distributor (its x-delay is not
     applied again), a retry to its queue with its attempts afresh, a cancel back to the cancel
-    exchange, anything else to check-in as its publisher sent it."""
+    exchange,
+    anything else to check-in as its publisher sent it."""
     want, p = sample["expected"], parked(sample)
     assert p.reason == want["error"]
     assert (p.routing_key.hex(), p.user.raw.hex(), p.due_at, p.body.hex()) == (
@@ -257,15 +267,62 @@ def test_a_parked_message_reads_as_written(commit: str, sample: Json) -> None:
 
 
 @pytest.mark.parametrize("commit, sample", cases({"parked": None}, only=FIRST_FORMAT))
-def test_a_first_format_parked_message_as_today_reads_it(commit: str, sample: Json) -> None:
-    """A message parked on 2026-11-21: its reason and routing key read right, and replay sends
-    it to check-in with its whole header table, the gateway's old headers included (for one
-    parked after check-in, its x-delay is applied again: the expected failure above)."""
+def test_a_first_format_parked_message_replays_as_its_version_did(commit: str, sample: Json) -> None:
+    """A message parked on 2026-11-21 replays as that version replayed it, in today's terms:
+    with a due time (unroutable at pick-up, since a11db56) to the distributor, delivered at
+    once with its publisher's properties; without one, to check-in with its publisher's
+    properties and none of the gateway's old headers, which reads its x-delay again (as that
+    version's check-in did: an unreadable one parks it again, with the same reason)."""
     want, p = sample["expected"], parked(sample)
-    assert (p.reason, p.routing_key.hex(), p.body.hex()) == (want["error"], want["routing_key"], want["body"])
-    assert p.due_at is None
-    assert destination(p, NAMES) == (NAMES.check_in, raw(want["routing_key"]), envelope.for_pick_up(p.props))
-    assert p.user.headers.get(envelope.ROUTING_KEY) == raw(want["routing_key"]).decode()
+    exchange, key, props = destination(p, NAMES)
+    if want["due_ms"] is not None:
+        (delivered,) = handlers.Distributor(CHAIN, LEAD_MS)(Delivery(exchange, key, props, p.body), NOW + 5)
+        assert (delivered.exchange, delivered.routing_key, delivered.props.raw.hex(), delivered.not_before_ms) == (
+            NAMES.pick_up, raw(want["routing_key"]), want["user_properties"], want["due_ms"])
+        return
+    assert (exchange, key, props.raw.hex()) == (NAMES.check_in, raw(want["routing_key"]), want["user_properties"])
+    assert not [n for n in props.headers.names() if str(n).startswith(envelope.INTERNAL)]
+    (again,) = handlers.CheckIn(CHAIN, LEAD_MS)(Delivery(exchange, key, props, p.body), NOW + 5)
+    if "unreadable" in sample["produced_by"] or "cannot be read" in sample["produced_by"]:
+        assert isinstance(again, Forward) and Parked(2, again.props, again.body, again.routing_key).reason == p.reason
+    else:
+        assert isinstance(again, Enqueue) and again.entry.due_ms == NOW + 5 + 90_000  # its x-delay, from the replay
+
+
+# What 1013189 and every version until the first format was read again (envelope.first_format)
+# did with a message in the first format that reached the distributor: parked it whole.
+PARKED_WHOLE = "reached the distributor not in the gateway's format (no due time) (not in the gateway's format (no " \
+    "due time))"
+
+
+@pytest.mark.parametrize("commit, sample", cases({"envelope": None, "meditation": ("alone",), "arrival-stamp": None},
+                                                 only=FIRST_FORMAT))
+def test_a_first_format_message_parked_whole_replays_with_its_due_time(commit: str, sample: Json) -> None:
+    """A message in the first format parked whole since (its properties the first format's, its
+    reason that it was not in the gateway's format) replays to the distributor with its
+    publisher's properties, routing key and due time: its x-delay is not applied again."""
+    want, d = sample["expected"], delivery(sample["message"])
+    assert NOT_OURS in PARKED_WHOLE
+    whole = handlers.park(NAMES, d.props, d.routing_key, d.body, PARKED_WHOLE)
+    p = Parked(1, whole.props, whole.body, whole.routing_key)
+    assert (p.reason, p.routing_key.hex(), p.user.raw.hex(), p.due_at) == (
+        PARKED_WHOLE, want["routing_key"], want["user_properties"], want["due_ms"])
+    exchange, key, props = destination(p, NAMES)
+    assert (exchange, key) == (NAMES.distributor, b"")
+    (again,) = handlers.entries(Delivery(exchange, key, props, p.body))
+    assert as_expected(again) == {k: want[k] for k in as_expected(again)}
+
+
+def test_a_publishers_own_first_format_headers_are_never_read_as_ours() -> None:
+    """x-gateway-* headers a publisher sends are its data: a message check-in parks (its delay
+    unreadable) with headers that look like the first format replays to check-in as sent."""
+    forged = Properties.build(delivery_mode=2, headers=Table([
+        wire.longstr("x-delay", "soon"), wire.longstr(envelope.ROUTING_KEY, "elsewhere"),
+        wire.long(envelope.DUE_AT, NOW - 1)]))
+    (f,) = handlers.CheckIn(CHAIN, LEAD_MS)(Delivery(NAMES.check_in, b"mine", forged, b"x"), NOW)
+    p = Parked(1, f.props, f.body, f.routing_key)
+    assert (p.user, p.routing_key, p.due_at) == (forged, b"mine", None)
+    assert destination(p, NAMES) == (NAMES.check_in, b"mine", forged)
 
 
 # -- retries ------------------------------------------------------------------------------------------------------

@@ -18,6 +18,11 @@ Where a replayed message goes:
   replay can give it the id it lacks. It is never sent on as a message.
 - it is a retry (it gave up after the last attempt, or its queue was gone): back to its
   queue, with the attempts started afresh (no `x-retry-attempt`).
+
+Every format a message was ever parked in is read this way: a message in the first format
+(2026-11-21, envelope.first_format), parked by its version or parked whole since because no
+version between read that format, goes on with its publisher's properties and due time
+restored.
 """
 
 import argparse
@@ -50,7 +55,18 @@ class Parked:
 
     @property
     def inside(self) -> Inside:
-        return Inside(self.props)
+        """How the gateway parked it: in today's format, or the first (envelope.first_format),
+        parked by its version or parked whole since (its properties are then the first
+        format's: `NOT_OURS`)."""
+        inside = Inside(self.props)
+        if not inside.complete:
+            return envelope.first_format(self.props) or inside
+        if inside.due_ms is None and inside.user is not None and NOT_OURS in (inside.error or ""):
+            first = envelope.first_format(inside.user)
+            if first is not None:
+                first.error = inside.error
+                return first
+        return inside
 
     @property
     def user(self) -> Properties:
@@ -83,6 +99,11 @@ class Parked:
     def summary(self) -> dict:
         return {"message_id": self.user.text("message_id"), "routing_key": envelope.readable_key(self.routing_key),
                 "reason": self.reason, "due_at": self.due_at, "bytes": len(self.body)}
+
+
+# In the reason of a message parked whole because it was not in the gateway's format (since
+# 1013189: "reached the distributor ...", "came back from meditation ...").
+NOT_OURS = "not in the gateway's format"
 
 
 def selected(message: Parked, reason: Optional[str], routing_key: Optional[str]) -> bool:
