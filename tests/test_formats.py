@@ -44,6 +44,7 @@ Json = Dict[str, Any]
 
 # -- the eras read by a reader of their own ---------------------------------------------------------------------
 FIRST_FORMAT = ("0a9c351", "a11db56")  # the format of 2026-11-21, until the core rework 1013189 (envelope.first_format)
+BEFORE_CANCEL_MARK = ("f602c79", "ae852a0")  # a parked cancel had no x-gateway-exchange before 7438e7c
 
 # -- the eras today's code cannot read (strict expected failures) ---------------------------------------------
 OLD_INDEX = "345936a"  # the index of 2026-11-25 22:28 .. 23:01, before 4a05290
@@ -245,14 +246,14 @@ def test_a_parked_message_reads_as_written(commit: str, sample: Json) -> None:
     """`parked list` shows the reason, the publisher's routing key, properties and due time;
     `parked replay` sends a message with a due time to the distributor (its x-delay is not
     applied again), a retry to its queue with its attempts afresh, a cancel back to the cancel
-    exchange,
+    exchange (one parked before 7438e7c, which marked it no other way, known by its reason),
     anything else to check-in as its publisher sent it."""
     want, p = sample["expected"], parked(sample)
     assert p.reason == want["error"]
     assert (p.routing_key.hex(), p.user.raw.hex(), p.due_at, p.body.hex()) == (
         want["routing_key"], want["user_properties"], want["due_ms"], want["body"])
     exchange, key, props = destination(p, NAMES)
-    if want["exchange"] == NAMES.cancel:
+    if want["exchange"] == NAMES.cancel or "parks a cancel" in sample["produced_by"]:
         assert (exchange, key, props.raw.hex()) == (NAMES.cancel, p.routing_key, want["user_properties"])
     elif want["exchange"] == "":
         assert (exchange, key) == ("", raw(want["routing_key"]))
@@ -262,8 +263,20 @@ def test_a_parked_message_reads_as_written(commit: str, sample: Json) -> None:
         assert (exchange, key) == (NAMES.distributor, b"")
         (again,) = handlers.entries(Delivery(exchange, key, props, p.body))
         assert as_expected(again) == {k: want[k] for k in as_expected(again)}
-    else:  # (a cancel parked before 7438e7c says nothing of being one: to check-in, as its version replayed it)
+    else:
         assert (exchange, key, props.raw.hex()) == (NAMES.check_in, raw(want["routing_key"]), want["user_properties"])
+
+
+@pytest.mark.parametrize("commit, sample", cases({"parked": ("cancel-without-id",)}, only=BEFORE_CANCEL_MARK))
+def test_a_cancel_parked_before_7438e7c_is_replayed_as_a_cancel(commit: str, sample: Json) -> None:
+    """Replayed to the cancel exchange, it is a cancel again: check-in parks it again with the
+    same reason (it still has no id), and it never becomes a message due at once."""
+    p = parked(sample)
+    exchange, key, props = destination(p, NAMES)
+    (again,) = handlers.CheckIn(CHAIN, LEAD_MS)(Delivery(exchange, key, props, p.body), NOW)
+    assert isinstance(again, Forward) and again.exchange == NAMES.parked
+    assert Parked(2, again.props, again.body, again.routing_key).reason == p.reason
+    assert destination(Parked(2, again.props, again.body, again.routing_key), NAMES)[0] == NAMES.cancel
 
 
 @pytest.mark.parametrize("commit, sample", cases({"parked": None}, only=FIRST_FORMAT))
