@@ -189,6 +189,43 @@ def test_the_fast_path_counts_and_keeps_what_one_by_one_does(items, keep, filter
         assert [m.due_ms for m in fast.listed()] == sorted(e.due_ms for e, _ in model)[:keep]
 
 
+def first_layout(written: Sequence[Tuple[Entry, int]]) -> bytes:
+    """Entries as 345936a..bc3eba0 wrote them: today's fixed part without the checksum."""
+    fixed = [waiting.FIRST_FIXED.pack(e.accepted_us, e.due_ms, until, len(e.body), 0, waiting.HAS_ID,
+                                      len(e.user.get("message_id")), len(e.routing_key), len(e.user.raw))
+             for e, until in written]
+    rest = [e.user.get("message_id") + e.routing_key + e.user.raw for e, _ in written]
+    return waiting.ENTRIES + len(written).to_bytes(4, "big") + b"".join(fixed) + b"".join(rest)
+
+
+@pytest.mark.parametrize("cancelled", [False, True])
+def test_entries_of_the_first_layout_are_listed_and_taken_off_by_their_keys(cancelled):
+    """Records of the index's first layout beside today's: listed, counted and kept alike (the
+    fast path and one by one), each taken off by a done key of its version (the routing key's
+    checksum) and, with a cancel held, only what a cancel names."""
+    old = [entry(b"a.%d" % n, b"old-%d" % n, NOW + 1000 * n, (NOW - 5) * 1000 + n) for n in range(4)]
+    new = [entry(b"b.%d" % n, b"new-%d" % n, NOW + 500 + 1000 * n, NOW * 1000 + n) for n in range(3)]
+    store = cancels.Store(86_400_000)
+    store.add(b"new-1", cancels.Time(NOW * 1000 + 10), NOW)
+    named = cancels.handle(old[2].accepted_us, waiting.first_checksum(b"a.2")).encode()  # a handle of its time
+    store.add(named, cancels.Time(NOW * 1000), NOW)
+    judge = listing.cancelled_by(store, rules.Rules(86_400_000), NOW) if cancelled else None
+    for one_record in (False, True):
+        v = View(NOW, EXACT, judge, Selection(), 0)
+        v.add_keys(waiting.pack_done([waiting.KEY.pack(old[0].accepted_us, waiting.first_checksum(b"a.0")),
+                                      key(new[0])]))
+        records = [first_layout([(e, e.due_ms)]) for e in old] if not one_record else [
+            first_layout([(e, e.due_ms) for e in old])]
+        for body in records + [waiting.pack_entries([waiting.entry_record(e, e.due_ms) for e in new])]:
+            assert waiting.first_layout(body) == (body in records)
+            v.add_entries(body)
+        v.finish()
+        left = {b"old-1", b"old-2", b"old-3", b"new-1", b"new-2"} - ({b"old-2", b"new-1"} if cancelled else set())
+        assert {m.message_id for m in v.listed()} == left and v.total == len(left) and v.read == 7
+        assert [m.handle for m in v.listed() if m.message_id == b"old-1"] == [
+            cancels.handle(old[1].accepted_us, waiting.first_checksum(b"a.1"))]
+
+
 # -- the horizon and the gaps ------------------------------------------------------------------
 def beat(n: int, roles: int, at: int, consumers: Optional[Consumers] = None, indexes: bool = True) -> Beat:
     return Beat(bytes([n]) * 16, roles, NOW - 10, at, consumers or Consumers(1, 1, 1),

@@ -5,6 +5,7 @@ saying a message left (or finished a lap) are confirmed before its delivery is a
 What a reader makes of the records: tests/test_listing.py."""
 
 import random
+import zlib
 from typing import Dict, List, Optional
 
 from hypothesis import given, settings, strategies as st
@@ -61,6 +62,67 @@ def test_entries_read_back_exactly(items):
         attempt = e.user.headers.get("x-retry-attempt")
         assert m.retry_attempt == (attempt if m.retry and 0 < attempt < 65536 else None)
         assert m.key == waiting.key_of(e.accepted_us, cancels.checksum(e.routing_key, e.user.raw, e.body))
+
+
+def adds_up(record: bytes, fixed) -> bool:
+    """Whether the lengths its entries' fixed parts give fill the record exactly."""
+    count = int.from_bytes(record[4:8], "big")
+    if 8 + count * fixed.size > len(record):
+        return False
+    parts = [fixed.unpack_from(record, 8 + i * fixed.size) for i in range(count)]
+    return 8 + count * fixed.size + sum(sum(p[-3:]) for p in parts) == len(record)
+
+
+def first_layout_record(sent) -> bytes:
+    """Entries as 345936a..bc3eba0 wrote them: today's fixed part without the checksum."""
+    fixed, rest = [], []
+    for e, until in sent:
+        mid = e.user.get("message_id") or b""
+        retry = e.exchange == ""
+        attempt = e.user.headers.get("x-retry-attempt") if retry else 0
+        fixed.append(waiting.FIRST_FIXED.pack(e.accepted_us, e.due_ms, until, len(e.body),
+                                               attempt if 0 < attempt < 65536 else 0,
+                                               (waiting.RETRY if retry else 0) | (waiting.HAS_ID if mid else 0),
+                                               len(mid), len(e.routing_key), len(e.user.raw)))
+        rest.append(mid + e.routing_key + e.user.raw)
+    return waiting.ENTRIES + len(sent).to_bytes(4, "big") + b"".join(fixed) + b"".join(rest)
+
+
+@settings(max_examples=examples(300))
+@given(st.lists(st.tuples(keys, st.one_of(st.none(), ids.filter(bool)), st.integers(0, 2**62),
+                          st.integers(-2**62, 2**62), st.binary(max_size=300), st.booleans()), min_size=1, max_size=20))
+def test_entries_of_the_first_layout_read_back_with_its_checksum(items):
+    """A record of the index's first layout reads as its version wrote it, its checksum the
+    routing key's CRC-32 (what its done keys and handles name); today's layout of the same
+    entries reads as today's (test_entries_read_back_exactly), never as the first."""
+    sent = [(entry(key, mid, due, read_us, body, "" if retry else None,
+                   Table([long("x-retry-attempt", 2)]) if retry else None), due + 5)
+            for key, mid, read_us, due, body, retry in items]
+    today = waiting.pack_entries([waiting.entry_record(e, until) for e, until in sent])
+    assert not waiting.first_layout(today)
+    old = first_layout_record(sent)
+    if not waiting.first_layout(old):  # (it adds up under today's layout too: read as today's, by the rule)
+        assert adds_up(old, waiting.FIXED)
+        return
+    got = list(waiting.entries(old))
+    assert [(m.read_us, m.crc, m.due_ms, m.until_ms, m.size, m.retry, m.message_id, m.routing_key, m.props)
+            for m in got] == [(e.accepted_us, zlib.crc32(e.routing_key), e.due_ms, until, len(e.body),
+                               e.exchange == "", e.user.get("message_id"), e.routing_key, e.user.raw)
+                              for e, until in sent]
+    assert [m.key for m in got] == [waiting.key_of(e.accepted_us, waiting.first_checksum(e.routing_key))
+                                    for e, _ in sent]
+
+
+def test_a_record_that_adds_up_under_both_layouts_reads_as_todays():
+    """One entry with no id whose body size's low byte is 4 + its properties' length fills the
+    record under either fixed part: it is today's."""
+    props = Properties.build(content_type=b"x")
+    e = Entry(b"key", props, b"b" * (4 + len(props.raw)), NOW + 5, NOW * 1000)
+    record = waiting.pack_entries([waiting.entry_record(e, NOW + 5)])
+    assert adds_up(record, waiting.FIRST_FIXED) and adds_up(record, waiting.FIXED)
+    assert not waiting.first_layout(record)
+    assert [(m.read_us, m.routing_key, m.crc) for m in waiting.entries(record)] == [
+        (NOW * 1000, b"key", waiting.checksum(e))]
 
 
 def test_done_keys_and_beats_read_back_and_nothing_else_reads_as_them():

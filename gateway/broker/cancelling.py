@@ -40,7 +40,7 @@ from topology.settings import ChainSettings
 from gateway.broker import lazy_properties, wire_connection
 from gateway.broker.amqp import Trouble, classify, parameters
 from gateway.clock import wall_ms
-from gateway.core import cancels, envelope, rules
+from gateway.core import cancels, envelope, rules, waiting
 from gateway.core.actions import Action, Forward
 from gateway.core.inputs import Delivery
 from gateway.core.routes import Way
@@ -72,6 +72,14 @@ def handle_of(entry: Entry) -> bytes:
                                                               entry.body)).encode("ascii")
 
 
+def first_handle_of(entry: Entry) -> bytes:
+    """The handle the index's first layout listed a message by (345936a..bc3eba0: the CRC-32 of
+    its routing key alone, waiting.first_checksum), which a cancel of that time names."""
+    if entry.accepted_us is None:
+        return b""
+    return cancels.handle(entry.accepted_us, waiting.first_checksum(entry.routing_key)).encode("ascii")
+
+
 class Judge:
     """handlers.Cancelled over the cancels by id (a Store) and the rules held: decides, and
     counts and logs each drop (and, per rule, in `tally`, which the follower publishes)."""
@@ -96,7 +104,8 @@ class Judge:
         taken_in = None if entry.accepted_us is None else cancels.Time(entry.accepted_us, stamp)
         arrived = taken_in.arrived_ms if taken_in else None
         if len(self.store):
-            if entry.accepted_us in self.store.handle_times and self.store.get(handle_of(entry)):
+            if entry.accepted_us in self.store.handle_times and (
+                    self.store.get(handle_of(entry)) or self.store.get(first_handle_of(entry))):
                 return self._dropped(entry, where, None)  # cancelled by its handle: exactly this message
             held = self.store.get(message_id)
             if held is not None and held.cancels(taken_in):

@@ -18,6 +18,11 @@ Where a replayed message goes:
   replay can give it the id it lacks. It is never sent on as a message.
 - it is a retry (it gave up after the last attempt, or its queue was gone): back to its
   queue, with the attempts started afresh (no `x-retry-attempt`).
+
+Every format a message was ever parked in is read this way: a cancel parked before 7438e7c
+is known by its reason (`unrecorded_cancel`); a message in the first format (2026-11-21,
+envelope.first_format), parked by its version or parked whole since because no version
+between read that format, goes on with its publisher's properties and due time restored.
 """
 
 import argparse
@@ -50,7 +55,18 @@ class Parked:
 
     @property
     def inside(self) -> Inside:
-        return Inside(self.props)
+        """How the gateway parked it: in today's format, or the first (envelope.first_format),
+        parked by its version or parked whole since (its properties are then the first
+        format's: `NOT_OURS`)."""
+        inside = Inside(self.props)
+        if not inside.complete:
+            return envelope.first_format(self.props) or inside
+        if inside.due_ms is None and inside.user is not None and NOT_OURS in (inside.error or ""):
+            first = envelope.first_format(inside.user)
+            if first is not None:
+                first.error = inside.error
+                return first
+        return inside
 
     @property
     def user(self) -> Properties:
@@ -83,6 +99,25 @@ class Parked:
     def summary(self) -> dict:
         return {"message_id": self.user.text("message_id"), "routing_key": envelope.readable_key(self.routing_key),
                 "reason": self.reason, "due_at": self.due_at, "bytes": len(self.body)}
+
+
+# In the reason of a message parked whole because it was not in the gateway's format (since
+# 1013189: "reached the distributor ...", "came back from meditation ...").
+NOT_OURS = "not in the gateway's format"
+# The reasons check-in parked a cancel it could not record with before 7438e7c, which gave a
+# parked cancel no other mark (since then: x-gateway-exchange, <prefix>.cancel). Check-in
+# parks nothing else with them.
+_UNRECORDED_CANCEL = re.compile(
+    r"a cancel needs the id of the message to cancel as its message_id property"
+    r"|a cancel's message_id must be text, not \w+"
+    r"|a cancel's message_id is empty: give the id of the message to cancel"
+    r"|message id of \d+ bytes: at most 255 \(AMQP's message_id\)")
+
+
+def unrecorded_cancel(inside: Inside) -> bool:
+    """A cancel check-in could not record, parked before 7438e7c (no mark but its reason)."""
+    return inside.complete and inside.exchange is None and inside.due_ms is None \
+        and inside.error is not None and _UNRECORDED_CANCEL.fullmatch(inside.error) is not None
 
 
 def selected(message: Parked, reason: Optional[str], routing_key: Optional[str]) -> bool:
@@ -129,7 +164,7 @@ def report(messages: Iterable[Parked]) -> dict:
 def destination(message: Parked, names) -> Tuple[str, bytes, Properties]:
     """Where `replay` sends it, with which routing key and properties (see the module doc)."""
     inside = message.inside
-    if inside.complete and inside.exchange == names.cancel:
+    if inside.complete and inside.exchange == names.cancel or unrecorded_cancel(inside):
         return names.cancel, message.routing_key, message.user  # a cancel, as its publisher sent it
     if inside.complete and inside.exchange == "" and inside.user is not None and inside.routing_key is not None:
         return "", inside.routing_key, retries.afresh(inside.user)  # a retry: to its queue, attempts afresh

@@ -247,6 +247,38 @@ class Inside:
                       self.accepted_us, self.exchange)
 
 
+# -- the first format (2026-11-21, 0a9c351..223100e) --------------------------------------------
+# It kept the gateway's headers in the publisher's own header table, and set aside the
+# publisher's expiration and delivery mode in headers of their own (the message travelled
+# persistent, without an expiration).
+FIRST_EXPIRATION = "x-gateway-expiration"  # the publisher's expiration (a long string)
+FIRST_DELIVERY_MODE = "x-gateway-delivery-mode"  # the publisher's delivery mode (an int; 0: not set)
+
+
+def first_format(props: Properties) -> Optional[Inside]:
+    """A message in the gateway's first format (2026-11-21, 0a9c351..223100e), read as today's
+    Inside; None if it is not one. Only that format has `x-gateway-routing-key` as a long
+    string and no `x-gateway-properties`. The publisher's properties are restored as that
+    version restored them at pick-up: the table without the gateway's headers and the broker's
+    (none left: no headers), the expiration and delivery mode (1 or 2, else none) from the
+    headers they were set aside in, every other property as it is."""
+    headers = props.headers
+    key = headers.find(ROUTING_KEY)
+    if key is None or key.kind != b"S" or PROPERTIES in headers:
+        return None
+    expiration = headers.find(FIRST_EXPIRATION)
+    mode = headers.get(FIRST_DELIVERY_MODE)
+    table = headers.without(lambda name: (isinstance(name, str) and name.startswith(INTERNAL))
+                            or is_broker_header(name))
+    restored = props.replace(
+        headers=table if len(table) else None, user_id=None,
+        expiration=expiration.raw[4:] if expiration is not None and expiration.kind == b"S" else None,
+        delivery_mode=mode if mode in (1, 2) and not isinstance(mode, bool) else None)
+    found = Inside(props)
+    found.routing_key, found.user, found.exchange = key.raw[4:], restored, None
+    return found
+
+
 def stamped(user: Properties, due_ms: int) -> Properties:
     """The publisher's properties with the header x-gateway-due-at (the opt-in stamp)."""
     headers = user.values.get("headers") or Table()

@@ -60,10 +60,13 @@ def park_entry(names: Names, entry: Entry, reason: str) -> Forward:
 
 def entries(d: Delivery) -> List[Entry]:
     """The publishers' messages in a delivery in the gateway's format: a carrier's, or the
-    one. Raises Damaged for anything else."""
+    one (in today's format, or the first: envelope.first_format). Raises Damaged for anything
+    else."""
     if d.props.headers.get(carrier.COUNT) is not None:
         return carrier.unpack(d.body, carrier.accepted_times(d.props), envelope.destination(d.props.headers))
     inside = Inside(d.props)
+    if not inside.complete:
+        inside = envelope.first_format(d.props) or inside
     if inside.routing_key is None or inside.user is None or inside.due_ms is None:
         raise Damaged("not in the gateway's format (no due time)")
     return [Entry(inside.routing_key, inside.user, d.body, inside.due_ms, inside.accepted_us, inside.exchange)]
@@ -76,6 +79,7 @@ def park_delivery(names: Names, d: Delivery, reason: str) -> List[Forward]:
         return [park_entry(names, e, reason) for e in entries(d)]
     except Damaged as exc:
         inside = Inside(d.props)
+        inside = inside if inside.complete else envelope.first_format(d.props) or inside
         if inside.user is not None and inside.routing_key is not None:
             # a parked message's own format (no due time): keep what it has
             return [park(names, inside.user, inside.routing_key, d.body, reason)]

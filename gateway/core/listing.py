@@ -39,6 +39,7 @@ from gateway.core import cancels, envelope
 from gateway.core.rules import Rules
 from gateway.core.selection import Selection, literal_words
 from gateway.core.waiting import DONE_KEYS, ENTRIES, FIXED, HAS_ID, KEY, LIVE_MS, RETRY, Beat, Listed
+from gateway.core.waiting import FIRST_FIXED, entries_layout, first_checksum, first_fixed
 
 GRACE_MS = 60_000  # what a message may be overdue while the gateways keep up
 
@@ -146,8 +147,10 @@ class Cancels:
 
     def __call__(self, m: Listed) -> bool:
         store = self.store
-        if len(store) and m.read_us in store.handle_times and store.get(m.handle.encode("ascii")) is not None:
-            return True
+        if len(store) and m.read_us in store.handle_times and (
+                store.get(m.handle.encode("ascii")) is not None or store.get(
+                    cancels.handle(m.read_us, first_checksum(m.routing_key)).encode("ascii")) is not None):
+            return True  # by its handle, or the one the index's first layout gave it (a cancel of that time)
         stamp = envelope.broker_stamp(m.properties.headers, self.now_ms) if not m.retry else None
         taken_in = cancels.Time(m.read_us, stamp)
         found = store.get(m.message_id) if len(store) and m.message_id is not None else None
@@ -347,15 +350,20 @@ class View:
     # -- the bands ---------------------------------------------------------------------------
     def add_entries(self, body: bytes, read_at_ms: Optional[int] = None) -> None:
         """A record of a band, read at `read_at_ms` (the reader's clock: default `now_ms`):
-        each entry decided as it is read (but laps in transit)."""
+        each entry decided as it is read (but laps in transit). A record of the index's first
+        layout too, with that layout's checksum (waiting.entries_layout)."""
         if not body.startswith(ENTRIES) or len(body) < 8:
             return
-        count = int.from_bytes(body[4:8], "big")
-        end = 8 + count * FIXED.size
-        if end > len(body) or not count:
-            return
+        count, first = entries_layout(body)
+        if first:
+            end = 8 + count * FIRST_FIXED.size
+            fixed = np.array(list(first_fixed(body, count)), dtype=_FIXED_DTYPE)
+        else:
+            end = 8 + count * FIXED.size
+            if end > len(body) or not count:
+                return
+            fixed = np.frombuffer(body, dtype=_FIXED_DTYPE, count=count, offset=8)
         done = self._sealed()
-        fixed = np.frombuffer(body, dtype=_FIXED_DTYPE, count=count, offset=8)
         self.read += count
         until = fixed["until"].astype(np.int64)
         due = fixed["due"].astype(np.int64)

@@ -22,10 +22,13 @@ same wherever it is. One with no message id is listed by its *handle* (`cancels.
 which `cancel` accepts.
 
 Formats (never changed in place: a new one gets a new magic, and readers take every one):
-entries DGW1, done keys DGD1, beats DGB1 (until 1.0) and DGB2.
+entries DGW1, done keys DGD1, beats DGB1 (until 1.0) and DGB2. (DGW1 was once: its entries
+gained their checksum under the same magic, and the first layout is told from today's by its
+lengths: `first_layout`.)
 """
 
 import struct
+import zlib
 from dataclasses import dataclass
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
@@ -144,18 +147,80 @@ class Listed:
         return Properties.parse(self.props)
 
 
+# The first layout of an entry (written by 345936a..bc3eba0, 2026-11-25 22:28..23:01): today's
+# without the checksum, under the same magic DGW1. A message's key and handle then used the
+# CRC-32 of its routing key alone (`first_checksum`); its entries are read with that one, so
+# that the done keys and the cancels by handle of that time still name them.
+FIRST_FIXED = struct.Struct(">qqqIHBBBI")
+_LENGTHS = struct.Struct(">BBI")  # the end of either fixed part: id, routing key and properties lengths
+_FIRST_HEAD = struct.Struct(">4xI31xBBI")  # a record's count, and its first entry's lengths in the first layout
+
+
+def first_checksum(routing_key: bytes) -> int:
+    """The checksum a message had in the index's first layout: the CRC-32 of its routing key."""
+    return zlib.crc32(routing_key)
+
+
+def _adds_up(body: bytes, count: int, fixed: struct.Struct) -> bool:
+    """Whether `count` entries with this fixed part fill the record exactly."""
+    size, total = fixed.size, 8 + count * fixed.size
+    if total > len(body):
+        return False
+    for at in range(8 + size - _LENGTHS.size, 8 + count * size, size):
+        id_len, key_len, props_len = _LENGTHS.unpack_from(body, at)
+        total += id_len + key_len + props_len
+    return total == len(body)
+
+
+def first_layout(body: bytes) -> bool:
+    """Whether a DGW1 record is of the first layout (FIRST_FIXED): its lengths add up exactly
+    under it, and not under today's (so no record reads under both)."""
+    return entries_layout(body)[1]
+
+
+def entries_layout(body: bytes) -> Tuple[int, bool]:
+    """A DGW1 record's count of entries, and whether it is of the first layout (`first_layout`).
+    Cheap for today's records: the lengths of its first and last entry read under the first
+    layout must fit in what follows the fixed parts (for one entry: fill it), which today's
+    bytes there (a message id's flag, a retry's attempt, a timestamp's bytes) almost never do."""
+    if len(body) < _FIRST_HEAD.size:
+        return (_COUNT.unpack_from(body, 4)[0] if len(body) >= 8 else 0), False
+    count, id_len, key_len, props_len = _FIRST_HEAD.unpack_from(body)
+    room = len(body) - 8 - count * FIRST_FIXED.size
+    if count == 1:
+        return 1, id_len + key_len + props_len == room and not _adds_up(body, 1, FIXED)
+    if not count or room < 0 or id_len + key_len + props_len > room:
+        return count, False
+    id_len, key_len, props_len = _LENGTHS.unpack_from(body, 8 + count * FIRST_FIXED.size - _LENGTHS.size)
+    return count, id_len + key_len + props_len <= room and _adds_up(body, count, FIRST_FIXED) \
+        and not _adds_up(body, count, FIXED)
+
+
+def first_fixed(body: bytes, count: int) -> Iterator[Tuple[int, int, int, int, int, int, int, int, int, int]]:
+    """The fixed parts of a record of the first layout, as today's (with `first_checksum`)."""
+    offset = 8 + count * FIRST_FIXED.size
+    for read_us, due, until, size, attempt, flags, id_len, key_len, props_len in \
+            FIRST_FIXED.iter_unpack(body[8:offset]):
+        rk_at = offset + id_len
+        offset = rk_at + key_len + props_len
+        yield (read_us, first_checksum(body[rk_at:rk_at + key_len]), due, until, size, attempt, flags, id_len,
+               key_len, props_len)
+
+
 def entries(body: bytes) -> Iterator[Listed]:
-    """The entries of one record; nothing if it is not one (a mark, another version's)."""
+    """The entries of one record; nothing if it is not one (a mark, another version's). A
+    record of the first layout (`first_layout`) is read with its checksum (`first_checksum`)."""
     if not body.startswith(ENTRIES) or len(body) < 8:
         return
     (count,) = _COUNT.unpack_from(body, 4)
     start = 8
-    end = start + count * FIXED.size
+    first = first_layout(body)
+    end = start + count * (FIRST_FIXED.size if first else FIXED.size)
     if end > len(body):
         return
     offset = end
     for read_us, crc, due, until, size, attempt, flags, id_len, key_len, props_len in \
-            FIXED.iter_unpack(body[start:end]):
+            (first_fixed(body, count) if first else FIXED.iter_unpack(body[start:end])):
         mid = body[offset:offset + id_len] if flags & HAS_ID else None
         offset += id_len
         rk = body[offset:offset + key_len]

@@ -24,21 +24,23 @@ import subprocess
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from pika import spec
 
-from gateway.core import cancels, carrier, envelope, handlers, retries, waiting
+from gateway.core import cancels, carrier, envelope, handlers, retries, rules, waiting
 from gateway.core.actions import Enqueue, Forward
 from gateway.core.carrier import Entry
 from gateway.core.inputs import Delivery
+from gateway.core.routes import Way
 from gateway.core.wire import Properties
 from topology import ChainSettings
 from topology import registry
 from topology.waiting import bands
 
 SAMPLES = Path(__file__).parent / "samples"
-NOW = 1_795_310_000_000  # 2026-11-21T22:33:20Z, the clock every handler is given
+NOW = 1_795_310_000_000  # 2026-11-22T01:13:20Z, the clock every handler is given
 LEAD_MS = 50
 DAY_MS = 86_400_000
 STAMP = NOW - 250
@@ -57,6 +59,9 @@ def props_raw(**kw: Any) -> bytes:
 
 
 # -- the publishers' messages (exchange, routing key, body, properties as wire bytes) -----------------
+# The handle `pending` lists the message "distributor" below by (it has no message id), as check-in
+# reads it first at NOW: cancels.handle of its read time and checksum (cancel_record_samples checks it).
+HANDLE = cancels.handle(NOW * 1000, cancels.checksum(b"tick", props_raw(headers={"x-delay": 300}), b""))
 DEATH = {"count": 1, "reason": "rejected", "queue": "orders",
          "time": datetime(2026, 11, 21, 22, 33, 19, tzinfo=timezone.utc), "exchange": "", "routing-keys": ["orders"]}
 FIRST = {"x-first-death-exchange": "", "x-first-death-queue": "orders", "x-first-death-reason": "rejected"}
@@ -78,6 +83,26 @@ PUBLISHED: Dict[str, Tuple[str, bytes, bytes, bytes]] = {
     "cancel-stamped": ("delay.cancel", b"", b"", props_raw(
         headers={"timestamp_in_ms": NOW - 100}, delivery_mode=2, message_id="stamped-1")),
     "cancel-no-id": ("delay.cancel", b"", b"", props_raw(delivery_mode=2)),
+    # group cancels (rules): the public vocabulary of rules.py, as a client publishes it
+    "rule-key": ("delay.cancel", b"", b"", props_raw(headers={"x-cancel-key": "reminder.#"}, delivery_mode=2)),
+    "rule-ids": ("delay.cancel", b"", b"", props_raw(headers={
+        "x-cancel-id": ["order-42-review", "invoice-*", HANDLE], "x-cancel-rule": "by-ids"}, delivery_mode=2)),
+    "rule-due": ("delay.cancel", b"", b"", props_raw(headers={
+        "x-cancel-due-after": NOW + 60_000, "x-cancel-due-before": str(NOW + 100_000),
+        "timestamp_in_ms": NOW - 100}, delivery_mode=2)),
+    "rule-headers": ("delay.cancel", b"", b"", props_raw(headers={
+        "x-cancel-header": {"tenant": "acme", "priority": 3}, "x-cancel-key": "reminder.*",
+        "x-cancel-rule": "acme-reminders"}, delivery_mode=2)),
+    "rule-retries": ("delay.cancel", b"", b"", props_raw(headers={"x-cancel-retries": True, "x-cancel-key": "orders"},
+                                                          delivery_mode=2)),
+    "rule-all": ("delay.cancel", b"", b"", props_raw(headers={"x-cancel-all": True, "x-cancel-rule": "everything"},
+                                                      delivery_mode=2)),
+    "rule-withdraw": ("delay.cancel", b"", b"", props_raw(headers={"x-cancel-withdraw": "by-ids"}, delivery_mode=2)),
+    "rule-client": ("delay.cancel", b"", b"", props_raw(headers={
+        "x-cancel-key": "reminder.*", "x-cancel-id": "order-4*", "x-cancel-due-after": "1795310060000",
+        "x-cancel-due-before": datetime(2026, 11, 22, 1, 15, tzinfo=timezone.utc),
+        "x-cancel-header": {"tenant": b"acme"}, "x-cancel-retries": "false", "x-cancel-rule": "client-rule",
+        "tenant": "acme"}, content_type="text/plain", delivery_mode=2, message_id="ignored-for-a-rule")),
     "retry": ("delay.retry", b"orders", b"job 7", props_raw(
         content_type="application/json", headers={"x-death": [DEATH], **FIRST, "x-retry-attempt": 2},
         delivery_mode=2, message_id="job-7")),
@@ -269,6 +294,7 @@ def cancel_record_samples() -> Json:
     ((_, _, record),) = rec.take_entries()
     (listed,) = list(waiting.entries(record))
     handle = listed.handle.encode()
+    assert listed.handle == HANDLE
     d = dataclasses.replace(delivery("cancel"), props=Properties.build(delivery_mode=2, message_id=handle))
     f = only(check_in()(d, NOW))
     out["handle"] = {
@@ -281,6 +307,68 @@ def cancel_record_samples() -> Json:
     return out
 
 
+def selection_json(select: Any) -> Json:
+    return {"ids": [hx(i) for i in select.ids], "key": select.key, "due_after_ms": select.due_after_ms,
+            "due_before_ms": select.due_before_ms, "headers": [list(h) for h in select.headers],
+            "retries": select.retries}
+
+
+def request_json(asked: Any) -> Json:
+    """What rules.requested reads from a rule's public message."""
+    if isinstance(asked, rules.Withdrawing):
+        return {"withdraw": hx(asked.name)}
+    return {"select": selection_json(asked.select), "everything": asked.everything,
+            "name": hx(asked.name)}
+
+
+def rule_record_json(headers: Any) -> Json:
+    """What a record of the cancellations stream holds, as rules.read_record / read_tally read it."""
+    found = rules.read_record(headers)
+    if isinstance(found, rules.Rule):
+        return {"kind": "rule", "name": hx(found.name), "select": selection_json(found.select),
+                "everything": found.everything, "read_us": found.at.read_us, "arrived_ms": found.at.arrived_ms}
+    if isinstance(found, rules.Withdrawal):
+        return {"kind": "withdrawal", "name": hx(found.name), "read_us": found.at.read_us,
+                "arrived_ms": found.at.arrived_ms}
+    tally = rules.read_tally(headers)
+    assert tally is not None
+    return {"kind": "tally", "name": hx(tally[0]), "gateway": hx(tally[1]), "removed": tally[2]}
+
+
+def cancel_rule_samples() -> Json:
+    out: Json = {}
+    for variant, name, about in (
+            ("key", "rule-key", "handlers.CheckIn records a rule by routing key pattern (no name: one from its time)"),
+            ("ids", "rule-ids", "handlers.CheckIn records a rule by ids: an id, a prefix and a handle"),
+            ("due-range", "rule-due", "handlers.CheckIn records a rule by due range, the broker's stamp on it"),
+            ("headers", "rule-headers", "handlers.CheckIn records a rule by header values and a key"),
+            ("retries", "rule-retries", "handlers.CheckIn records a rule on retries only"),
+            ("all", "rule-all", "handlers.CheckIn records a rule on every message (x-cancel-all)"),
+            ("withdrawal", "rule-withdraw", "handlers.CheckIn records the withdrawal of a rule")):
+        f = only(check_in()(delivery(name), NOW))
+        assert isinstance(f, Forward) and f.outcome is Way.CANCEL, (name, f)
+        asked = rules.requested(Properties.parse(PUBLISHED[name][3]).headers)
+        out[variant] = {"produced_by": about, "inputs": inputs_of(name), "message": wire_of(f),
+                        "expected": {**rule_record_json(f.props.headers), "requested": request_json(asked)},
+                        "route": f.outcome.value}
+    gw = bytes(range(16))
+    tally = rules.tally_record(b"by-ids", gw, 3)
+    out["tally"] = {"produced_by": "rules.tally_record (broker/cancelling.Follower: what a gateway removed by a rule)",
+                    "inputs": {"rule": hx(b"by-ids"), "gateway": hx(gw), "removed": 3},
+                    "message": {"exchange": NAMES.cancellations, "routing_key": "", "properties": hx(tally.raw),
+                                "body": ""},
+                    "expected": rule_record_json(tally.headers)}
+    ex, rk, body, raw = PUBLISHED["rule-client"]
+    out["published"] = {
+        "produced_by": "a client's rule as it waits in check-in (pika 1.4.4, the vocabulary of rules.py): every "
+                       "filter, in the types a client may send (text digits, an AMQP timestamp, a binary header "
+                       "value, 'false'), a header of its own and a message_id (ignored: it is a rule)",
+        "inputs": {"published": published("rule-client")},
+        "message": {"exchange": ex, "routing_key": hx(rk), "properties": hx(raw), "body": hx(body)},
+        "expected": request_json(rules.requested(Properties.parse(raw).headers))}
+    return out
+
+
 def listed_json(m: waiting.Listed) -> Json:
     return {k: hx(v) if isinstance(v, bytes) else v for k, v in dataclasses.asdict(m).items()}
 
@@ -288,6 +376,11 @@ def listed_json(m: waiting.Listed) -> Json:
 def index_records(rec: waiting.Recorder) -> List[Json]:
     return [{"band": key, "body": hx(record), "expected": [listed_json(m) for m in waiting.entries(record)]}
             for key, _, record in rec.take_entries()]
+
+
+def beat_json(beat: waiting.Beat) -> Json:
+    return {"gateway": hx(beat.gateway), "roles": beat.roles, "low_ms": beat.low_ms, "at_ms": beat.at_ms,
+            "consumers": dataclasses.asdict(beat.consumers), "flags": beat.flags}
 
 
 def waiting_samples() -> Json:
@@ -314,20 +407,31 @@ def waiting_samples() -> Json:
     h = check_in()
     a, b = enqueued(h, "chain").entry, enqueued(h, "distributor").entry
     rec = waiting.Recorder(16, CHAIN.meditation_ms)
-    rec.left([(1, a), (2, b)], NOW)
-    done = rec.take_done(NOW, now=True)
-    assert done is not None
-    out["done"] = {"produced_by": "waiting.Recorder.left -> take_done (DGD1)",
+    owed = rec.left([(1, a)], NOW) + rec.left([(2, b)], NOW)
+    taken = rec.take_done(NOW, now=True)
+    assert taken is not None and taken[0] == owed == [1, 2]
+    done = taken[1]
+    out["done"] = {"produced_by": "waiting.Recorder.left -> take_done (DGD1): the distributor delivered one message "
+                                  "and dropped one a cancel names",
                    "inputs": inputs_of("chain", "distributor"), "body": hx(done),
                    "expected": {"keys": waiting.done_keys(done)}, "messages": [entry_json(e) for e in (a, b)]}
     gw = bytes(range(16))
-    body = waiting.pack_beat(gw, waiting.ROLE_CHECK_IN | waiting.ROLE_DISTRIBUTOR, NOW + 1234, NOW)
+    consumers = waiting.Consumers(check_in=2, returning=1, distributor=3)
+    body = waiting.pack_beat(gw, waiting.ROLE_CHECK_IN | waiting.ROLE_DISTRIBUTOR, NOW + 1234, NOW, consumers,
+                             waiting.INDEXES)
     beat = waiting.beat(body)
     assert beat is not None
-    out["beat"] = {"produced_by": "waiting.pack_beat (DGB1)",
-                   "inputs": {"gateway": hx(gw), "roles": 3, "low_ms": NOW + 1234, "now_ms": NOW}, "body": hx(body),
-                   "expected": {"gateway": hx(beat.gateway), "roles": beat.roles, "low_ms": beat.low_ms,
-                                "at_ms": beat.at_ms}}
+    out["beat"] = {"produced_by": "waiting.pack_beat (DGB2)",
+                   "inputs": {"gateway": hx(gw), "roles": 3, "low_ms": NOW + 1234, "now_ms": NOW,
+                              "consumers": dataclasses.asdict(consumers), "flags": waiting.INDEXES},
+                   "body": hx(body), "expected": beat_json(beat)}
+    body = waiting.pack_beat(gw, waiting.ROLE_CHECK_IN, NOW, NOW, waiting.Consumers(check_in=1), 0)
+    beat = waiting.beat(body)
+    assert beat is not None
+    out["beat-unindexed"] = {"produced_by": "waiting.pack_beat (DGB2) of a gateway with --no-pending-index",
+                             "inputs": {"gateway": hx(gw), "roles": 1, "low_ms": NOW, "now_ms": NOW,
+                                        "consumers": {"check_in": 1}, "flags": 0},
+                             "body": hx(body), "expected": beat_json(beat)}
     from gateway.broker.waiting import MARK  # (the reader's mark is written by the broker side)
     token = bytes(range(16, 32))
     out["mark"] = {"produced_by": "gateway.broker.waiting.MARK + a token (a reader's mark to find a stream's end)",
@@ -352,12 +456,49 @@ def registry_samples() -> Json:
             "event": r.event, "at_ms": r.at_ms, "chain": dataclasses.asdict(r.chain) if r.chain else None,
             "queues": dict(r.queues)}})
     return {"records": {"produced_by": "topology.registry.encode", "records": out, "inputs": {
-        "note": "declared, sealed and retired records of the chain 1000ms-quorum-queue, 20 levels"}}}
+        "note": "declared, sealed and retired records of the chain 1000ms-quorum-queue, 20 levels"}},
+            "unlisted": unlisted_samples()}
+
+
+def registry_json(r: registry.Record) -> Json:
+    return {"event": r.event, "at_ms": r.at_ms, "chain": dataclasses.asdict(r.chain) if r.chain else None,
+            "queues": dict(r.queues), "until_ms": r.until_ms, "why": r.why}
+
+
+def unlisted_samples() -> Json:
+    """The `unlisted` records gateway/broker/waiting.py appends: after a declare that created the index
+    where messages already wait, and by a gateway that writes no entries (their broker calls stubbed)."""
+    from unittest import mock
+
+    from gateway.broker import waiting as index
+    written: List[registry.Record] = []
+
+    class Queues:  # (Prober: every queue of the chain holds one message)
+        def __init__(self, connection: Any) -> None:
+            pass
+
+        def queue(self, name: str) -> Any:
+            return SimpleNamespace(messages=1)
+
+        def close(self) -> None:
+            pass
+
+    with mock.patch.object(index, "append", lambda connection, names, records: written.extend(records)), \
+            mock.patch.object(index, "Prober", Queues):
+        index.note_messages_before_index(None, CHAIN, NOW)
+        index.note_unindexed_gateway(None, CHAIN, NOW + 1)
+    out = []
+    for r in written:
+        body = registry.encode(r)
+        assert registry.decode(body) == r
+        out.append({"body": hx(body), "expected": registry_json(r)})
+    return {"produced_by": "gateway.broker.waiting.note_messages_before_index and note_unindexed_gateway -> "
+                           "topology.registry.encode (unlisted)", "records": out,
+            "inputs": {"now_ms": NOW, "chain": "1000 ms, 20 levels (generate.CHAIN)",
+                       "note": "an upgrade's note at now, a --no-pending-index gateway's at now + 1 ms"}}
 
 
 def moved_samples() -> Json:
-    from types import SimpleNamespace
-
     from gateway.commands import move
     _, rk, body, raw = PUBLISHED["chain"]
     plugin = SimpleNamespace(routing_key=rk, properties=raw, body=body, due_ms=NOW + 90_000)
@@ -385,6 +526,7 @@ def pick_up_stamp_samples() -> Json:
 FORMATS: Dict[str, Callable[[], Json]] = {
     "arrival-stamp": arrival_stamp_samples,
     "cancel-record": cancel_record_samples,
+    "cancel-rule": cancel_rule_samples,
     "carrier": carrier_samples,
     "envelope": envelope_samples,
     "meditation": meditation_samples,
@@ -436,13 +578,25 @@ def _git(*args: str) -> str:
                           cwd=Path(__file__).parent).stdout.strip()
 
 
+def commit_info(rev: str) -> Json:
+    full, date, adate = _git("log", "-1", "--format=%H%n%cI%n%aI", rev, "--").split("\n")
+    return {"commit": full, "date": date, "author_date": adate}
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tests.formats.generate", description=__doc__.split("\n\n")[0])
     p.add_argument("--write", action="store_true", help="add a sample file for each format that changed")
     p.add_argument("--changed", default="", help="with --write: what changed, for the new files")
+    p.add_argument("--commit", default="HEAD", metavar="REV",
+                   help="with --write: the commit whose code first writes the new bytes, which names the files "
+                        "(check with git log; default: the one checked out, which is often a later one: a merge, "
+                        "or a commit after the change)")
+    p.add_argument("--only", action="append", metavar="FORMAT", choices=sorted(FORMATS),
+                   help="with --write: only this format (repeat for more): formats changed by different commits")
+    p.add_argument("--about", default="", help="with --write: what a new format is (a format's first sample)")
     args = p.parse_args(argv)
     now = samples()
-    differ = {fmt: changed(fmt, variants) for fmt, variants in now.items()}
+    differ = {fmt: changed(fmt, variants) for fmt, variants in now.items() if not args.only or fmt in args.only}
     differ = {fmt: v for fmt, v in differ.items() if v}
     if not differ:
         print("every format writes what its newest sample says: nothing to add")
@@ -452,18 +606,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not args.write:
         print("run again with --write (after committing the change) to add their samples")
         return 1
-    full, date, adate = _git("log", "-1", "--format=%H%n%cI%n%aI").split("\n")
-    info = {"commit": full, "date": date, "author_date": adate}
+    info, checked = commit_info(args.commit), commit_info("HEAD")
+    full, date = info["commit"], info["date"]
     for fmt in differ:
         path = SAMPLES / fmt / f"{date[:16].replace(':', '')}-{full[:7]}.json"
         if path.exists():
             print(f"{path} exists: not overwritten", file=sys.stderr)
             return 2
-        about = load(files(fmt)[-1])["about"] if files(fmt) else ""
-        doc = {"format": fmt, "about": about, "written_by": info, "same_bytes_until": info, "checkpoints": {},
+        about = load(files(fmt)[-1])["about"] if files(fmt) else args.about or "(say what this format is)"
+        doc = {"format": fmt, "about": about, "written_by": info, "same_bytes_until": checked, "checkpoints": {},
                "changed": args.changed or "(say what changed)",
-               "generated": "by python -m tests.formats.generate at this commit, with fixed inputs; 'expected' is "
-                            "what this commit's own code read back from these bytes",
+               "generated": f"by python -m tests.formats.generate at {checked['commit'][:7]}, with fixed inputs; "
+                            "'expected' is what that commit's own code read back from these bytes",
                "samples": now[fmt]}
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(doc, indent=1) + "\n")
