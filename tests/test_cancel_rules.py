@@ -58,7 +58,8 @@ def move_from_plugin(chain, messages) -> None:
     with connect() as c:
         ch = c.channel()
         ch.confirm_delivery()
-        for exchange, key, props, body in move.outgoing(entries, chain.names.distributor, read, now_ms()):
+        for exchange, key, props, body in move.outgoing(move.held_as_gateway(entries, read, now_ms()),
+                                                        chain.names.distributor):
             ch.basic_publish(exchange, key, body, lazy_properties.WireProperties(props), mandatory=True)
 
 

@@ -8,8 +8,8 @@ import pytest
 
 from gateway.broker import plugin_table
 from gateway.broker.plugin_table import ENTRY_SHAPE, INDEX_SHAPE, SHELL_SAFE, PluginMessage, Probe, Table, Waiting
-from gateway.commands.move import count, outgoing, ranges, refused
-from gateway.core import cancels, wire
+from gateway.commands.move import count, held_as_gateway, index_records, outgoing, ranges, refused
+from gateway.core import cancels, waiting, wire
 from gateway.core.envelope import Inside
 
 NOW = 1_800_000_000_000
@@ -38,7 +38,8 @@ def test_what_is_published_is_the_entry_in_the_gateways_format():
     props = wire.Properties.build(message_id=b"m-1", user_id=b"alice", headers=wire.Table([wire.long("x-delay", 5)]))
     entry = PluginMessage(NOW + 60_000, b"order.1", props.raw, b"body", "ref")
     read = cancels.Sequencer()
-    [(exchange, key, sent, body), (_, _, again, _)] = list(outgoing([entry, entry], "delay.distributor", read, NOW))
+    [(exchange, key, sent, body), (_, _, again, _)] = list(outgoing(held_as_gateway([entry, entry], read, NOW),
+                                                                    "delay.distributor"))
     inside = Inside(sent)
     assert (exchange, key, body) == ("delay.distributor", "", b"body")
     assert inside.due_ms == NOW + 60_000 and inside.routing_key == b"order.1"
@@ -86,3 +87,18 @@ def test_every_program_passes_debians_su_wrapper_unchanged(name):
         refs='<<"cg==">>', first=1, last=2)
     assert SHELL_SAFE.fullmatch(program), program
     assert not SHELL_SAFE.fullmatch("'$end_of_table'")
+
+
+def test_the_moved_messages_entries_name_them_in_the_index_until_due():
+    """The move writes each message's entry in the index of what waits (as a gateway that sends
+    one on to wait does), in the band of its wait, so `pending` lists it from then on."""
+    props = wire.Properties.build(message_id=b"m-1")
+    plugin = [PluginMessage(NOW + 60_000, b"order.1", props.raw, b"body", "a"),
+              PluginMessage(NOW + 400 * 86_400_000, b"order.2", props.raw, b"body", "b")]
+    held = held_as_gateway(plugin, cancels.Sequencer(), NOW)
+    records = list(index_records(held, "delay.waiting", 11, NOW))
+    assert [key for _, key, _, _ in records] == ["03", "10"]  # (1 minute; 400 days: the top band of 11)
+    listed = [m for _, _, _, body in records for m in waiting.entries(body)]
+    assert [(m.routing_key, m.due_ms, m.until_ms, m.read_us) for m in listed] == \
+        [(e.routing_key, e.due_ms, e.due_ms, e.accepted_us) for e in held]
+    assert all(m.read_us < 0 for m in listed)  # (before any cancel)

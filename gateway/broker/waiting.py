@@ -25,7 +25,7 @@ from pika.exceptions import AMQPError, ChannelClosedByBroker
 
 from topology import Topology
 from topology.broker.declare import declare
-from topology.broker.inventory import Prober, append, close_stream_reader, read_registry
+from topology.broker.inventory import Prober, Unknown, append, close_stream_reader, read_registry
 from topology.names import Names
 from topology.registry import Record, fold
 from topology.settings import QUEUE_TYPES, ChainSettings
@@ -118,7 +118,10 @@ def note_messages_before_index(connection, settings: ChainSettings, now_ms: int)
     least once a lap (and is listed from then); a day on top for gateways of the earlier
     version still running beside the new ones meanwhile (a rolling upgrade)."""
     prober = Prober(connection)
-    waiting_now = sum(c.messages for c in (prober.queue(q) for q in chain_queues(settings)) if c is not None)
+    try:
+        waiting_now = sum(c.messages for c in (prober.queue(q) for q in chain_queues(settings)) if c is not None)
+    except Unknown:  # (a look refused: then whether messages wait cannot be told, so say they may)
+        waiting_now = 1
     prober.close()
     if not waiting_now:
         return None
@@ -134,7 +137,10 @@ def declare_noting(channel, topology: Topology, declaring: Callable[[Any, Topolo
     """Declare (or, `declaring=verify`, find) the topology; if that created the index where
     messages already wait, say so in the registry (`note_messages_before_index`)."""
     prober = Prober(channel.connection)
-    missing = index_missing(prober, topology.settings.names)
+    try:
+        missing = index_missing(prober, topology.settings.names)
+    except Unknown:  # (a look refused: the declare says what is wrong, in its own words)
+        missing = False
     prober.close()
     declaring(channel, topology)
     if missing and declaring is declare:

@@ -17,6 +17,11 @@ Each moved message carries a read time as check-in gives one (what the index of 
 and a handle name it by), but negative: the move's own, strictly increasing, negated. A
 message the plugin held was published before any cancel the gateway could have recorded,
 and a negative read time says so to every cancel (cancels.after), as the docs promise.
+
+Like a gateway that sends a message on to wait, the move writes each one's entry into the
+index of what waits, once the batch is confirmed and before it is removed from the plugin:
+`pending` lists the moved messages from then on. (An interruption between the two leaves the
+batch in the plugin's table: moved again, with its entries, on the next run.)
 """
 
 import argparse
@@ -37,8 +42,10 @@ from gateway.broker.amqp import blocking_channel
 from gateway.broker.plugin_table import REFS_PER_REMOVE, PluginMessage, PluginError, PluginTables, Probe, Waiting
 from gateway.broker.window import Outgoing, PublishError, WindowPublisher
 from gateway.clock import wall_ms
-from gateway.core import cancels, envelope
+from gateway.core import cancels, envelope, waiting
+from gateway.core.carrier import Entry
 from gateway.core.wire import Properties
+from topology.waiting import band, band_key, bands
 from gateway.settings import Settings, Tls, argument, integer
 from gateway.urls import one_vhost
 
@@ -98,15 +105,31 @@ def count(waiting: Sequence[Waiting], now_ms: int, leave_ms: int, vhost: str, ex
     return c
 
 
-def outgoing(entries: Sequence[PluginMessage], distributor: str, read: cancels.Sequencer,
-             now_ms: int) -> Iterator[Outgoing]:
-    """Each entry in the gateway's format, for the distributor: its due time, routing key and
+def held_as_gateway(entries: Sequence[PluginMessage], read: cancels.Sequencer, now_ms: int) -> List[Entry]:
+    """Each of the plugin's messages as the gateway holds one: its due time, routing key and
     the publisher's properties as the plugin holds them (but `user_id`, which the broker
-    checks against the gateway's own login, and any dead-letter history), and its read
-    time, negative (the module doc)."""
+    checks against the gateway's own login, and any dead-letter history), and its read time,
+    negative (the module doc)."""
+    return [Entry(e.routing_key, envelope.for_pick_up(Properties.parse(e.properties)), e.body, e.due_ms,
+                  -read(now_ms)) for e in entries]
+
+
+def outgoing(entries: Sequence[Entry], distributor: str) -> Iterator[Outgoing]:
+    """Each one in the gateway's format, for the distributor."""
     for e in entries:
-        user = envelope.for_pick_up(Properties.parse(e.properties))
-        yield distributor, "", envelope.inside(user, e.routing_key, e.due_ms, accepted_us=-read(now_ms)), e.body
+        yield distributor, "", envelope.inside(e.user, e.routing_key, e.due_ms, accepted_us=e.accepted_us), e.body
+
+
+def index_records(entries: Sequence[Entry], exchange: str, bands: int, now_ms: int) -> Iterator[Outgoing]:
+    """Their entries in the index of what waits, a record per band of the chain's `bands`
+    (gateway/core/waiting.py): each waits until due (a wait longer than the top band's span
+    is kept there until the message's first lap gives it an entry of its own)."""
+    by_band: Dict[str, List[bytes]] = {}
+    for e in entries:
+        b = min(band(max(0, e.due_ms - now_ms)), bands - 1)
+        by_band.setdefault(band_key(b), []).append(waiting.entry_record(e, e.due_ms))
+    for key, records in by_band.items():
+        yield exchange, key, Properties.build(delivery_mode=2), waiting.pack_entries(records)
 
 
 # -- command line ---------------------------------------------------------------------------
@@ -209,11 +232,17 @@ def move(tables: PluginTables, probe: Probe, urls: Sequence[str], tls: Tls, chai
                                          args.batch, cursor)
             if not batch:
                 continue
-            WindowPublisher(urls, outgoing(batch, chain.names.distributor, read, wall_ms()),
+            gateway_format = held_as_gateway(batch, read, wall_ms())
+            WindowPublisher(urls, outgoing(gateway_format, chain.names.distributor),
                             "delay-gateway move-from-plugin", tls,
                             unroutable=f"{chain.names.distributor} routed a message to no queue",
                             unroutable_hint="run `delay-gateway declare` with the same --prefix",
                             queue=chain.names.distributor).run()
+            WindowPublisher(urls, index_records(gateway_format, chain.names.waiting, bands(chain), wall_ms()),
+                            "delay-gateway move-from-plugin", tls,
+                            unroutable=f"{chain.names.waiting} routed an entry of the index to no stream",
+                            unroutable_hint="run `delay-gateway declare` with this version and the same --prefix",
+                            queue=chain.names.waiting).run()
             tables.remove(table.name, batch)
             moved += len(batch)
             elapsed = time.monotonic() - start

@@ -502,8 +502,8 @@ def moved_samples() -> Json:
     from gateway.commands import move
     _, rk, body, raw = PUBLISHED["chain"]
     plugin = SimpleNamespace(routing_key=rk, properties=raw, body=body, due_ms=NOW + 90_000)
-    ((exchange, key, props, out_body),) = list(move.outgoing([plugin], NAMES.distributor,
-                                                             cancels.Sequencer(), NOW))
+    ((exchange, key, props, out_body),) = list(move.outgoing(
+        move.held_as_gateway([plugin], cancels.Sequencer(), NOW), NAMES.distributor))
     msg = {"body": hx(out_body), "exchange": exchange, "properties": hx(props.raw),
            "routing_key": hx(envelope.as_bytes(key))}
     return {"from-plugin": {
