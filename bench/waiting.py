@@ -23,7 +23,7 @@ from topology import ChainSettings
 from tests.launcher import ROOT, chain_args
 
 from .clients import Publisher, Receiver, body, declare_receiver_queue, now_ms
-from .scenarios import Context, _delete_queue, _psutil_process
+from .delayed import Context, _delete_queue, _psutil_process
 from .stats import lateness_stats
 from .systems import Gateway
 

@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from bench import cli, report
-from bench.scenarios import Load, gateway_targets, schedule, writes_model, Context
+from bench.delayed import Load, gateway_targets, schedule, writes_model, Context
 from bench.systems import DELAY, DELIVER_AT, Target, headers_for, whole_seconds
 from topology import ChainSettings
 
