@@ -15,7 +15,8 @@ import pika
 from . import report
 from .broker import Broker, split_command
 from .clients import blocking
-from .scenarios import GROUPS, SCENARIOS, Context
+from .context import Context
+from .scenarios import GROUPS, SCENARIOS
 from .systems import HEADERS, unique_prefix
 
 DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"  # the gateway's default (docs/operating.md)

@@ -1,4 +1,5 @@
-"""The benchmark's AMQP clients: a publisher with confirms, and a receiver in a process of its own.
+"""The benchmark's AMQP clients: a publisher with confirms, a receiver in a process of its own,
+and the few queue operations every scenario uses (a depth, a delete).
 
 Every message body starts with its number and its due time (epoch ms, a double, on the
 publisher's clock): the publish time plus its `x-delay`, or its `x-deliver-at`. The
@@ -34,6 +35,22 @@ def blocking(url: str, name: str = "delay-gateway bench") -> pika.BlockingConnec
     params = pika.URLParameters(url)
     params.client_properties = {"connection_name": name}
     return pika.BlockingConnection(params)
+
+
+def queue_depth(url: str, *queues: str) -> int:
+    """Ready messages in these queues, together (a passive declare of each)."""
+    with blocking(url) as c:
+        ch = c.channel()
+        return sum(ch.queue_declare(q, passive=True).method.message_count for q in queues)
+
+
+def delete_queue(url: str, queue: str) -> None:
+    """Delete `queue` if the broker lets us: cleaning up after a run, never failing it."""
+    try:
+        with blocking(url) as c:
+            c.channel().queue_delete(queue)
+    except pika.exceptions.AMQPError:
+        pass
 
 
 # make(i) -> (exchange, routing key, properties, body, due ms); called just before the publish

@@ -22,8 +22,9 @@ from topology import ChainSettings
 
 from tests.launcher import ROOT, chain_args
 
-from .clients import Publisher, Receiver, body, declare_receiver_queue, now_ms
-from .scenarios import Context, _delete_queue, _psutil_process
+from .clients import Publisher, Receiver, body, declare_receiver_queue, delete_queue, now_ms
+from .context import Context
+from .costs import psutil_process
 from .stats import lateness_stats
 from .systems import Gateway
 
@@ -41,7 +42,7 @@ def waiting(ctx: Context) -> List[dict]:
     system = Gateway(ctx.url, chain, ctx.gateway_args)
     flow_queue = f"{chain.prefix}.receiver"
     try:
-        gateway = _psutil_process(system.processes[0].proc.pid)
+        gateway = psutil_process(system.processes[0].proc.pid)
         rss0 = _rss(gateway)
         rnd = random.Random(11)
         start = now_ms()
@@ -95,7 +96,7 @@ def waiting(ctx: Context) -> List[dict]:
         return [r]
     finally:
         system.close()
-        _delete_queue(ctx.url, flow_queue)
+        delete_queue(ctx.url, flow_queue)
 
 
 def _rss(process) -> Optional[float]:

@@ -17,7 +17,8 @@ import sys
 import pytest
 
 from bench import cli, report
-from bench.scenarios import Load, gateway_targets, schedule, writes_model, Context
+from bench.context import Context, gateway_targets
+from bench.delayed import Load, schedule, writes_model
 from bench.systems import DELAY, DELIVER_AT, Target, headers_for, whole_seconds
 from topology import ChainSettings
 

@@ -16,6 +16,25 @@ import os
 from typing import Any, Dict, Optional
 
 from gateway.settings import UsageError
+from gateway.urls import redact
+from gateway.spark.publisher import Target
+
+
+def run_description(a, fmt: str, target: Target, df, m) -> Dict[str, Any]:
+    """What decides which rows become which messages: a change means another run."""
+    files = []
+    for path in sorted(df.inputFiles()):
+        local = path[len("file:"):] if path.startswith("file:") else path
+        try:
+            st = os.stat(local)
+            files.append([path, st.st_size, st.st_mtime_ns])
+        except OSError:
+            files.append([path])
+    options = {k: getattr(a, k) for k in ("routing_key", "payload_row", "due_expr", "content_type",
+                                            "max_overdue_ms", "max_payload_bytes", "rows_per_partition")}
+    hosts = sorted(redact(u) for u in target.urls)
+    return {"format": fmt, "files": files, "mapping": m, "options": options,
+            "exchange": target.exchange, "brokers": hosts}
 
 
 def fingerprint(description: Dict[str, Any]) -> str:

@@ -171,6 +171,30 @@ def test_without_pyspark_the_spark_commands_say_how_to_install_it():
         "python -m pip install -e '.[spark]' in a clone of the repository (docs/spark.md)"]
 
 
+def test_no_module_of_the_spark_jobs_imports_pyspark_before_a_job_runs():
+    """PySpark is imported by the jobs when they run, never by importing a module of
+    gateway/spark (the verbs are loaded before they can say that PySpark is missing)."""
+    code = ("import importlib, pkgutil, sys\n"
+            "import gateway.spark\n"
+            "for module in pkgutil.iter_modules(gateway.spark.__path__):\n"
+            "    importlib.import_module('gateway.spark.' + module.name)\n"
+            "print(sorted(name for name in sys.modules if name.split('.')[0] in ('pyspark', 'py4j')))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_record_and_example_orders_need_no_pyspark_at_all(tmp_path):
+    out = tmp_path / "orders.csv"
+    code = ("import sys; sys.modules['pyspark'] = None\n"
+            "import gateway.spark.record\n"
+            "from gateway.cli import main\n"
+            f"sys.exit(main(['example-orders', {str(out)!r}, '--rows', '10', '--broken', '1']))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert len(out.read_text().splitlines()) == 11  # the header line and ten orders
+
+
 @pytest.mark.spark
 def test_a_session_the_commands_start_keeps_sparks_start_up_log_lines_to_itself(tmp_path):
     """Spark's default log4j profile writes warnings (host name, native libraries, "Setting
