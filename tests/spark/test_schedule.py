@@ -194,8 +194,9 @@ def test_failed_partitions_are_reported_and_published_by_the_next_run(spark, bro
 
 
 @pytest.mark.brokers("rmq3.10", reason="Spark's side of cancel-table (formats, rejections, counts); cancels on every "
-                                       "version are test_cancel.py's. On 4.x x-delay counts from the broker's arrival, "
-                                       "so its messages fall due while Spark starts, before the cancels are sent")
+                                       "version are test_cancel_e2e.py's. On 4.x x-delay counts from the broker's "
+                                       "arrival, so its messages fall due while Spark starts, before the cancels are "
+                                       "sent")
 def test_cancel_table_cancels_every_id_of_a_table_and_rejects_bad_rows_like_schedule(
         spark, broker, make_chain, run_gateway, tmp_path):
     import pika
