@@ -108,7 +108,7 @@ def sentinel_after(last_ms: int, chain: ChainSettings, lead_ms: Optional[int] = 
 
 
 def publish_sentinel(chain: ChainSettings, last_ms: int, lead_ms: Optional[int] = None, absolute: bool = False,
-                     routing_key: str = "sentinel", message_id: str = SENTINEL, url: Optional[str] = None) -> int:
+                     routing_key: str = "sentinel", url: Optional[str] = None) -> int:
     """Publish (confirmed) the sentinel into check-in, after everything else: `last_ms` is
     the longest x-delay of what the test published before it (a delay counts from check-in,
     or from the broker's arrival stamp: both later for a message published later), or with
@@ -120,7 +120,7 @@ def publish_sentinel(chain: ChainSettings, last_ms: int, lead_ms: Optional[int] 
         channel = connection.channel()
         channel.confirm_delivery()
         channel.basic_publish(chain.names.check_in, routing_key, b"sentinel", pika.BasicProperties(
-            message_id=message_id, delivery_mode=2, headers={"x-deliver-at" if absolute else "x-delay": when}),
+            message_id=SENTINEL, delivery_mode=2, headers={"x-deliver-at" if absolute else "x-delay": when}),
             mandatory=True)
     return when
 
@@ -157,12 +157,17 @@ class Receiver:
         self.channel = self.connection.channel()
         self.queue = self.channel.queue_declare("", exclusive=True).method.queue
         self.channel.queue_bind(self.queue, self.chain.names.pick_up, self.pattern)
+        self.sentinels = 0  # sentinels taken that no until_sentinel has waited for yet
 
     def take(self, limit: int = 10**9) -> List[Received]:
-        """What has arrived by now (up to `limit` messages in all), added to `messages`."""
+        """What has arrived by now (up to `limit` messages in all), added to `messages`; a
+        sentinel is not kept, and ends the look (`until_sentinel`)."""
         while len(self.messages) < limit:
             method, properties, body = self.channel.basic_get(self.queue, auto_ack=True)
             if method is None:
+                break
+            if properties.message_id == SENTINEL:
+                self.sentinels += 1
                 break
             self.messages.append(Received(method.routing_key, properties, body, now_ms(), method.exchange))
         return self.messages
@@ -175,20 +180,16 @@ class Receiver:
                    sleep=self.connection.sleep)
         return self.messages
 
-    def until_sentinel(self, timeout: float, message_id: str = SENTINEL) -> List[Received]:
+    def until_sentinel(self, timeout: float) -> List[Received]:
         """`messages` once the sentinel (`publish_sentinel`) arrived, a test failure if it did
         not within `timeout` s. The sentinel itself is not kept, and nothing after it is read:
         it was due after everything the test waits for, so all that came before it."""
         def arrived() -> bool:
-            while True:
-                method, properties, body = self.channel.basic_get(self.queue, auto_ack=True)
-                if method is None:
-                    return False
-                if properties.message_id == message_id:
-                    return True
-                self.messages.append(Received(method.routing_key, properties, body, now_ms(), method.exchange))
-        wait_until(arrived, timeout, interval=0.002, sleep=self.connection.sleep,
-                   what=f"the sentinel {message_id!r} at pick-up")
+            if not self.sentinels:
+                self.take()
+            return self.sentinels > 0
+        wait_until(arrived, timeout, interval=0.002, sleep=self.connection.sleep, what="the sentinel at pick-up")
+        self.sentinels -= 1
         return self.messages
 
     def close(self) -> None:
