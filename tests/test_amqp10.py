@@ -83,7 +83,9 @@ def test_an_amqp10_publisher_and_receiver_delay_cancel_and_keep_what_was_sent(br
             assert publisher.publish(message).remote_state == Delivery.ACCEPTED
         canceller = connection.publisher(AddressHelper.exchange_address(chain.names.cancel, ""))
         assert canceller.publish(Message(body=b"", id="cancelled")).remote_state == Delivery.ACCEPTED
-        publish_sentinel(chain, 1500, routing_key="orders.sentinel")  # behind them all, due after
+        # Due after them all: the Service Bus time is a timestamp, whole seconds for the
+        # gateway, which counts it to the end of its second (never early).
+        publish_sentinel(chain, sent + 1500 + 999, absolute=True, routing_key="orders.sentinel")
         got = receive(broker, queue, timeout=15)
         with connect() as c:  # nothing more came (the cancelled one), also not behind the sentinel
             assert c.channel().queue_declare(queue, passive=True).method.message_count == 0
