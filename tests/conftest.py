@@ -115,13 +115,13 @@ LONGEST_FIRST = {name: rank for rank, name in enumerate([
     "faults/test_broker.py",  # 315
     "faults/test_move_from_plugin.py",  # 300
     "faults/test_cluster.py",  # 289
-    "test_delivery.py",  # 243
+    "test_delivery_e2e.py",  # 243
     "test_pending.py",  # 238
     "spark/test_schedule.py",  # 236
     "test_bench.py",  # 220
     "faults/test_cancel_crash.py",  # 212
     "test_vhosts.py",  # 211
-    "test_cancel.py",  # 205
+    "test_cancel_e2e.py",  # 205
     "faults/test_security.py",  # 198
     "test_live_change.py",  # 180
     "test_upgrade_release.py",  # 120 (4 cases of 25-30 s)

@@ -15,12 +15,13 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from typing import Dict, List, Optional, Set, Tuple
 
 from topology import ChainSettings
+
+from .wait import wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -191,13 +192,12 @@ class GatewayProcess:
         return out
 
     def wait_ready(self, timeout: float = 30) -> "GatewayProcess":
-        deadline = time.monotonic() + timeout
-        while not self.ready:
+        def ready() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"gateway exited with {self.proc.returncode}:\n{''.join(self.raw)}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"gateway not ready after {timeout}s:\n{''.join(self.raw)}")
-            time.sleep(0.05)
+            return self.ready
+        if not wait_until(ready, timeout, fail=False):
+            raise TimeoutError(f"gateway not ready after {timeout}s:\n{''.join(self.raw)}")
         self.check_port()  # ready said by this process, not by another on the same port
         return self
 

@@ -8,14 +8,15 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple, TypeVar
+from typing import Callable, Dict, List, Optional, Tuple
 
 import pika
 
 from . import launcher
 from .launcher import ROOT, chain_args, free_port  # noqa: F401 (tests import them from here)
+from .wait import wait_until  # (the one way tests wait: they import it from here)
 from gateway.broker import wire_connection
-from gateway.settings import DEFAULT_URL
+from gateway.settings import DEFAULT_URL, default
 from topology import ChainSettings, build
 from topology.broker.declare import declare, delete
 
@@ -49,24 +50,6 @@ def examples(full: int) -> int:
     """A property test's budget: `full` examples in the test command (HYPOTHESIS_PROFILE=full,
     scripts/test), a tenth (at least 10) in the quick profile a developer runs by default."""
     return full if os.environ.get("HYPOTHESIS_PROFILE", "quick") == "full" else max(10, full // 10)
-
-
-T = TypeVar("T")
-
-
-def wait_until(condition: Callable[[], T], timeout: float, interval: float = 0.05, what: str = "",
-               fail: bool = True) -> T:
-    """The first truthy value of `condition()`, asked every `interval` s. When none came
-    within `timeout` s: a test failure naming `what`, or (fail=False) the last value, for a
-    caller that checks it itself. The one way tests wait for something."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value or time.monotonic() > deadline:
-            if not value and fail:
-                raise AssertionError(f"{what or 'the condition'}: not within {timeout:g} s (last: {value!r})")
-            return value
-        time.sleep(interval)
 
 
 def parked_report(chain: ChainSettings, count: int = 1, url: Optional[str] = None, timeout: float = 15) -> dict:
@@ -108,6 +91,40 @@ def same_entries(got, sent) -> bool:
     return entries(got, "timestamp_in_ms" not in sent) == entries(sent, False) and got.tail == sent.tail
 
 
+# A test that checks that nothing more arrives (a cancelled message, a duplicate, one that
+# is parked) publishes a sentinel last, due after everything it expects, and waits for it
+# instead of for a quiet moment: the distributor releases what it holds in due order, and
+# the chain hands it each message a lead (and at most one resolution unit more) before its
+# due time, so once the sentinel arrived nothing due before it can still come.
+SENTINEL = "sentinel"
+SENTINEL_MARGIN_MS = 200  # beyond the lead and a unit: replicas reading check-in side by side
+
+
+def sentinel_after(last_ms: int, chain: ChainSettings, lead_ms: Optional[int] = None) -> int:
+    """The sentinel's delay (or due time) for messages whose longest delay (or last due
+    time) is `last_ms`: more than the gateway's lead (its default unless given) and one
+    resolution unit of `chain` later."""
+    return last_ms + (default("lead_ms") if lead_ms is None else lead_ms) + chain.resolution_ms + SENTINEL_MARGIN_MS
+
+
+def publish_sentinel(chain: ChainSettings, last_ms: int, lead_ms: Optional[int] = None, absolute: bool = False,
+                     routing_key: str = "sentinel", url: Optional[str] = None) -> int:
+    """Publish (confirmed) the sentinel into check-in, after everything else: `last_ms` is
+    the longest x-delay of what the test published before it (a delay counts from check-in,
+    or from the broker's arrival stamp: both later for a message published later), or with
+    `absolute` the last due time (epoch ms) of what it expects, and then the sentinel goes
+    as x-deliver-at. Returns its x-delay or x-deliver-at. `routing_key` must reach the test's
+    receiver; `Receiver.until_sentinel` waits for it."""
+    when = sentinel_after(last_ms, chain, lead_ms)
+    with connect(url) as connection:
+        channel = connection.channel()
+        channel.confirm_delivery()
+        channel.basic_publish(chain.names.check_in, routing_key, b"sentinel", pika.BasicProperties(
+            message_id=SENTINEL, delivery_mode=2, headers={"x-deliver-at" if absolute else "x-delay": when}),
+            mandatory=True)
+    return when
+
+
 class GatewayProcess(launcher.GatewayProcess):
     """`delay-gateway run` in a subprocess (tests/launcher.py, shared with the benchmark),
     against the broker of the test running now unless `url` names another."""
@@ -140,15 +157,39 @@ class Receiver:
         self.channel = self.connection.channel()
         self.queue = self.channel.queue_declare("", exclusive=True).method.queue
         self.channel.queue_bind(self.queue, self.chain.names.pick_up, self.pattern)
+        self.sentinels = 0  # sentinels taken that no until_sentinel has waited for yet
 
-    def collect(self, count: int, timeout: float) -> List[Received]:
-        deadline = time.monotonic() + timeout
-        while len(self.messages) < count and time.monotonic() < deadline:
+    def take(self, limit: int = 10**9) -> List[Received]:
+        """What has arrived by now (up to `limit` messages in all), added to `messages`; a
+        sentinel is not kept, and ends the look (`until_sentinel`)."""
+        while len(self.messages) < limit:
             method, properties, body = self.channel.basic_get(self.queue, auto_ack=True)
             if method is None:
-                self.connection.sleep(0.002)
-                continue
+                break
+            if properties.message_id == SENTINEL:
+                self.sentinels += 1
+                break
             self.messages.append(Received(method.routing_key, properties, body, now_ms(), method.exchange))
+        return self.messages
+
+    def collect(self, count: int, timeout: float) -> List[Received]:
+        """`messages` once it holds `count`, or when `timeout` s have passed (for a test that
+        checks what came). Waiting for nothing more to come is no test: publish a sentinel
+        instead and wait for it (`until_sentinel`)."""
+        wait_until(lambda: len(self.take(count)) >= count, timeout, interval=0.002, fail=False,
+                   sleep=self.connection.sleep)
+        return self.messages
+
+    def until_sentinel(self, timeout: float) -> List[Received]:
+        """`messages` once the sentinel (`publish_sentinel`) arrived, a test failure if it did
+        not within `timeout` s. The sentinel itself is not kept, and nothing after it is read:
+        it was due after everything the test waits for, so all that came before it."""
+        def arrived() -> bool:
+            if not self.sentinels:
+                self.take()
+            return self.sentinels > 0
+        wait_until(arrived, timeout, interval=0.002, sleep=self.connection.sleep, what="the sentinel at pick-up")
+        self.sentinels -= 1
         return self.messages
 
     def close(self) -> None:
@@ -163,6 +204,16 @@ def drain(channel, queue: str) -> List[tuple]:
         if method is None:
             return out
         out.append((method, properties, body))
+
+
+def next_message(channel, queue: str, timeout: float, what: str = "", auto_ack: bool = True) -> tuple:
+    """(method, properties, body) of the next message in `queue`, or a test failure naming
+    `what` when none came within `timeout` s."""
+    def got():
+        method, properties, body = channel.basic_get(queue, auto_ack=auto_ack)
+        return method is not None and (method, properties, body)
+    return wait_until(got, timeout, interval=0.02, what=what or f"a message in {queue}",
+                      sleep=channel.connection.sleep)
 
 
 def declared(chain: ChainSettings, url: Optional[str] = None) -> ChainSettings:

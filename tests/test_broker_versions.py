@@ -20,8 +20,6 @@ so a change in a new RabbitMQ release shows up as a failure naming the mechanism
 Each test costs a second or two per broker.
 """
 
-import time
-
 import pika
 import pytest
 
@@ -74,6 +72,15 @@ def wait_for_message(channel, queue, timeout=5.0):
         method, properties, body = channel.basic_get(queue, auto_ack=True)
         return (properties, body) if method is not None else None
     return wait_until(taken, timeout, interval=0.02, fail=False)
+
+
+def queue_exists(connection, name: str) -> bool:
+    """Whether a passive declare finds `name` (on a channel of its own: a 404 closes it)."""
+    try:
+        connection.channel().queue_declare(name, passive=True)
+        return True
+    except pika.exceptions.ChannelClosedByBroker:
+        return False
 
 
 def messages_in(channel, queue) -> int:
@@ -287,14 +294,9 @@ def test_gateway_definitions_import_on_each_version(names, broker_ctl):
     try:
         broker_ctl("-q", "import_definitions", broker_ctl.file(render(topology), ".json"))
         with connect() as connection:
-            for _ in range(100):  # the import runs asynchronously: wait for the last queue
-                try:
-                    connection.channel().queue_declare(topology.queues[-1].name, passive=True)
-                    break
-                except pika.exceptions.ChannelClosedByBroker:
-                    connection.sleep(0.1)
-            else:
-                raise AssertionError("the imported queues never appeared")
+            # the import runs asynchronously: wait for the last queue
+            wait_until(lambda: queue_exists(connection, topology.queues[-1].name), 10, 0.1,
+                       "the imported queues", sleep=connection.sleep)
             declare(connection.channel(), topology)
     finally:
         remove(chain)
@@ -365,13 +367,15 @@ def test_global_qos_is_per_consumer_on_4_3(request, names):
         for queue in queues:
             for _ in range(3):
                 channel.basic_publish("", queue, b"x")
+        wait_until(lambda: all(messages_in(channel, q) == 3 for q in queues), 5, 0.02, "three in each queue")
         consumer = connection.channel()
         consumer.basic_qos(prefetch_count=1, global_qos=True)
         got = []
         for queue in queues:
             consumer.basic_consume(queue, lambda ch, method, properties, body: got.append(method.routing_key))
-        deadline = time.monotonic() + 1.5  # long enough for a second delivery to arrive if allowed
-        while time.monotonic() < deadline:
-            connection.process_data_events(0.1)
+        # A queue hands out what the prefetch lets it as it takes the consumer, before it says
+        # consume-ok: what is no longer ready is what was sent. Until all of that arrived.
+        sent = 6 - sum(messages_in(channel, q) for q in queues)
+        wait_until(lambda: len(got) >= sent, 5, 0.02, "what the queues sent", sleep=connection.sleep)
         consumer.close()  # the unacked go back
-    assert len(got) == GLOBAL_QOS_UNACKED[version_of(request)], got
+    assert len(got) == sent == GLOBAL_QOS_UNACKED[version_of(request)], (got, sent)

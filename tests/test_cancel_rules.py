@@ -21,8 +21,8 @@ from gateway.core import cancels
 from gateway.core.wire import Properties
 
 from .faults.proxy import Proxy
-from .support import GatewayProcess, ROOT, Receiver, broker_url, chain_args, connect, now_ms, report_figures, \
-    wait_until
+from .support import SENTINEL, GatewayProcess, ROOT, Receiver, broker_url, chain_args, connect, now_ms, \
+    report_figures, wait_until
 
 DAY_MS = 86_400_000
 CHAIN = dict(max_level=4, resolution_ms=250)  # the chain holds 3.75 s; longer waits lap meditation (3.75 s laps)
@@ -94,7 +94,7 @@ def test_a_rule_published_while_no_gateway_runs_cancels_exactly_its_group(make_c
             queued.stdout + queued.stderr
         assert "message(s) wait in check-in, not read by a gateway yet" in queued.stdout  # said, not hidden
         after = [(f"orders.42.after.{n}", f"42-after-{n}", t0 + 20_000) for n in range(10)]  # a reschedule
-        sentinel = [("orders.zz.sentinel", "sentinel", t0 + 36_000)]  # due after everything else
+        sentinel = [("orders.zz.sentinel", SENTINEL, t0 + 36_000)]  # due after everything else
         publish(chain, after + sentinel)
 
         second = GatewayProcess(chain, *args, url=proxy.url)
@@ -106,19 +106,16 @@ def test_a_rule_published_while_no_gateway_runs_cancels_exactly_its_group(make_c
             gateways.append(GatewayProcess(chain, *args, url=proxy.url))
         else:
             assert proxy.cut() >= 1
-        receiver.collect(10**6, 45)
-        got = receiver.messages
-        wait_until(lambda: "sentinel" in {m.properties.message_id for m in receiver.collect(10**6, 0.2)}, 30, 0.2,
-                   "the sentinel, due after everything")
+        receiver.until_sentinel(max(0, t0 + 36_000 - now_ms()) / 1000 + 30)  # (not kept among the messages)
         got = receiver.messages
         arrived: Dict[str, int] = {}
         for m in got:
             key = m.routing_key
             arrived[key] = arrived.get(key, 0) + 1
-            due = t0 + 30_000 if ".moved." in key else t0 + 36_000 if key.endswith("sentinel") else t0 + 20_000
+            due = t0 + 30_000 if ".moved." in key else t0 + 20_000
             assert m.at_ms >= due, f"{key} early by {due - m.at_ms} ms"
         cancelled = [k for k in arrived if k.startswith("orders.42.") and ".after." not in k]
-        expected = {k for k, _, _ in near + after + sentinel} | {k for k, _, _ in moved if k.startswith("orders.421.")}
+        expected = {k for k, _, _ in near + after} | {k for k, _, _ in moved if k.startswith("orders.421.")}
         assert not cancelled, f"cancelled by the rule but delivered: {sorted(cancelled)[:10]}"
         assert expected <= set(arrived), f"lost: {sorted(expected - set(arrived))[:10]}"
         # the far ones of the group are dropped at the end of their lap; the bystanders wait on
@@ -186,8 +183,8 @@ def test_a_rule_withdrawn_cancels_nothing_more_and_an_amqp_client_publishes_one(
         out.stdout + out.stderr
     assert cli(chain, "pending", "rules").stdout.startswith("no live rule")
     publish(chain, [("jobs.c", "c", t0 + 12_000)])  # (due after a and b)
-    got = wait_until(lambda: [m.properties.message_id for m in receiver.collect(10**6, 0.2)
-                              if m.properties.message_id == "c"], 30, 0.2, "c, published after the withdrawal")
+    got = wait_until(lambda: [m.properties.message_id for m in receiver.take() if m.properties.message_id == "c"],
+                     30, 0.2, "c, published after the withdrawal")
     arrived = {m.properties.message_id for m in receiver.messages} & {"a", "b"}
     dropped = gateway.metric("delay_gateway_cancelled_total")
     assert got and len(arrived) + dropped == 2, (arrived, dropped)

@@ -147,16 +147,20 @@ def old_objects_gone(chain: ChainSettings, keep: List[ChainSettings]) -> List[st
                 if q not in kept and prober.queue(q) is not None]
 
 
-def retiring(chain: ChainSettings) -> str:
-    """How far retiring `chain` has come: sealed queues (a retirement under way) and gone ones."""
+def sealed(chain: ChainSettings) -> int:
+    """How many of `chain`'s queues are sealed: its retirement has begun."""
     key = ChainKey.of(chain)
-    queues = chain_queues(key, chain.names)
     with connect() as c:
         registry = fold(read_registry(c, chain.names) or [])
+    return sum(1 for q in chain_queues(key, chain.names) if registry.seal(q, [key]) is not None)
+
+
+def retiring(chain: ChainSettings) -> str:
+    """How far retiring `chain` has come: sealed queues (a retirement under way) and gone ones."""
+    with connect() as c:
         prober = Prober(c)
-        gone = sum(1 for q in queues if prober.queue(q) is None)
-    sealed = sum(1 for q in queues if registry.seal(q, [key]) is not None)
-    return f"{sealed} of its queues sealed, {gone} gone"
+        gone = sum(1 for q in chain_queues(ChainKey.of(chain), chain.names) if prober.queue(q) is None)
+    return f"{sealed(chain)} of its queues sealed, {gone} gone"
 
 
 def registry_state(prefix: str, chain: ChainSettings) -> str:
@@ -187,7 +191,7 @@ def test_changing_the_chain_live_loses_nothing_and_delivers_on_time(broker, run_
         publisher.batch("before", first)
         comeback = ""
         for i, new in enumerate(steps[1:], 1):
-            time.sleep(0.3)
+            time.sleep(0.3)  # (the scenario's pace: messages spread over the change, not a wait)
             if ChainKey.of(new) in {ChainKey.of(s) for s in steps[:i]}:
                 comeback = f"; back to the first settings while retiring them: {retiring(new)}"
             newcomer = start(new)  # beside the old ones, which still take messages
@@ -197,26 +201,26 @@ def test_changing_the_chain_live_loses_nothing_and_delivers_on_time(broker, run_
             old, running = running, [newcomer]
             old[0].terminate()  # one replica on the old settings stays a while longer
             publisher.batch(f"one-old{i}", new)
-            time.sleep(0.5)
+            time.sleep(0.5)  # one replica on the old settings a while longer (a chosen span)
             if i == 1:
                 sampler.snapshot("last old gateway stopping")
             for g in old[1:]:
                 g.terminate()
             publisher.batch(f"after{i}", new)
-            if i < len(steps) - 1:
-                time.sleep(1.5)  # the old chain's retirement has begun when the next change comes
+            if i < len(steps) - 1:  # the old chain's retirement has begun when the next change comes
+                wait_until(lambda old=steps[i - 1]: sealed(old) > 0, 20, 0.1, "the old chain's retirement begun")
         sampler.stop()
         last_due = max(s.due_ms for s in publisher.sent.values())
         receiver.wait_for(len(publisher.sent), timeout=(last_due - now_ms()) / 1000 + 15)
         # The old chains are retired once empty (sealed time plus --retire-after).
-        deadline = time.monotonic() + 30
-        leftovers = {}
-        while time.monotonic() < deadline:
-            leftovers = {s.generation + f"/{s.max_level}": old_objects_gone(s, [final])
-                         for s in steps[:-1] if ChainKey.of(s) != ChainKey.of(final)}
-            if not any(leftovers.values()):
-                break
-            time.sleep(0.5)
+        leftovers: Dict[str, List[str]] = {}
+
+        def retired_all() -> bool:
+            leftovers.clear()
+            leftovers.update({s.generation + f"/{s.max_level}": old_objects_gone(s, [final])
+                              for s in steps[:-1] if ChainKey.of(s) != ChainKey.of(final)})
+            return not any(leftovers.values())
+        wait_until(retired_all, 30, 0.5, fail=False)  # (what is left is checked below)
         with connect() as c:
             parked = c.channel().queue_declare(first.names.parked, passive=True).method.message_count
         retired = {ChainKey.of(s): registry_state(prefix, s) for s in steps[:-1]}

@@ -24,8 +24,8 @@ from topology import ChainSettings, Topology, build
 from topology.broker.declare import declare
 
 from .faults.proxy import Proxy
-from .support import ROOT, Receiver, broker_url, chain_args, connect, drain, now_ms, remove, report_figures, \
-    unique_prefix, wait_until
+from .support import ROOT, Receiver, broker_url, chain_args, connect, drain, now_ms, publish_sentinel, remove, \
+    report_figures, unique_prefix, wait_until
 
 RETRY_POLICY = [{"queue": "*.jobs", "base_ms": 40_000, "jitter": 0}]
 
@@ -138,8 +138,7 @@ def test_what_waits_is_listed_exactly_through_laps_a_retry_and_cancels(make_chai
 def drain_received(receiver: Receiver) -> list:
     """What arrived since the last look."""
     seen = len(receiver.messages)
-    receiver.collect(10**9, 0.05)
-    return receiver.messages[seen:]
+    return receiver.take()[seen:]
 
 
 def first_handle(rows: List[dict]) -> str:
@@ -220,8 +219,9 @@ def test_nothing_waiting_is_missing_after_a_kill_and_cut_connections_with_two_re
     wait_until(settled, 60, 0.5, "check-in read and acknowledged")
     rows = listed(chain)
     assert now_ms() < t0 + 35_000, "the list came too late to be taken before anything was due"
-    got = receiver.collect(len(rows), 90)
-    receiver.collect(10**6, 1.5)  # (any copy more than listed would show here)
+    # Any copy more than listed would show before a sentinel due after them all.
+    publish_sentinel(chain, max(due), absolute=True)
+    got = receiver.until_sentinel(max(0, max(due) - now_ms()) / 1000 + 60)
     listed_ids = collections.Counter(r["message_id"] for r in rows)
     delivered = collections.Counter(m.properties.message_id for m in got)
     assert set(delivered) == {f"m-{n}" for n in range(len(due))}, "lost"

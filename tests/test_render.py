@@ -182,7 +182,7 @@ def test_a_declared_argument_of_another_type_is_refused_so_the_broker_check_can_
 def test_a_gateway_runs_with_no_declare_on_the_topology_a_rendering_applied(broker, broker_ctl):
     """What `render` prints is all a gateway needs: the definitions imported with the broker's
     own CLI, `run --no-declare` consumes, delivers and cancels (the cancel objects included)."""
-    from .support import GatewayProcess, Receiver
+    from .support import GatewayProcess, Receiver, publish_sentinel
     chain = ChainSettings(prefix=unique_prefix(), max_level=3, resolution_ms=100)
     text = render("definitions", build(chain), SimpleNamespace(vhost="/"))
     broker_ctl("import_definitions", broker_ctl.file(text, ".json"))
@@ -198,8 +198,8 @@ def test_a_gateway_runs_with_no_declare_on_the_topology_a_rendering_applied(brok
                     message_id=mid, headers={"x-delay": 1500}), mandatory=True)
             ch.basic_publish(chain.names.cancel, "", b"", pika.BasicProperties(message_id="cancelled"),
                              mandatory=True)
-        receiver.collect(1, timeout=10)
-        receiver.collect(2, timeout=1.5)
+        publish_sentinel(chain, 1500)  # once it came, the cancelled one cannot come any more
+        receiver.until_sentinel(10)
         assert [m.properties.message_id for m in receiver.messages] == ["kept"]
         assert gateway.events("topology_found") and not gateway.errors()
     finally:

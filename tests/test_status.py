@@ -220,14 +220,14 @@ def test_status_counts_the_messages_carriers_carry(make_chain, run_gateway):
             ch.basic_publish(chain.names.check_in, "s", b"x", pika.BasicProperties(headers={"x-delay": 50_000}),
                              mandatory=True)
     level = Names(chain.prefix, chain.generation).delay_queue(1)
-    deadline = time.monotonic() + 10
-    while True:
+
+    def in_level() -> tuple:
         doc = json.loads(cli("status", *chain_args(chain), "--json", "--metrics-url",
                              f"http://127.0.0.1:{port}").stdout)
         row = next(r for r in doc["queues"] if r["name"] == level)
-        if row["messages"] or time.monotonic() > deadline:
-            break
-        time.sleep(0.3)
+        return doc, row
+    doc, row = wait_until(lambda: (found := in_level())[1]["messages"] and found, 10, 0.3,
+                          what="the carrier in level 1")
     assert (row["messages"], row["carriers"]) == (5, 1) and doc["total"] == 5
     without = json.loads(cli("status", *chain_args(chain), "--json").stdout)
     assert next(r for r in without["queues"] if r["name"] == level)["messages"] == 1  # the broker's count

@@ -13,7 +13,7 @@ from topology.broker.declare import TopologyConflict, declare
 from topology.definitions import render
 from topology.encoding import level_pattern
 
-from .support import connect, drain, remove, unique_prefix
+from .support import connect, drain, remove, unique_prefix, wait_until
 
 
 G = "d.500ms-quorum-queue."
@@ -149,6 +149,22 @@ def test_a_clash_with_objects_declared_elsewhere_fails_with_a_clear_error(broker
         remove(chain)
 
 
+def exists(connection, kind: str, name: str) -> bool:
+    """Whether a passive declare finds the queue or exchange `name` (a 404 closes only the
+    channel it was asked on)."""
+    channel = connection.channel()
+    try:
+        if kind == "queue":
+            channel.queue_declare(name, passive=True)
+        else:
+            channel.exchange_declare(name, passive=True)
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        assert exc.reply_code == 404, exc
+        return False
+    channel.close()
+    return True
+
+
 def test_chains_with_other_settings_are_declared_beside_each_other(broker):
     chain = ChainSettings(prefix=unique_prefix(), max_level=3)
     others = [ChainSettings(prefix=chain.prefix, max_level=5), ChainSettings(prefix=chain.prefix, max_level=2,
@@ -157,6 +173,12 @@ def test_chains_with_other_settings_are_declared_beside_each_other(broker):
         with connect() as c:
             for settings in [chain] + others:
                 declare(c.channel(), build(settings))
+            # each whole beside the others: every queue and exchange of each is there
+            missing = [(kind, name) for settings in [chain] + others
+                       for kind, names in (("queue", [q.name for q in build(settings).queues]),
+                                           ("exchange", [e.name for e in build(settings).exchanges]))
+                       for name in names if not exists(c, kind, name)]
+        assert not missing, missing
     finally:
         for settings in [chain] + others:
             remove(settings)
@@ -178,14 +200,8 @@ def test_imported_definitions_equal_what_declare_makes(broker):
             subprocess.run(["rabbitmqctl", "-q", "import_definitions", f.name], check=True, timeout=60)
             with connect() as c:
                 # The import runs asynchronously: wait until the last queue exists.
-                for _ in range(100):
-                    try:
-                        c.channel().queue_declare(topology.queues[-1].name, passive=True)
-                        break
-                    except pika.exceptions.ChannelClosedByBroker:
-                        c.sleep(0.1)
-                else:
-                    raise AssertionError(f"the import never showed {topology.queues[-1].name} (10 s)")
+                wait_until(lambda: exists(c, "queue", topology.queues[-1].name), 10, 0.1,
+                           f"the import showing {topology.queues[-1].name}", sleep=c.sleep)
                 declare(c.channel(), topology)
         finally:
             remove(chain)

@@ -33,7 +33,7 @@ def connect_any(urls: Sequence[str], attempts: int = 200, pause: float = 0.25) -
             return pika.BlockingConnection(params)
         except AMQPError as exc:
             last = exc
-            time.sleep(pause)
+            time.sleep(pause)  # (a client's pause between attempts, as any client's: not a wait)
     raise RuntimeError(f"no broker answered at {urls}: {last!r}")
 
 
@@ -65,7 +65,7 @@ def publish(urls: Sequence[str], chain: ChainSettings, delays: Sequence[int], ro
                 break
             except pika.exceptions.NackError:
                 # Refused (a quorum queue between leaders): not sent; a publisher tries again.
-                time.sleep(0.2)
+                time.sleep(0.2)  # (its pause before it does)
         else:
             raise RuntimeError(f"the broker refused message {message_id} 50 times")
         sent.append(Sent(message_id, before + max(delay, 0), delay))
@@ -112,7 +112,7 @@ class Sink:
                 connection.close()
             except (AMQPError, RuntimeError):
                 self.reconnects += 1
-                time.sleep(0.2)
+                time.sleep(0.2)  # (a consumer's pause before it reconnects)
 
     def _on_message(self, channel, method, properties, body) -> None:
         at = now_ms()

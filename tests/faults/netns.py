@@ -25,6 +25,8 @@ import sys
 import time
 from typing import List, Optional, Sequence
 
+from ..wait import wait_until
+
 CLONE_NEWNET = 0x40000000
 SUBNET = "10.254.0"
 
@@ -99,10 +101,11 @@ class Lan:
                     os.kill(int(pid), 9)
                 except (ProcessLookupError, ValueError):
                     pass
+        # (each until its processes are gone: best effort, 10 s for all of them)
         deadline = time.monotonic() + 10
         for ns in reversed(self._made):
-            while ip("netns", "del", ns, check=False).returncode != 0 and time.monotonic() < deadline:
-                time.sleep(0.2)
+            wait_until(lambda ns=ns: ip("netns", "del", ns, check=False).returncode == 0,
+                       max(0.0, deadline - time.monotonic()), 0.2, fail=False)
         self._made.clear()
 
 

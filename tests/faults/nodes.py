@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 from .. import launcher
+from ..wait import wait_until
 
 SERVER = "/usr/lib/rabbitmq/bin/rabbitmq-server"  # the Debian wrapper in /usr/sbin would su to rabbitmq
 CTL = "/usr/lib/rabbitmq/bin/rabbitmqctl"
@@ -237,16 +238,14 @@ class Node:
         return self
 
     def await_startup(self, timeout: float = 90) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def started() -> bool:
             if self.process is not None and self.process.poll() is not None:
                 raise NodeError(f"{self.node} exited with {self.process.returncode}: {self.console_tail()}")
             # A node in a namespace cannot be probed from here: its rabbitmqctl tells.
-            if ((self.netns or port_open(self.amqp_port))
-                    and self.ctl("await_startup", "--timeout", "10", check=False).returncode == 0):
-                return
-            time.sleep(0.3)
-        raise NodeError(f"{self.node} did not start within {timeout}s: {self.console_tail()}")
+            return bool((self.netns or port_open(self.amqp_port))
+                        and self.ctl("await_startup", "--timeout", "10", check=False).returncode == 0)
+        if not wait_until(started, timeout, 0.3, fail=False):
+            raise NodeError(f"{self.node} did not start within {timeout}s: {self.console_tail()}")
 
     def log_lines(self, *words: str, lines: int = 40) -> str:
         """The last lines of the node's own log that mention any of `words`."""
@@ -425,7 +424,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             ctl, _ = runtime.command([CTL, "-n", node.node, "cluster_status"], node.env())
             print(f"# {node.node}: {shlex.join(ctl)}", flush=True)
         print("# Ctrl-C stops and removes them", flush=True)
-        while not stop:
+        while not stop:  # until stopped (the command's own life, not a test's wait)
             time.sleep(0.5)
     except KeyboardInterrupt:
         pass

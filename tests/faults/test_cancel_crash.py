@@ -8,7 +8,6 @@ interceptor off, as a broker has it by default), and the session's 4.3 node with
 on. About 12 s a case."""
 
 import subprocess
-import time
 from typing import Dict, List
 
 import pika
@@ -16,7 +15,7 @@ import pytest
 
 from topology import ChainSettings
 
-from ..support import GatewayProcess, Receiver, connect, report_figures, wait_until
+from ..support import GatewayProcess, Receiver, connect, now_ms, publish_sentinel, report_figures, wait_until
 from .proxy import Proxy
 from ..support import RMQ4
 
@@ -64,6 +63,14 @@ def wait_forwarded(gateways: List[GatewayProcess], chain: ChainSettings, count: 
     wait_until(lambda: forwarded() >= count, 15, what=f"check-in forwarding {count} messages")
 
 
+def consumers(url: str, queues: List[str]) -> int:
+    """How many consumers the broker counts on these queues (0 once it has noticed that a
+    killed gateway's connections are gone, and handed back what it held)."""
+    with connect(url) as c:
+        ch = c.channel()
+        return sum(ch.queue_declare(q, passive=True).method.consumer_count for q in queues)
+
+
 def run_case(url: str, chain: ChainSettings, how: str, label: str) -> None:
     args = ("--lead-ms", str(LEAD_MS), "--carrier-wait-ms", str(WAIT_MS))
     receiver = Receiver(chain, url=url)
@@ -75,6 +82,7 @@ def run_case(url: str, chain: ChainSettings, how: str, label: str) -> None:
         placed = [(f"{kind}-{n}", delay, b"old") for kind, delay in KINDS.items() for n in range(4)]
         publish(url, chain, placed)
         wait_forwarded([gateway], chain, len(placed))
+        forwarded_at = now_ms()  # every placed one was read by then: due by this plus its delay
         # Fresh ones and, behind them, the cancels of half of everything; one id rescheduled
         # at once after its cancel's confirm. Then the kill (or the lost connection) at once.
         fresh = [(f"fresh-{n}", FRESH_MS, b"old") for n in range(8)]
@@ -89,16 +97,22 @@ def run_case(url: str, chain: ChainSettings, how: str, label: str) -> None:
                        interval=0.01, what=f"{len(cancelled)} cancels recorded in the stream")
         if how.startswith("kill"):
             gateway.kill()
-            time.sleep(1.3)  # a supervisor restarts it
-            second = GatewayProcess(chain, *args, url=proxy.url)
+            # down until the broker has handed back what it held, as a supervisor would see it
+            wait_until(lambda: consumers(url, [chain.names.check_in, chain.names.distributor]) == 0, 15,
+                       what="the broker noticing the killed gateway")
         else:
             assert proxy.cut() >= 1  # every connection of the gateway, at once
-        time.sleep(0.2)
-        # rescheduled 1.5 s after its cancel: while the gateway restarts or reconnects
+            wait_until(lambda: gateway.events("connection_lost"), 15, what="the gateway noticing the cut")
+        # rescheduled after its cancel while the gateway is down or reconnecting
         cancel_and_publish(url, chain, [("publish", "held-0", 2500, b"new")])
+        # Behind everything in check-in (what the gateway held comes back ahead of it), due
+        # after the last of the placed ones and of those read again (fresh, held-0) by more
+        # than the lead and a unit: once it arrived, a cancelled one could not come any more.
+        publish_sentinel(chain, max(FRESH_MS, forwarded_at + KINDS["meditating"] - now_ms()), LEAD_MS, url=url)
+        if how.startswith("kill"):
+            second = GatewayProcess(chain, *args, url=proxy.url)  # the supervisor restarts it
         expected = {mid for mid, _, _ in placed + fresh} - set(cancelled) | {"fresh-0", "held-0"}
-        receiver.collect(len(expected), timeout=25)
-        receiver.collect(10**6, timeout=2)  # and anything more that comes
+        receiver.until_sentinel(40)
     finally:
         for g in (gateway, second):
             if g is not None and g.proc.poll() is None:
@@ -169,24 +183,33 @@ def test_rabbitmq_hands_back_a_dead_consumers_messages_in_their_first_order(own_
             finally:
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.wait()
-            order = []
-            deadline = time.monotonic() + 20
             acked = set(range(5)) | set(range(6, 40, 3)) | {22, 23}
-            # once the broker has noticed the dead connection: all of it ready again
-            while ch.queue_declare(queue, passive=True).method.message_count < 60 - len(acked) \
-                    and time.monotonic() < deadline:
-                c.sleep(0.05)
-            while len(order) < 60 - len(acked) and time.monotonic() < deadline:
-                method, _, body = ch.basic_get(queue, auto_ack=True)
-                if method is None:
-                    c.sleep(0.05)
-                    continue
-                order.append((int(body), method.redelivered))
+            order = handed_back(c, queue, 60 - len(acked))
             ch.queue_delete(queue)
         ids = [i for i, _ in order]
         assert ids == sorted(set(range(60)) - acked), (queue_type, order)
         redelivered = [r for _, r in order]
         assert redelivered == sorted(redelivered, reverse=True), (queue_type, order)  # handed back first
+
+
+def handed_back(connection, queue: str, count: int) -> List[tuple]:
+    """(body, redelivered) of the `count` messages a dead consumer left in `queue`, in the
+    order the broker hands them out, once it has noticed the dead connection and they are
+    all ready again (fewer if they did not come within 20 s: the order is checked after)."""
+    channel = connection.channel()
+    wait_until(lambda: channel.queue_declare(queue, passive=True).method.message_count >= count, 20,
+               sleep=connection.sleep, fail=False)
+    order: List[tuple] = []
+
+    def read_all() -> bool:
+        while len(order) < count:
+            method, _, body = channel.basic_get(queue, auto_ack=True)
+            if method is None:
+                return False
+            order.append((int(body), method.redelivered))
+        return True
+    wait_until(read_all, 20, sleep=connection.sleep, fail=False)
+    return order
 
 
 def run_replicas(url: str, chain: ChainSettings, after_check_in: bool, label: str) -> None:
@@ -205,9 +228,12 @@ def run_replicas(url: str, chain: ChainSettings, after_check_in: bool, label: st
         cancelled = [mid for mid, _, _ in placed if int(mid.rsplit("-", 1)[1]) % 2 == 0]
         cancel_and_publish(url, chain, [("cancel", mid) for mid in cancelled])
         replicas[0].kill()
+        # Every message was read by now (forwarded), or stamped by the broker on arrival: due
+        # by now plus its delay. The sentinel after the last of them by more than the lead and
+        # a unit: once it arrived, a cancelled one could not come any more.
+        publish_sentinel(chain, now_ms() + KINDS["meditating"], LEAD_MS, absolute=True, url=url)
         expected = {mid for mid, _, _ in placed} - set(cancelled)
-        receiver.collect(len(expected), timeout=25)
-        receiver.collect(10**6, timeout=2)
+        receiver.until_sentinel(40)
     finally:
         for g in replicas:
             if g.proc.poll() is None:

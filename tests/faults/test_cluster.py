@@ -44,7 +44,7 @@ import pytest
 from topology import ChainSettings
 
 from ..conftest import checked_runtime
-from ..support import GatewayProcess, declared, now_ms, unique_prefix
+from ..support import GatewayProcess, declared, now_ms, unique_prefix, wait_until
 from .load import Sink, count, mixed_delays, publish, where_are_they
 from .netns import Lan
 from .nodes import HOST_RUNTIME, Cluster, unique_names
@@ -141,21 +141,15 @@ def running(node) -> int:
 
 def wait_whole(cluster, timeout: float = 90, nodes=None) -> float:
     """Until every node (of `nodes`) sees all three running; returns the moment (epoch ms)."""
-    deadline = time.monotonic() + timeout
-    while not all(running(n) == len(cluster.nodes) for n in nodes or cluster.nodes):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the cluster is not whole after {timeout}s")
-        time.sleep(0.5)
+    wait_until(lambda: all(running(n) == len(cluster.nodes) for n in nodes or cluster.nodes), timeout, 0.5,
+               "the cluster whole again")
     return now_ms()
 
 
 def wait_apart(survivor, timeout: float = 40) -> float:
     """Until the majority has noticed that one node is gone; returns the seconds it took."""
     started = time.monotonic()
-    while running(survivor) != 2:
-        if time.monotonic() - started > timeout:
-            raise TimeoutError(f"the partition was not noticed within {timeout}s")
-        time.sleep(0.5)
+    wait_until(lambda: running(survivor) == 2, timeout, 0.5, "the partition noticed by the majority")
     return time.monotonic() - started
 
 
@@ -178,18 +172,16 @@ class Fault:
             self.noticed_s = round(wait_apart(survivor), 1)
             if self.cluster.store == "khepri":
                 # Khepri has no partition handling strategy: the lone node stays up, and
-                # the gateway with it (nothing makes it move). The partition lasts 5 s more.
+                # the gateway with it (nothing makes it move). The partition lasts 5 s more (a
+                # chosen length, not a wait).
                 time.sleep(5)
                 return
             # Mnesia, pause_minority: the partition lasts until the lone node has paused and
             # the gateway, whose connection that closed, has moved to the majority.
-            deadline = time.monotonic() + 60
-            while len(gateway.events("connected")) <= connected:
-                if time.monotonic() > deadline:
-                    raise AssertionError("the cut-off node did not pause (or the gateway did not move) within "
-                                         f"60 s:\n{self.victim.log_lines('partition', 'minority', 'pause')}\n"
-                                         f"gateway: {''.join(gateway.raw[-30:])}")
-                time.sleep(0.2)
+            if not wait_until(lambda: len(gateway.events("connected")) > connected, 60, 0.2, fail=False):
+                raise AssertionError("the cut-off node did not pause (or the gateway did not move) within "
+                                     f"60 s:\n{self.victim.log_lines('partition', 'minority', 'pause')}\n"
+                                     f"gateway: {''.join(gateway.raw[-30:])}")
             self.moved_s = round(time.monotonic() - started, 1)
 
     def end(self) -> None:
@@ -251,13 +243,13 @@ def test_cluster_survives_losing_the_leader(cluster, fault, fault_report):
     action = Fault(fault, cluster, victim)
     try:
         sent = publish(urls, chain, mixed_delays(1500, 4000, seed=11))
-        time.sleep(1.0)
+        time.sleep(1.0)  # the fault a second into the deliveries (a chosen moment, not a wait)
         fault_at, fault_ms = time.monotonic(), now_ms()
         action.begin(survivors[0], gateway)
         # Traffic goes on while the node is away (new messages through the others).
         for i in range(8):
             sent += publish([n.url for n in survivors], chain, mixed_delays(40, 4000, seed=100 + i))
-            time.sleep(0.5)
+            time.sleep(0.5)  # (the publishers' pace)
         new_leader = quorum_queues(survivors[0], chain.prefix)[chain.names.delay_queue(0)][0]
         overdue_at_end = overdue(sent, sink)
         action.end()

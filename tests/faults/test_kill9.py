@@ -28,7 +28,7 @@ def test_kill9_repeatedly_loses_nothing(make_chain, fault_report):
     kills = 0
     try:
         while kills < KILLS:
-            time.sleep(rng.uniform(0.3, 0.8))
+            time.sleep(rng.uniform(0.3, 0.8))  # a kill at a random moment: the test's point, not a wait
             role = ("check-in", "distributor")[kills % 2]
             procs[role].kill()  # SIGKILL: no goodbye, unacked deliveries go back to their queue
             kills += 1

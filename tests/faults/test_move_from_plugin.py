@@ -22,7 +22,7 @@ import pytest
 from gateway.core import envelope, wire
 
 from .. import plugin_shape
-from ..support import GatewayProcess, connect, report_figures, same_entries, wait_until
+from ..support import SENTINEL, GatewayProcess, connect, publish_sentinel, report_figures, same_entries, wait_until
 from .nodes import CTL
 
 # The mover moves in due order: the near messages (delivered, and checked as they arrive) go
@@ -145,6 +145,8 @@ def test_every_waiting_message_moves_through_a_kill(own_node, node_chain, plugin
         first.wait()
         code, moved, err = move(own_node, chain, *LEAVE)
         assert code == 0, err
+        # due after the last near one (the cancelled ones too) by more than the lead and a unit
+        publish_sentinel(chain, max(at for at, _, _ in near), absolute=True, url=own_node.url)
         got = receive(own_node.url, queue, set(due) - {f"m-{NEAR + i}" for i in range(FAR)} - CANCELLED,
                       timeout=max(30.0, (start + NEAR_FROM_MS + NEAR_SPAN_MS) / 1000 - time.time() + 90))
         held = status_total(own_node, chain)
@@ -184,22 +186,22 @@ def without_headers(props: wire.Properties) -> dict:
 
 def receive(url: str, queue: str, expected: set, timeout: float) -> List[tuple]:
     """(message id, arrival ms, properties, body) of what arrives until every expected id
-    has, then a second more for duplicates."""
+    and the sentinel have (the sentinel is not kept): due after all of them, and after the
+    cancelled ones, it says that no more copies, and no cancelled one, can come."""
     got: List[tuple] = []
     seen: set = set()
-    deadline = time.monotonic() + timeout
+
+    def arrived(channel, method, props, body) -> None:
+        seen.add(props.message_id)
+        if props.message_id != SENTINEL:
+            got.append((props.message_id, int(time.time() * 1000), props, body))
     with connect(url) as c:
         ch = c.channel()
         ch.basic_qos(prefetch_count=500)
-        for method, props, body in ch.consume(queue, auto_ack=True, inactivity_timeout=0.5):
-            if method is not None:
-                got.append((props.message_id, int(time.time() * 1000), props, body))
-                seen.add(props.message_id)
-            if expected <= seen and deadline - time.monotonic() > 1:
-                deadline = time.monotonic() + 1
-            if time.monotonic() > deadline:
-                break
-        ch.cancel()
+        tag = ch.basic_consume(queue, arrived, auto_ack=True)
+        # (the connection's sleep delivers to `arrived`; what did not come is counted after)
+        wait_until(lambda: SENTINEL in seen and expected <= seen, timeout, sleep=c.sleep, fail=False)
+        ch.basic_cancel(tag)
     return got
 
 

@@ -3,11 +3,11 @@
 import json
 import subprocess
 import sys
-import time
 
 import pika
 
-from ..support import ROOT, Receiver, broker_url, chain_args, connect, now_ms, parked_report, sent_headers
+from ..support import (ROOT, Receiver, broker_url, chain_args, connect, next_message, now_ms, parked_report,
+                       sent_headers)
 
 
 def cli(chain, *args) -> subprocess.CompletedProcess:
@@ -86,12 +86,8 @@ def test_listing_parked_messages_never_removes_them(make_chain, run_gateway):
     with connect() as connection:  # 25 looks, as `parked list` takes them
         for _ in range(25):
             channel = connection.channel()
-            deadline = time.monotonic() + 5
-            method, _, _ = channel.basic_get(chain.names.parked)
-            while method is None and time.monotonic() < deadline:  # the last return is on its way
-                connection.sleep(0.05)
-                method, _, _ = channel.basic_get(chain.names.parked)
-            assert method is not None
+            # (the last look's return may still be on its way back)
+            next_message(channel, chain.names.parked, 5, "the parked message back after a look", auto_ack=False)
             channel.close()
     report = listed(chain)
     assert report["count"] == 1 and report["messages"][0]["message_id"] == "kept"

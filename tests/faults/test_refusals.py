@@ -54,11 +54,13 @@ def test_a_message_the_broker_refuses_is_parked_and_touches_no_other(own_node, n
                 message_id="big", headers={"x-delay": 1500}), mandatory=True)
             sent += publish([own_node.url], chain, mixed_delays(150, 4000, seed=13))
         delivered = sink.wait_for([s.message_id for s in sent], timeout=60)
-        listed = {"count": 0, "messages": []}
-        deadline = time.monotonic() + 30
-        while listed["count"] == 0 and time.monotonic() < deadline:
-            listed = json.loads(gateway_cli("parked", "list", "--json", *chain_args(chain), url=own_node.url).stdout)
-            time.sleep(0.2)
+        listed: dict = {}
+
+        def parked_one() -> bool:
+            listed.update(json.loads(gateway_cli("parked", "list", "--json", *chain_args(chain),
+                                                 url=own_node.url).stdout))
+            return listed["count"] > 0
+        wait_until(parked_one, 30, 0.2, fail=False)  # (what it lists is checked below)
         whereabouts = where_are_they([own_node.url], chain)
         after = gateway.metric("delay_gateway_connections_total")
     finally:

@@ -4,16 +4,21 @@ chain, held by the distributor), then the broker restarted: every rejected messa
 back to its queue, none sooner than its policy's delay after its rejection, none lost."""
 
 import json
-import time
 from typing import Dict, List
 
 import pika
 
 from gateway.core import retries
 
-from ..support import GatewayProcess, connect, now_ms, report_figures
+from ..support import GatewayProcess, connect, now_ms, report_figures, wait_until
 
 POLICY = [{"queue": "*", "base_ms": 1500, "factor": 1, "jitter": 0, "attempts": 3}]
+
+
+def messages(node, queue: str) -> int:
+    """What `queue` holds, ready or not (a passive declare would not count the unacknowledged)."""
+    out = node.ctl("list_queues", "-q", "--no-table-headers", "name", "messages").stdout
+    return sum(int(line.rpartition("\t")[2]) for line in out.splitlines() if line.rpartition("\t")[0] == queue)
 
 
 def test_retries_waiting_survive_a_gateway_kill_and_a_broker_restart(own_node, node_chain):
@@ -38,22 +43,31 @@ def test_retries_waiting_survive_a_gateway_kill_and_a_broker_restart(own_node, n
                 rejected_at[props.message_id] = now_ms()
                 if n == 30:
                     gateway.kill()  # half rejected with the gateway up, half while it is down
-        time.sleep(0.5)
+        # The restart once every rejection has left the work queue, and the retry queue holds
+        # at least those rejected while no gateway ran (with what the killed one held).
+        wait_until(lambda: messages(own_node, queue) == 0 and messages(own_node, chain.names.retry) >= len(ids) - 31,
+                   15, 0.1, "the rejected messages dead-lettered into the retry queue")
         own_node.restart()
         gateway = GatewayProcess(chain, *args, url=own_node.url).wait_ready(timeout=60)
-        deadline = time.monotonic() + 40
         with connect(own_node.url) as c:
             ch = c.channel()
-            while len(back) < len(ids) and time.monotonic() < deadline:
-                method, props, _ = ch.basic_get(queue, auto_ack=True)
-                if method is None:
-                    c.sleep(0.02)
-                    continue
-                assert (props.headers or {}).get(retries.ATTEMPT) == 1, props.headers
-                back.setdefault(props.message_id, []).append(now_ms())
-            c.sleep(2.0)
-            while (got := ch.basic_get(queue, auto_ack=True))[0] is not None:
-                back.setdefault(got[1].message_id, []).append(now_ms())
+            # A sentinel failure, as a consumer that publishes it itself reports one: its
+            # retry is due 1.5 s from now, after every other (overdue since the restart), so
+            # once it and every id are back in the queue, every copy that was coming is too.
+            ch.confirm_delivery()
+            ch.basic_publish(chain.names.retry, "", b"sentinel", pika.BasicProperties(
+                message_id="sentinel", delivery_mode=2, headers={retries.QUEUE: queue}), mandatory=True)
+            sentinel: List[int] = []
+
+            def read() -> bool:
+                while True:
+                    method, props, _ = ch.basic_get(queue, auto_ack=True)
+                    if method is None:
+                        return bool(sentinel) and set(ids) <= back.keys()
+                    assert (props.headers or {}).get(retries.ATTEMPT) == 1, props.headers
+                    (sentinel if props.message_id == "sentinel" else back.setdefault(props.message_id, [])).append(
+                        now_ms())
+            wait_until(read, 40, sleep=c.sleep, fail=False)  # (what did not come back is counted below)
             ch.queue_delete(queue)
     finally:
         if gateway.proc.poll() is None:

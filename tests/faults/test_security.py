@@ -6,7 +6,6 @@ import shlex
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 
 import pika
@@ -14,7 +13,7 @@ import pytest
 
 from topology import ChainSettings
 
-from ..support import ROOT, GatewayProcess, Receiver, chain_args, connect, now_ms, parked_report
+from ..support import ROOT, GatewayProcess, Receiver, chain_args, connect, next_message, now_ms, parked_report
 
 
 def gateway_cli(*args, env=None, timeout=60) -> subprocess.CompletedProcess:
@@ -103,11 +102,7 @@ def test_tls_with_ca_and_client_certificate(own_node, node_chain, tls_files):
         r = gateway_cli("publish", *chain_args(chain), "--url", url, *tls, "--delay", "300",
                         "--routing-key", "over.tls", "--body", "secret")
         assert r.returncode == 0, r.stderr
-        body = None
-        deadline = time.monotonic() + 10
-        while body is None and time.monotonic() < deadline:
-            method, _, body = channel.basic_get(queue, auto_ack=True)
-            receiver_conn.sleep(0.02)
+        method, _, body = next_message(channel, queue, 10, "the message sent over TLS")
         assert body == b"secret" and method.routing_key == "over.tls" and now_ms() - sent >= 300
         listing = own_node.ctl("list_connections", "-q", "--no-table-headers", "name", "ssl",
                                "peer_cert_subject").stdout
@@ -150,12 +145,8 @@ def test_least_privilege_user_runs_the_gateway(own_node):
             r = gateway_cli("publish", *chain_args(chain), "--url", url, "--delay", "250",
                             "--routing-key", "least.privilege", "--message-id", "lp")
             assert r.returncode == 0, r.stderr
-            deadline = time.monotonic() + 10
-            method = None
-            while method is None and time.monotonic() < deadline:
-                method, properties, _ = channel.basic_get("delay.test-receiver", auto_ack=True)
-                connection.sleep(0.02)
-            assert method is not None and properties.message_id == "lp" and now_ms() - sent >= 250
+            _, properties, _ = next_message(channel, "delay.test-receiver", 10)
+            assert properties.message_id == "lp" and now_ms() - sent >= 250
             # ...and the permissions really are narrow: nothing outside the prefix.
             try:
                 connection.channel().queue_declare("elsewhere")
@@ -197,12 +188,8 @@ def test_a_least_privileged_publisher_reaches_check_in_and_pick_up_only(own_node
             sent = now_ms()
             channel.basic_publish("delay.check-in", "app.key", b"hi", pika.BasicProperties(
                 headers={"x-delay": 200}), mandatory=True)
-            deadline = time.monotonic() + 10
-            method = None
-            while method is None and time.monotonic() < deadline:
-                method, _, body = channel.basic_get("app.reminders", auto_ack=True)
-                connection.sleep(0.02)
-            assert method is not None and body == b"hi" and now_ms() - sent >= 200
+            _, _, body = next_message(channel, "app.reminders", 10)
+            assert body == b"hi" and now_ms() - sent >= 200
             refused = []
             for exchange in (chain.names.level(0), chain.names.distributor, chain.names.parked,
                              chain.names.returning, chain.meditation):
@@ -258,11 +245,8 @@ def test_retries_need_write_on_amq_default_and_without_it_are_parked_alone(own_n
             assert gateway.proc.poll() is None and gateway.metric("delay_gateway_connections_total") == 1
             own_node.ctl(*shlex.split(retries_permissions_line())[1:])
             reject_one("allowed")
-            deadline, method = time.monotonic() + 10, None
-            while method is None and time.monotonic() < deadline:
-                method, properties, _ = channel.basic_get("delay.test-work", auto_ack=True)
-                connection.sleep(0.05)
-            assert method is not None and properties.message_id == "allowed"
+            _, properties, _ = next_message(channel, "delay.test-work", 10, "the allowed retry")
+            assert properties.message_id == "allowed"
             assert properties.headers["x-retry-attempt"] == 1
             channel.queue_delete("delay.test-work")
     finally:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
-from ..support import ROOT
+from ..support import ROOT, wait_until
 
 PODMAN = ["podman", "--runtime", "runc", "--cgroup-manager", "cgroupfs"]
 DOCKERFILE = Path(ROOT) / "deploy" / "k8s" / "Dockerfile"
@@ -95,11 +95,13 @@ class Container:
             return None
 
     def wait_ready(self, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while self.readyz() != 200:
+        def ready() -> bool:
+            if self.readyz() == 200:
+                return True
             assert self.running(), f"{self.name} exited: {self.logs()[-3000:]}"
-            assert time.monotonic() < deadline, f"{self.name} not ready after {timeout} s: {self.logs()[-3000:]}"
-            time.sleep(0.2)
+            return False
+        if not wait_until(ready, timeout, 0.2, fail=False):
+            raise AssertionError(f"{self.name} not ready after {timeout} s: {self.logs()[-3000:]}")
 
     def remove(self) -> None:
         podman("rm", "--force", "--time", "5", self.name, check=False, timeout=60)

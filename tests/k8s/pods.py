@@ -10,12 +10,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 from typing import Dict, List, Optional
 
 from ..launcher import free_port
+from ..wait import wait_until
 
 from .manifests import by_kind, effective_env, pod_spec
 
@@ -96,13 +96,11 @@ class Pod:
             return False
 
     def wait_ready(self, timeout: float = 30) -> "Pod":
-        deadline = time.monotonic() + timeout
-        while not self.ready():
+        def ready() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}: {self.logs()[-2000:]}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.name} not ready after {timeout} s")
-            time.sleep(0.05)
+            return self.ready()
+        wait_until(ready, timeout, what=f"{self.name} ready")
         return self
 
     def terminate(self) -> None:

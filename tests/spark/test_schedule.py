@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 
 import pytest
@@ -16,7 +15,7 @@ import pytest
 from gateway.cli import main
 from gateway.spark import rows as R
 
-from ..support import ROOT, Receiver, chain_args, connect, drain, now_ms, unique_prefix
+from ..support import ROOT, Receiver, chain_args, connect, drain, now_ms, publish_sentinel, unique_prefix, wait_until
 from . import data
 
 # The Spark jobs are publishers and consumers like any other: what they test is Spark's
@@ -83,10 +82,11 @@ def test_every_good_row_arrives_on_time_and_every_bad_row_is_rejected_with_its_r
         assert [r["_reason"] for r in broken] == [R.UNPARSEABLE]
         assert broken[0]["_line"] == t.extra_lines[0]
 
-    # every good row arrives once, as published, never early, and on time
-    got = receiver.collect(len(t.good), timeout=60)
-    time.sleep(0.5)
-    got = receiver.collect(len(t.good) + 1, timeout=0.5)  # anything extra would show here
+    # every good row arrives once, as published, never early, and on time: anything extra
+    # would show before a sentinel due after the last of them
+    last_due = max(want["at"] if want["at"] is not None else after + want["delay"] for want in t.good.values())
+    publish_sentinel(chain, last_due, absolute=True)
+    got = receiver.until_sentinel(60)
     assert len(got) == len(t.good)
     by_id = {m.properties.message_id: m for m in got}
     by_body = {m.body: m for m in got}
@@ -144,12 +144,12 @@ def test_a_run_killed_half_way_resumes_where_it_stopped(spark, broker, make_chai
     first = subprocess.Popen([sys.executable, "-m", "gateway", *args, "--master", "local[2]"], cwd=ROOT, env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     done_dir = tmp_path / "state" / "done"
-    deadline = time.monotonic() + 120
+
+    def four_done() -> bool:  # 4 of 16 partitions finished
+        assert first.poll() is None, first.stderr.read()
+        return len(list(done_dir.glob("*.json"))) >= 4
     try:
-        while len(list(done_dir.glob("*.json"))) < 4:  # 4 of 16 partitions finished
-            assert first.poll() is None, first.stderr.read()
-            assert time.monotonic() < deadline, "the first run did not get going"
-            time.sleep(0.1)
+        wait_until(four_done, 120, 0.1, "the first run getting going")
     finally:
         os.killpg(first.pid, signal.SIGKILL)  # the driver, its JVM and the Python workers
         first.wait()
@@ -194,8 +194,9 @@ def test_failed_partitions_are_reported_and_published_by_the_next_run(spark, bro
 
 
 @pytest.mark.brokers("rmq3.10", reason="Spark's side of cancel-table (formats, rejections, counts); cancels on every "
-                                       "version are test_cancel.py's. On 4.x x-delay counts from the broker's arrival, "
-                                       "so its messages fall due while Spark starts, before the cancels are sent")
+                                       "version are test_cancel_e2e.py's. On 4.x x-delay counts from the broker's "
+                                       "arrival, so its messages fall due while Spark starts, before the cancels are "
+                                       "sent")
 def test_cancel_table_cancels_every_id_of_a_table_and_rejects_bad_rows_like_schedule(
         spark, broker, make_chain, run_gateway, tmp_path):
     import pika
@@ -220,8 +221,7 @@ def test_cancel_table_cancels_every_id_of_a_table_and_rejects_bad_rows_like_sche
     errors = read_errors(spark, "csv", str(tmp_path / "errors"))
     assert sorted(r["_reason"] for r in errors) == ["message_id_missing", "message_id_too_long"]
     assert all(r["_detail"] for r in errors)
+    publish_sentinel(chain, 3000)  # behind the messages and their cancels: none of those can come after it
     run_gateway(chain)
-    got = receiver.collect(20, timeout=30)
-    time.sleep(1.0)
-    got = receiver.collect(21, timeout=0.5)
+    got = receiver.until_sentinel(30)
     assert sorted(m.properties.message_id for m in got) == sorted(ids[1::2])

@@ -12,7 +12,7 @@ from topology import ChainSettings
 from gateway.broker import lazy_properties
 from gateway.commands.parked import Parked, destination
 from gateway.core import carrier, envelope, handlers, retries
-from gateway.core.actions import Drop, Enqueue, Forward
+from gateway.core.actions import Drop, Enqueue
 from gateway.core.inputs import Delivery
 from gateway.core.routes import Way
 from gateway.core.carrier import Entry
@@ -153,14 +153,25 @@ def test_a_waiting_retry_can_be_cancelled():
     assert isinstance(gone, Drop) and dropped == ["retry"]
 
 
-def test_forwarded_retries_keep_a_forward_shape():
-    assert isinstance(retry_handler()(rejected("orders"), NOW)[0], (Enqueue, Forward))
+def test_a_first_rejection_goes_into_the_chain_back_to_its_queue_after_the_default_delay():
+    """The default policy (1 s, up to a fifth more of jitter): into one of the chain's levels,
+    to come back to its queue through the default exchange with attempt 1, the message as
+    the consumer had it."""
+    [sent] = retry_handler()(rejected("orders"), NOW)
+    assert isinstance(sent, Enqueue)
+    assert sent.exchange in {NAMES.level(k) for k in range(CHAIN.max_level)}, sent.exchange
+    e = sent.entry
+    assert (e.exchange, e.routing_key, e.body) == ("", b"orders", b"job")
+    assert NOW + 1000 <= e.due_ms <= NOW + 1200, e.due_ms - NOW
+    assert e.user.headers.get(retries.ATTEMPT) == 1 and e.user.text("message_id") == "m1"
+    assert not {"x-death", "x-first-death-queue"} & set(e.user.headers.to_dict())
 
 
 def test_retries_go_back_only_to_the_queues_allowed():
     handler = handlers.Retry(CHAIN, 50, (Policy(),), random.Random(1), queues="orders.*, jobs")
-    assert isinstance(handler(rejected("orders.eu"), NOW)[0], Enqueue)
-    assert isinstance(handler(rejected("jobs"), NOW)[0], Enqueue)
+    for allowed in ("orders.eu", "jobs"):
+        [sent] = handler(rejected(allowed), NOW)
+        assert isinstance(sent, Enqueue) and sent.entry.routing_key == allowed.encode(), sent
     [parked] = handler(rejected("billing"), NOW)
     assert parked.outcome == "parked" and "may not go back to queue 'billing'" in parked.reason
 

@@ -20,7 +20,7 @@ import pytest
 from topology import ChainSettings
 
 from .support import (ROOT, GatewayProcess, Receiver, broker_url, connect, drain, main_broker_url, now_ms,
-                      parked_report, wait_until)
+                      parked_report, publish_sentinel, wait_until)
 
 SMALL = dict(max_level=3, resolution_ms=100)
 
@@ -50,14 +50,11 @@ def cancel(chain: ChainSettings, ids: Iterable[str]) -> None:
             ch.basic_publish(chain.names.cancel, "", b"", pika.BasicProperties(message_id=mid), mandatory=True)
 
 
-def collect_until(receiver: Receiver, seconds: float, expect: Optional[int] = None,
-                  after_s: float = 1.5) -> Dict[str, List[bytes]]:
-    """Everything that arrives within `seconds`, by message id; with `expect`, once that many
-    arrived, what else arrives within `after_s` more."""
-    if expect is not None:
-        receiver.collect(expect, timeout=seconds)
-        seconds = after_s
-    receiver.collect(10**9, timeout=seconds)
+def until_sentinel(receiver: Receiver, seconds: float) -> Dict[str, List[bytes]]:
+    """Everything that arrived before the sentinel (published behind everything, due after
+    all of it: `publish_sentinel`), by message id; a test failure if it did not come within
+    `seconds`. Once it arrived, no cancelled message and no copy due before it can come."""
+    receiver.until_sentinel(seconds)
     out: Dict[str, List[bytes]] = {}
     for m in receiver.messages:
         out.setdefault(m.properties.message_id, []).append(m.body)
@@ -98,7 +95,8 @@ def test_a_cancel_wins_in_meditation_the_chain_a_carrier_and_the_distributors_ho
                and gateway.metric("delay_gateway_held_messages", queue=c.names.distributor) >= 3, 10,
                what="the messages out of check-in and the held ones held")
     cancel(c, [f"{kind}-0" for kind in delays] + [f"{kind}-1" for kind in delays])
-    got = collect_until(receiver, 10, expect=3)
+    publish_sentinel(c, max(delays.values()), 1500)
+    got = until_sentinel(receiver, 15)
     assert sorted(got) == sorted(f"{kind}-2" for kind in delays), got
     assert all(len(v) == 1 for v in got.values())
     where = dropped(gateway)
@@ -113,8 +111,9 @@ def test_a_backlog_in_check_in_a_bad_cancel_and_a_cancel_too_late(chain, run_gat
     c = chain()
     receiver = Receiver(c)
     publish(c, [("late", 0, b"now")])
+    publish_sentinel(c, 0)
     gateway = run_gateway(c)
-    assert list(collect_until(receiver, 3, expect=1)) == ["late"]
+    assert list(until_sentinel(receiver, 10)) == ["late"]
     gateway.terminate()
     # No gateway: everything waits in check-in, cancels behind the messages they cancel.
     publish(c, [(f"m{n}", 1000, b"x") for n in range(6)])
@@ -124,10 +123,13 @@ def test_a_backlog_in_check_in_a_bad_cancel_and_a_cancel_too_late(chain, run_gat
         ch.confirm_delivery()
         ch.basic_publish(c.names.cancel, "", b"", pika.BasicProperties(), mandatory=True)
     publish(c, [("m0", 1000, b"again")])  # published after its cancel: not affected
+    publish_sentinel(c, 1000)
     gateway = run_gateway(c)
-    got = collect_until(receiver, 6, expect=5)
+    got = until_sentinel(receiver, 10)
     assert got == {"late": [b"now"], "m0": [b"again"], "m3": [b"x"], "m4": [b"x"], "m5": [b"x"]}, got
-    # Read behind their messages, so dropped further on (where: the chain's length decides).
+    # Read behind their messages, so dropped further on (where: the chain's length decides);
+    # counted once the drop is acknowledged, which may come just after the sentinel's release.
+    wait_until(lambda: sum(dropped(gateway).values()) >= 3, 5, fail=False)
     assert sum(dropped(gateway).values()) == 3
     with connect() as conn:
         parked = drain(conn.channel(), c.names.parked)
@@ -149,6 +151,7 @@ def test_two_replicas_a_restart_and_a_replica_started_after_the_cancels_agree(ch
     t0 = time.monotonic()
     # (due in 8 s: the cancels are recorded before, by a command's Python start on a busy machine)
     publish(c, [(f"r{n}", 8000, b"x") for n in range(20)])
+    publish_sentinel(c, 8000, 300)
     with open_ids_file([f"r{n}" for n in range(0, 20, 2)]) as path:
         out = cli(c, "--from-file", path)
     assert out.returncode == 0 and out.stdout.count(": cancelled at ") == 10, out
@@ -158,7 +161,7 @@ def test_two_replicas_a_restart_and_a_replica_started_after_the_cancels_agree(ch
     for replica in replicas:
         replica.terminate()  # what they held goes back to the distributor queue, for the later one
     replicas[0] = run_gateway(c, "--lead-ms", "300")  # and one restarted
-    got = collect_until(receiver, 15, expect=10)
+    got = until_sentinel(receiver, 20)
     assert sorted(got) == sorted(f"r{n}" for n in range(1, 20, 2)), got
     assert all(len(v) == 1 for v in got.values())
     status = subprocess.run([sys.executable, "-m", "gateway", "status", "--prefix", c.prefix, "--max-level",
@@ -180,7 +183,8 @@ def test_reschedule_cancel_then_publish_the_same_id_arrives_once_at_the_new_time
     cancel(c, ["job"])
     sent = now_ms()
     publish(c, [("job", 2500, b"new")])
-    got = collect_until(receiver, 8, expect=2)
+    publish_sentinel(c, 2500)
+    got = until_sentinel(receiver, 10)
     assert got == {"other": [b"kept"], "job": [b"new"]}, got
     arrived = next(m.at_ms for m in receiver.messages if m.body == b"new")
     assert arrived >= sent + 2500
@@ -199,12 +203,13 @@ def test_ten_thousand_scheduled_five_thousand_cancelled(chain, run_gateway):
         for mid in ids[::2]:
             ch.basic_publish(c.names.cancel, "", b"", pika.BasicProperties(message_id=mid))
         ch.confirm_delivery()  # returns once everything before it was routed
+    publish_sentinel(c, 40_999, 300)  # behind them all in check-in
     # Due 40 to 41 s after check-in reads them (3.10), or after the broker took them (4.x,
     # with the arrival stamp): on a busy 2-core machine check-in needed more than 10 s for the
     # 10,000 and then the 5,000 cancels behind them, and in one whole-suite run more than 25 s
     # (a backlog delays cancels as it delays messages, and then a cancel can come after its
     # message's due time; alone the check-in takes 2 s here).
-    got = collect_until(receiver, 70, expect=5000, after_s=2)
+    got = until_sentinel(receiver, 75)
     through = sorted(set(got) & set(ids[::2]))
     assert not through, f"{len(through)} cancelled messages were delivered, e.g. {through[:5]}"
     assert set(got) == set(ids[1::2]), f"{5000 - len(got)} lost"

@@ -9,8 +9,7 @@ import decimal
 import json
 import subprocess
 import sys
-import time
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import pika
 import pytest
@@ -48,13 +47,12 @@ class Consumer:
             message_id=message_id, delivery_mode=2, headers={"job": "x"}))
 
     def next(self, timeout: float) -> Optional[Tuple[int, pika.BasicProperties, bytes, int]]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        """The next message (tag, properties, body, when it came), or None if none came
+        within `timeout` s (0: only what is there now)."""
+        def got():
             method, props, body = self.channel.basic_get(self.queue, auto_ack=False)
-            if method is not None:
-                return method.delivery_tag, props, body, now_ms()
-            self.connection.sleep(0.005)
-        return None
+            return method is not None and (method.delivery_tag, props, body, now_ms())
+        return wait_until(got, timeout, interval=0.005, fail=False, sleep=self.connection.sleep) or None
 
     def reject(self, tag: int) -> int:
         self.channel.basic_reject(tag, requeue=False)
@@ -68,6 +66,11 @@ class Consumer:
 
 def attempts_of(props) -> Optional[int]:
     return (props.headers or {}).get(retries.ATTEMPT)
+
+
+def counted(running) -> Dict[str, Dict[str, int]]:
+    """What the gateway did with the failures of each queue (scheduled, delivered, ...)."""
+    return retries_from_metrics([running.get("/metrics")[1]])
 
 
 def test_rejected_three_times_then_handled_each_gap_at_least_the_policys(make_chain, run_gateway):
@@ -98,7 +101,17 @@ def test_rejected_three_times_then_handled_each_gap_at_least_the_policys(make_ch
             assert actual >= planned, gaps  # never sooner than the policy says
         report_figures("retry figures", "gaps actual-planned ms: " + ", ".join(
             f"attempt {i + 1}: {a - p} (planned {p}, jitter up to {p // 5})" for i, (a, p) in enumerate(gaps)))
-        assert work.next(timeout=1.5) is None  # handled: nothing more
+        # Handled: nothing more comes. A sentinel failure now, in a queue of the same policy,
+        # comes back after its first delay (300 ms or more): after anything of job-1's still
+        # due, by more than the lead and a unit, as the distributor releases in due order.
+        sentinel = Consumer(f"{chain.prefix}.sentinel.fast", retrying(chain))
+        try:
+            sentinel.publish("sentinel")
+            sentinel.reject(sentinel.next(timeout=10)[0])
+            assert sentinel.next(timeout=10) is not None, "the sentinel never came back"
+        finally:
+            sentinel.close()
+        assert work.next(timeout=0) is None  # handled: nothing more
         status = cli(chain, "status", "--metrics-url", f"http://127.0.0.1:{running.port}")
         assert f"  {work.queue}: 3 scheduled, 3 delivered back, 0 gave up (parked)" in status.stdout, status.stdout
         assert "\nretry " in status.stdout  # the retry queue's own row
@@ -108,7 +121,7 @@ def test_rejected_three_times_then_handled_each_gap_at_least_the_policys(make_ch
 
 def test_rejected_every_time_it_is_parked_after_the_last_attempt_and_replay_starts_it_over(make_chain, run_gateway):
     chain = make_chain(max_level=6, resolution_ms=100)
-    gateway(run_gateway, chain)
+    running = gateway(run_gateway, chain)
     work = Consumer(f"{chain.prefix}.work.slow", retrying(chain))
     try:
         work.publish("job-2")
@@ -116,9 +129,13 @@ def test_rejected_every_time_it_is_parked_after_the_last_attempt_and_replay_star
             tag, props, _, _ = work.next(timeout=10)
             assert attempts_of(props) == expected
             work.reject(tag)
-        assert work.next(timeout=3) is None
         parked = parked_report(chain)["messages"][0]
         assert parked["reason"] == f"gave up after 1 retry to queue '{work.queue}'", parked
+        # It gave up, and scheduled no retry beside: nothing can come back.
+        counts = wait_until(lambda: (c := counted(running)).get(work.queue, {}).get("gave_up") and c, 10,
+                            what="the gateway counting that it gave up")
+        assert counts[work.queue] == {"scheduled": 1, "delivered": 1, "gave_up": 1, "parked": 0}, counts
+        assert work.next(timeout=0) is None
         replay = cli(chain, "parked", "replay")
         assert replay.returncode == 0, replay.stderr
         tag, props, body, _ = work.next(timeout=10)
@@ -181,12 +198,15 @@ def test_a_waiting_retry_is_cancelled_by_id_and_a_deleted_queue_parks_it(make_ch
         got = kept.next(timeout=10)
         assert got is not None and got[1].message_id == "keep-me"
         kept.channel.basic_ack(got[0])
-        assert kept.next(timeout=2.5) is None  # the cancelled one never comes back
+        # The cancelled one never comes back: the gateway dropped it (and acknowledged it).
+        wait_until(lambda: running.metric("delay_gateway_cancelled_total") >= 1, 10,
+                   what="the cancelled retry dropped")
+        assert kept.next(timeout=0) is None
         parked = parked_report(chain)["messages"][0]
         assert parked["message_id"] == "orphan" and "does not exist" in parked["reason"], parked
         # (the confirm that counts a retry delivered back may reach the gateway after the consumer has it)
-        counts = wait_until(lambda: (c := retries_from_metrics([running.get("/metrics")[1]])).get(
-            kept.queue, {}).get("delivered") == 1 and c, 10, what="kept's retry counted as delivered back")
+        counts = wait_until(lambda: (c := counted(running)).get(kept.queue, {}).get("delivered") == 1 and c, 10,
+                            what="kept's retry counted as delivered back")
         assert counts[gone.queue] == {"scheduled": 1, "delivered": 0, "gave_up": 0, "parked": 1}, counts
         status = cli(chain, "status", "--metrics-url", f"http://127.0.0.1:{running.port}").stdout
         assert f"  {gone.queue}: 1 scheduled, 0 delivered back, 0 gave up (parked), 1 parked" in status, status
