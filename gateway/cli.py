@@ -148,7 +148,7 @@ def main(argv: Optional[Sequence[str]] = None, environ=None) -> int:
 
 def refused(exc: Exception) -> Optional[int]:
     """The exit code of a topology conflict or a broker's refusal (said in one line), if it is one."""
-    from gateway.broker.amqp import BrokerError
+    from gateway.broker.plumbing.amqp import BrokerError
     from topology.broker.declare import TopologyConflict
     if isinstance(exc, TopologyConflict):
         return EXIT_REFUSED

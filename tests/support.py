@@ -14,7 +14,7 @@ import pika
 
 from . import launcher
 from .launcher import ROOT, chain_args, free_port  # noqa: F401 (tests import them from here)
-from gateway.broker import wire_connection
+from gateway.broker.plumbing import wire_connection
 from gateway.settings import DEFAULT_URL
 from topology import ChainSettings, build
 from topology.broker.declare import declare, delete

@@ -3,7 +3,7 @@
 import pika
 import pytest
 
-from gateway.broker import lazy_properties
+from gateway.broker.plumbing import lazy_properties
 
 from .support import Receiver, connect, drain, now_ms, same_entries, sent_headers, wait_until
 

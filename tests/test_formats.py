@@ -24,7 +24,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import pytest
 from pika import data, spec
 
-from gateway.broker.cancelling import Judge
+from gateway.broker.run.cancelling import Judge
 from gateway.commands.parked import NOT_OURS, Parked, destination
 from gateway.core import cancels, carrier, envelope, handlers, listing, retries, rules, waiting, wire
 from gateway.core.actions import Enqueue, Forward

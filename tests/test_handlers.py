@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 from pika import BasicProperties
 
 from gateway.core import carrier, envelope
-from gateway.broker import lazy_properties
+from gateway.broker.plumbing import lazy_properties
 from gateway.core.actions import Enqueue, Forward
 from gateway.core.inputs import Delivery
 from gateway.core.routes import Way

@@ -9,7 +9,7 @@ from pika import BasicProperties
 
 from topology import ChainSettings
 
-from gateway.broker import lazy_properties
+from gateway.broker.plumbing import lazy_properties
 from gateway.commands.parked import Parked, destination
 from gateway.core import carrier, envelope, handlers, retries
 from gateway.core.actions import Drop, Enqueue, Forward

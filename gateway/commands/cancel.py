@@ -25,8 +25,8 @@ from typing import Dict, List, Optional, Tuple
 
 import pika
 
-from gateway.broker import cancelling
-from gateway.broker.amqp import blocking_channel
+from gateway.broker.run import cancelling
+from gateway.broker.plumbing.amqp import blocking_channel
 from gateway.core import cancels
 from gateway.settings import Settings, UsageError
 from gateway.urls import one_vhost

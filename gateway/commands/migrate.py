@@ -8,8 +8,8 @@ from topology.broker.inventory import read_registry
 from topology.registry import ChainKey, fold
 from topology.retirement import DeleteExchange, DeleteQueue, MarkRetired, SealQueues, Unused
 
-from gateway.broker import upkeep
-from gateway.broker.amqp import blocking_channel
+from gateway.broker.run import upkeep
+from gateway.broker.plumbing.amqp import blocking_channel
 from gateway.clock import wall_ms
 from gateway.commands.status.reads import read_report
 from gateway.commands.status.render import clock_text

@@ -33,9 +33,9 @@ from pika.exceptions import ChannelClosedByBroker
 from topology import ChainSettings
 
 from gateway.exits import EXIT_NO_BROKER, EXIT_REFUSED
-from gateway.broker.amqp import blocking_channel
-from gateway.broker.plugin_table import REFS_PER_REMOVE, PluginMessage, PluginError, PluginTables, Probe, Waiting
-from gateway.broker.window import Outgoing, PublishError, WindowPublisher
+from gateway.broker.plumbing.amqp import blocking_channel
+from gateway.broker.tools.plugin_table import REFS_PER_REMOVE, PluginMessage, PluginError, PluginTables, Probe, Waiting
+from gateway.broker.tools.window import Outgoing, PublishError, WindowPublisher
 from gateway.clock import wall_ms
 from gateway.core import cancels, envelope
 from gateway.core.wire import Properties

@@ -2,7 +2,7 @@
 group cancels (rules) that are live, and withdrawing one.
 
 What waits is read from the waiting streams the gateways write (gateway/core/waiting.py,
-gateway/broker/waiting.py, gateway/core/listing.py), filtered by message id, routing key,
+gateway/broker/run/index_streams.py, gateway/core/listing.py), filtered by message id, routing key,
 due time, header or retries. `cancel` publishes one rule with the same filters
 (gateway/core/rules.py) through the path of `delay-gateway cancel`: every gateway cancels
 every message the rule selects that was published before it, listed or not, with every
@@ -22,9 +22,9 @@ from typing import IO, Any, Callable, Dict, List, Optional, Tuple
 
 import pika
 
-from gateway.broker import cancelling
-from gateway.broker import waiting as index
-from gateway.broker.amqp import blocking_channel
+from gateway.broker.run import cancelling
+from gateway.broker.run import index_streams as index
+from gateway.broker.plumbing.amqp import blocking_channel
 from gateway.clock import wall_ms
 from gateway.core import listing, rules, wire
 from gateway.core.selection import Selection

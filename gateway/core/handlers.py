@@ -39,7 +39,7 @@ Json = Dict[str, Any]  # a JSON object
 
 class Cancelled(Protocol):
     """Whether a publisher's message was cancelled (and, if so, counts and logs its drop):
-    broker/cancelling.py's Judge, over the cancels this gateway follows."""
+    broker/run/cancelling.py's Judge, over the cancels this gateway follows."""
 
     def __call__(self, entry: Entry, where: str) -> bool: ...
 

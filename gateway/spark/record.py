@@ -25,7 +25,7 @@ import pika
 import structlog
 
 from gateway import stopping
-from gateway.broker.amqp import BrokerError, classify, connect
+from gateway.broker.plumbing.amqp import BrokerError, classify, connect
 from gateway.clock import wall_ms
 from gateway.settings import chain_from, tls_from
 from gateway.urls import urls_from

@@ -432,7 +432,7 @@ def waiting_samples() -> Json:
                              "inputs": {"gateway": hx(gw), "roles": 1, "low_ms": NOW, "now_ms": NOW,
                                         "consumers": {"check_in": 1}, "flags": 0},
                              "body": hx(body), "expected": beat_json(beat)}
-    from gateway.broker.waiting import MARK  # (the reader's mark is written by the broker side)
+    from gateway.broker.run.index_streams import MARK  # (the reader's mark is written by the broker side)
     token = bytes(range(16, 32))
     out["mark"] = {"produced_by": "gateway.broker.waiting.MARK + a token (a reader's mark to find a stream's end)",
                    "inputs": {"token": hx(token)}, "body": hx(MARK + token),
@@ -470,7 +470,7 @@ def unlisted_samples() -> Json:
     where messages already wait, and by a gateway that writes no entries (their broker calls stubbed)."""
     from unittest import mock
 
-    from gateway.broker import waiting as index
+    from gateway.broker.run import index_streams as index
     written: List[registry.Record] = []
 
     class Queues:  # (Prober: every queue of the chain holds one message)

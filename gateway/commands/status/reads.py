@@ -11,8 +11,8 @@ from topology.registry import ChainKey, Registry, fold
 from topology.retirement import Observed
 from topology.settings import QUEUE_TYPES
 
-from gateway.broker import cancelling, stamp
-from gateway.broker import waiting as index
+from gateway.broker.run import cancelling, stamp
+from gateway.broker.run import index_streams as index
 from gateway.commands.status.metrics import carried_from_metrics, held_from_metrics, retries_from_metrics
 from gateway.commands.status.report import HORIZONS, Report, report
 from gateway.core import listing

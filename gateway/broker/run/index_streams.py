@@ -31,7 +31,7 @@ from topology.registry import Record, fold
 from topology.settings import QUEUE_TYPES, ChainSettings
 from topology.waiting import BANDS, DONE, RETENTION_SLACK_MS, band_key
 
-from gateway.broker import lazy_properties
+from gateway.broker.plumbing import lazy_properties
 from gateway.clock import wall_ms
 from gateway.core import listing, waiting
 from gateway.core.listing import Gap, Horizon, Place, View

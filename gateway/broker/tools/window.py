@@ -20,8 +20,8 @@ from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 import pika
 from pika import spec
 
-from gateway.broker import lazy_properties, wire_connection
-from gateway.broker.amqp import parameters
+from gateway.broker.plumbing import lazy_properties, wire_connection
+from gateway.broker.plumbing.amqp import parameters
 from gateway.settings import Tls
 from gateway.urls import redact
 

@@ -37,8 +37,8 @@ from topology.model import cancel_window_ms
 from topology.names import Names
 from topology.settings import ChainSettings
 
-from gateway.broker import lazy_properties, wire_connection
-from gateway.broker.amqp import Trouble, classify, parameters
+from gateway.broker.plumbing import lazy_properties, wire_connection
+from gateway.broker.plumbing.amqp import Trouble, classify, parameters
 from gateway.clock import wall_ms
 from gateway.core import cancels, envelope, rules, waiting
 from gateway.core.actions import Action, Forward

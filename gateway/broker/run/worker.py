@@ -21,18 +21,19 @@ from topology.waiting import bands
 
 from gateway import health as health_http
 from gateway import logs, stopping
-from gateway.broker import stamp, wire_connection
+from gateway.broker.plumbing import wire_connection
+from gateway.broker.run import stamp
 from gateway.exits import EXIT_NO_BROKER, EXIT_REFUSED
-from gateway.broker.amqp import BrokerError, Trouble, blocking_channel, classify, parameters
-from gateway.broker.reconnects import FATAL_ATTEMPTS, Reconnects
+from gateway.broker.plumbing.amqp import BrokerError, Trouble, blocking_channel, classify, parameters
+from gateway.broker.run.reconnects import FATAL_ATTEMPTS, Reconnects
 from gateway.clock import wall_ms
 from gateway.core.carrier import Batcher
 from gateway.core.cancels import Sequencer
-from gateway.broker import cancelling
-from gateway.broker.cancelling import Judge
-from gateway.broker.consumer import Pipe
-from gateway.broker.retrying import counting_retries
-from gateway.broker.waiting import Beats, declare_noting
+from gateway.broker.run import cancelling
+from gateway.broker.run.cancelling import Judge
+from gateway.broker.run.consumer import Pipe
+from gateway.broker.run.retrying import counting_retries
+from gateway.broker.run.index_streams import Beats, declare_noting
 from gateway.core.handlers import CheckIn, Distributor, Parking, Retry, Returning
 from gateway.core.waiting import Consumers, Recorder
 from gateway.health import Health
@@ -282,7 +283,7 @@ def starting(settings: Settings, **fields) -> None:
 def one(settings: Settings, stop: threading.Event, metrics: Metrics, health: Health,
         refusals: Optional["Refusals"] = None) -> int:
     """The consumers of one virtual host (the URLs'), with their upkeep and cancellations."""
-    from gateway.broker import upkeep
+    from gateway.broker.run import upkeep
     beats = Beats(settings.chain.names, settings.role, settings.pending_index)
     # counted as a user of the chain; retires unused chains; counts queues; beats
     upkeep.start(settings, stop, metrics, beats)

@@ -20,7 +20,7 @@ from prometheus_client import Counter as Count
 
 from topology.names import Names
 
-from gateway.broker import lazy_properties, publish_frames, wire_connection
+from gateway.broker.plumbing import lazy_properties, publish_frames, wire_connection
 from gateway.clock import wall_ms
 from gateway.core import envelope, retries
 from gateway.core.actions import Forward, Publish

@@ -22,8 +22,8 @@ import structlog
 
 from gateway import health as health_http
 from gateway import stopping
-from gateway.broker.amqp import Trouble
-from gateway.broker.worker import Refusals, one, starting
+from gateway.broker.plumbing.amqp import Trouble
+from gateway.broker.run.worker import Refusals, one, starting
 from gateway.health import Parts
 from gateway.metrics import Metrics
 from gateway.settings import Settings

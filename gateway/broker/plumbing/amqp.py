@@ -18,7 +18,7 @@ import pika
 from pika.exceptions import (AMQPConnectionError, AuthenticationError, ChannelClosedByBroker,
                              ConnectionClosedByBroker, ProbableAccessDeniedError, ProbableAuthenticationError)
 
-from gateway.broker import wire_connection
+from gateway.broker.plumbing import wire_connection
 from gateway.settings import Tls, UsageError
 from gateway.urls import redact
 

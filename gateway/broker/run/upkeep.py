@@ -14,7 +14,7 @@ worker.main), so the consumers never wait for it and it never touches their conn
 - every 15 s it counts the ready messages of the gateway's own queues (one passive declare
   each) for the metric `delay_gateway_queue_messages`, which the alerts on a check-in
   backlog read;
-- every 5 s it beats into the done stream (broker/waiting.py: Beats), so that a reader
+- every 5 s it beats into the done stream (index_streams.py: Beats), so that a reader
   knows which gateways keep up; with --no-pending-index it also notes in the registry, every
   quarter lap, until when what it sends on may wait unlisted.
 
@@ -39,9 +39,9 @@ from topology.names import Names
 from topology.registry import ChainKey, Record, Registry, fold
 from topology.retirement import Step, Unused, plan
 
-from gateway.broker import wire_connection
-from gateway.broker.amqp import classify, parameters, unreachable
-from gateway.broker.waiting import Beats, note_unindexed_gateway, unindexed_every_ms
+from gateway.broker.plumbing import wire_connection
+from gateway.broker.plumbing.amqp import classify, parameters, unreachable
+from gateway.broker.run.index_streams import Beats, note_unindexed_gateway, unindexed_every_ms
 from gateway.clock import wall_ms
 from gateway.metrics import Metrics
 from gateway.settings import Settings
