@@ -167,7 +167,7 @@ class CheckIn:
         # read times: one sequence per process, started above every cancel held
         self.sequence = sequence if sequence is not None else cancels.Sequencer()
         # The cancels this consumer recorded (("id", message id) or ("rule", name) -> read time)
-        # while someone asks (worker.Session, until the gateway follows them all): None when
+        # while someone asks (broker/run/session.Session, until the gateway follows them all): None when
         # nobody does.
         self.recorded: Optional[Dict[Tuple[str, bytes], int]] = None
 

@@ -99,7 +99,7 @@ class Pipe:
         self._on_stopped: Optional[Callable[[], None]] = None
         self.consuming = False
         # Told once this consumer has read what its queue held when it started, and the broker
-        # confirmed the record of every cancel among it (worker.Session: check-in, before the
+        # confirmed the record of every cancel among it (session.Session: check-in, before the
         # distributor).
         self._on_caught_up = on_caught_up
         self._backlog: Optional[int] = None  # what the queue held as we started consuming
