@@ -20,7 +20,6 @@ message. The same thread appends this process's tallies: how many messages each 
 removed so far.
 """
 
-import contextvars
 import datetime
 import itertools
 import threading
@@ -39,6 +38,7 @@ from topology.settings import ChainSettings
 
 from gateway.broker.plumbing import lazy_properties, wire_connection
 from gateway.broker.plumbing.amqp import Trouble, classify, parameters
+from gateway.broker.run import launch
 from gateway.clock import wall_ms
 from gateway.core import cancels, envelope, rules, waiting
 from gateway.core.actions import Action, Forward
@@ -377,7 +377,5 @@ def start(settings: Settings, metrics: Metrics, stop: threading.Event) -> Follow
     """Follow the cancellations in a daemon thread until `stop` is set."""
     store = Store(retention_ms(settings.chain, settings.cancel_retention))
     follower = Follower(settings, store, metrics, stop)
-    # (in a copy of this context: the log fields bound here, such as the vhost, are the thread's too)
-    threading.Thread(target=contextvars.copy_context().run, args=(follower.run,), name="cancellations",
-                     daemon=True).start()
+    launch.daemon("cancellations", follower.run)
     return follower

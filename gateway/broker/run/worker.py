@@ -5,7 +5,6 @@ cannot heal ends the process with one line that says what to fix.
 """
 
 import itertools
-import signal
 import threading
 from typing import List, Optional
 
@@ -15,10 +14,9 @@ from topology import build
 from topology.broker.declare import TopologyConflict, declare, verify
 from topology.settings import QUEUE_TYPES
 
-from gateway import health as health_http
-from gateway import logs, stopping
+from gateway import logs
 from gateway.broker.plumbing.amqp import BrokerError, Trouble, blocking_channel, classify
-from gateway.broker.run import cancelling, stamp
+from gateway.broker.run import cancelling, launch, stamp
 from gateway.broker.run.index_streams import Beats, declare_noting
 from gateway.broker.run.reconnects import FATAL_ATTEMPTS, Reconnects
 from gateway.broker.run.session import Session
@@ -27,7 +25,7 @@ from gateway.exits import EXIT_NO_BROKER, EXIT_REFUSED
 from gateway.health import Health
 from gateway.metrics import Metrics
 from gateway.settings import Settings
-from gateway.urls import redact, vhost_of
+from gateway.urls import vhost_of
 
 
 def other_exits(url: str, settings: Settings) -> List[str]:
@@ -58,21 +56,8 @@ def main(settings: Settings) -> int:
     """`delay-gateway run`: the consumers until SIGTERM or SIGINT (of the URLs' own virtual
     host; several: vhosts.py)."""
     metrics, health = Metrics(vhost=vhost_of(settings.urls[0])), Health()
-    if settings.metrics_port:
-        health_http.serve(settings.metrics_port, metrics.registry, health)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, stopping.setter(stop))
-    starting(settings)
+    stop = launch.process(settings, metrics, health)
     return one(settings, stop, metrics, health)
-
-
-def starting(settings: Settings, **fields) -> None:
-    c = settings.chain
-    structlog.get_logger("gateway").info(
-        "starting", role=settings.role, brokers=[redact(u) for u in settings.urls], prefix=c.prefix,
-        max_level=c.max_level, resolution_ms=c.resolution_ms, queue_type=c.queue_type, zero_bits=c.zero_bits,
-        **fields)
 
 
 def one(settings: Settings, stop: threading.Event, metrics: Metrics, health: Health,
