@@ -751,7 +751,7 @@ def naive(ctx: Context) -> List[dict]:
 
 
 def waiting(ctx: Context) -> List[dict]:
-    from .waiting import waiting as run  # (its own module: the index of what waits at scale)
+    from .at_scale import waiting as run  # (its own module: the index of what waits at scale)
     return run(ctx)
 
 

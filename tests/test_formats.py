@@ -26,7 +26,8 @@ from pika import data, spec
 
 from gateway.broker.run.cancelling import Judge
 from gateway.commands.parked import NOT_OURS, Parked, destination
-from gateway.core import cancels, carrier, envelope, handlers, listing, retries, rules, waiting, wire
+from gateway.core import cancels, carrier, envelope, handlers, listing, retries, rules, wire
+from gateway.core import index_records as waiting
 from gateway.core.actions import Enqueue, Forward
 from gateway.core.carrier import Entry
 from gateway.core.inputs import Delivery

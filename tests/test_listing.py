@@ -10,11 +10,12 @@ from typing import List, Optional, Sequence, Tuple
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from gateway.core import cancels, listing, rules, waiting
+from gateway.core import cancels, listing, rules
+from gateway.core import index_records as waiting
 from gateway.core.carrier import Entry
 from gateway.core.listing import Gap, Horizon, Place, View
 from gateway.core.selection import Selection
-from gateway.core.waiting import Beat, Consumers
+from gateway.core.index_records import Beat, Consumers
 from gateway.core.wire import Properties, Table, long, longstr
 
 from .support import examples

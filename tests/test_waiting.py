@@ -11,14 +11,15 @@ from typing import Dict, List, Optional
 from hypothesis import given, settings, strategies as st
 
 from topology import ChainSettings
-from topology.waiting import band, bands, span_ms
+from topology.index_bands import band, bands, span_ms
 
-from gateway.core import cancels, carrier, handlers, waiting
+from gateway.core import cancels, carrier, handlers
+from gateway.core import index_records as waiting
 from gateway.core.inputs import Delivery
 from gateway.core.routes import Way
 from gateway.core.carrier import Batcher, Entry
 from gateway.core.flow import Flow
-from gateway.core.waiting import Consumers, Listed, Recorder
+from gateway.core.index_records import Consumers, Listed, Recorder
 from gateway.core.wire import Properties, Table, long, longstr
 
 from .support import examples
@@ -172,7 +173,7 @@ def test_bands_hold_waits_up_to_four_to_the_b_seconds():
 
 
 def waiting_top() -> int:
-    from topology.waiting import BANDS
+    from topology.index_bands import BANDS
     return BANDS - 1
 
 

@@ -1,7 +1,7 @@
 """`delay-gateway pending`: list, count, cancel and export the messages that wait; the
 group cancels (rules) that are live, and withdrawing one.
 
-What waits is read from the waiting streams the gateways write (gateway/core/waiting.py,
+What waits is read from the waiting streams the gateways write (gateway/core/index_records.py,
 gateway/broker/run/index_streams.py, gateway/core/listing.py), filtered by message id, routing key,
 due time, header or retries. `cancel` publishes one rule with the same filters
 (gateway/core/rules.py) through the path of `delay-gateway cancel`: every gateway cancels
@@ -23,12 +23,12 @@ from typing import IO, Any, Callable, Dict, List, Optional, Tuple
 import pika
 
 from gateway.broker.run import cancelling
-from gateway.broker.run import index_streams as index
+from gateway.broker.run import index_streams
 from gateway.broker.plumbing.amqp import blocking_channel
 from gateway.clock import wall_ms
 from gateway.core import listing, rules, wire
 from gateway.core.selection import Selection
-from gateway.core.waiting import Listed
+from gateway.core.index_records import Listed
 from gateway.core.wire import Table
 from gateway.settings import Settings, UsageError, argument, integer
 from gateway.urls import one_vhost
@@ -258,10 +258,10 @@ def command(args: argparse.Namespace, settings: Settings) -> int:
         recorded = cancelling.read(channel.connection, names, window_ms)
         judge = listing.cancelled_by(recorded.store(window_ms, now), recorded.rules, now)
         try:
-            view, found = index.read(channel.connection, names, now, lambda at: listing.View(
+            view, found = index_streams.read(channel.connection, names, now, lambda at: listing.View(
                 now, at, judge, select, keep, exporting.write if exporting is not None else None),
                 progress.show if progress is not None else None)
-        except index.Missing as exc:
+        except index_streams.Missing as exc:
             raise UsageError(str(exc)) from None
         finally:
             if progress is not None:
@@ -328,11 +328,11 @@ class Exporter:
             self.file.close()
 
 
-def notes(found: index.Found) -> List[str]:
+def notes(found: index_streams.Found) -> List[str]:
     return found.notes()
 
 
-def show_list(args: argparse.Namespace, view: listing.View, found: index.Found, now_ms: int) -> None:
+def show_list(args: argparse.Namespace, view: listing.View, found: index_streams.Found, now_ms: int) -> None:
     listed = view.listed()
     shown = f"{len(listed)} shown" if len(listed) < view.total else "all shown"
     summary = f"{view.total} waiting message(s) match; {shown} (soonest due first)"
@@ -355,7 +355,7 @@ def show_list(args: argparse.Namespace, view: listing.View, found: index.Found, 
         print(f"note: {note}", file=sys.stderr)
 
 
-def show_count(args: argparse.Namespace, view: listing.View, found: index.Found, now_ms: int) -> None:
+def show_count(args: argparse.Namespace, view: listing.View, found: index_streams.Found, now_ms: int) -> None:
     ranges = {label: n for (label, _), n in zip(view.counts.ranges, view.counts.counts, strict=True)}
     if args.json:
         print(json.dumps({"total": view.total, "ranges": ranges, "exact": found.exact, "at_ms": now_ms,
@@ -394,7 +394,7 @@ def rule_headers(select: Selection, everything: bool, name: bytes) -> Table:
 
 
 def cancel_selected(args: argparse.Namespace, channel, names, select: Selection, everything: bool,
-                    view: listing.View, found: index.Found, window_ms: int, now_ms: int) -> int:
+                    view: listing.View, found: index_streams.Found, window_ms: int, now_ms: int) -> int:
     """Say how many match and show some; with --yes, publish one rule and say what became of it."""
     print(f"{view.total} waiting message(s) match" + (", for example:" if view.total else ""))
     if view.total:

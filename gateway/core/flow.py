@@ -28,9 +28,9 @@ from collections import Counter, deque
 from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from topology.names import Names
-from topology.waiting import DONE
+from topology.index_bands import DONE
 
-from gateway.core import envelope, handlers, waiting
+from gateway.core import envelope, handlers, index_records
 from gateway.core.actions import Drop, Enqueue, Forward
 from gateway.core.inputs import Delivery
 from gateway.core.routes import LEAVES, STAYS, Way
@@ -58,7 +58,7 @@ class Flow:
 
     def __init__(self, queue: str, names: Names, handler: Handler, observer: Observer,
                  batcher: Optional[Batcher] = None, still_wanted: Optional[Callable[[Forward], bool]] = None,
-                 prefetch: int = 0, recorder: Optional[waiting.Recorder] = None) -> None:
+                 prefetch: int = 0, recorder: Optional[index_records.Recorder] = None) -> None:
         self._names, self._handler, self._observer = names, handler, observer
         self._recorder = recorder  # the index of what waits (None: not kept)
         self._refused_records = 0
@@ -304,7 +304,7 @@ class Flow:
                 self.ledger.owe(self._recorder.left(members, now))
 
     def _record(self, now: int, out: Effects) -> None:
-        """Publish what the recorder holds (waiting.Recorder), after the messages it speaks
+        """Publish what the recorder holds (index_records.Recorder), after the messages it speaks
         of, on the same channel, each record for the deliveries it speaks of: the entries at
         once, the done keys once they have waited for company."""
         if self._recorder is None:

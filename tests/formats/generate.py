@@ -29,7 +29,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from pika import spec
 
-from gateway.core import cancels, carrier, envelope, handlers, retries, rules, waiting
+from gateway.core import cancels, carrier, envelope, handlers, retries, rules
+from gateway.core import index_records as waiting
 from gateway.core.actions import Enqueue, Forward
 from gateway.core.carrier import Entry
 from gateway.core.inputs import Delivery
@@ -37,7 +38,7 @@ from gateway.core.routes import Way
 from gateway.core.wire import Properties
 from topology import ChainSettings
 from topology import registry
-from topology.waiting import bands
+from topology.index_bands import bands
 
 SAMPLES = Path(__file__).parent / "samples"
 NOW = 1_795_310_000_000  # 2026-11-22T01:13:20Z, the clock every handler is given

@@ -40,7 +40,7 @@ from gateway.broker.plumbing import lazy_properties, wire_connection
 from gateway.broker.plumbing.amqp import Trouble, classify, parameters
 from gateway.broker.run import launch
 from gateway.clock import wall_ms
-from gateway.core import cancels, envelope, rules, waiting
+from gateway.core import cancels, envelope, index_records, rules
 from gateway.core.actions import Action, Forward
 from gateway.core.inputs import Delivery
 from gateway.core.routes import Way
@@ -74,10 +74,10 @@ def handle_of(entry: Entry) -> bytes:
 
 def first_handle_of(entry: Entry) -> bytes:
     """The handle the index's first layout listed a message by (345936a..bc3eba0: the CRC-32 of
-    its routing key alone, waiting.first_checksum), which a cancel of that time names."""
+    its routing key alone, index_records.first_checksum), which a cancel of that time names."""
     if entry.accepted_us is None:
         return b""
-    return cancels.handle(entry.accepted_us, waiting.first_checksum(entry.routing_key)).encode("ascii")
+    return cancels.handle(entry.accepted_us, index_records.first_checksum(entry.routing_key)).encode("ascii")
 
 
 class Judge:

@@ -29,7 +29,7 @@ from gateway.core.routes import Way
 from gateway.core.carrier import Batcher
 from gateway.core.effects import Effects, Handler
 from gateway.core.flow import Flow
-from gateway.core.waiting import Recorder
+from gateway.core.index_records import Recorder
 from gateway.metrics import Metrics
 
 # Channel errors that no message causes: the topology or the permissions are wrong, and

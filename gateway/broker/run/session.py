@@ -12,7 +12,7 @@ from typing import Callable, List, Optional, Sequence
 import pika
 import structlog
 
-from topology.waiting import bands
+from topology.index_bands import bands
 
 from gateway.broker.plumbing import wire_connection
 from gateway.broker.plumbing.amqp import parameters
@@ -25,7 +25,7 @@ from gateway.clock import wall_ms
 from gateway.core.cancels import Sequencer
 from gateway.core.carrier import Batcher
 from gateway.core.handlers import CheckIn, Distributor, Parking, Retry, Returning
-from gateway.core.waiting import Consumers, Recorder
+from gateway.core.index_records import Consumers, Recorder
 from gateway.health import Health
 from gateway.metrics import Metrics
 from gateway.settings import Settings

@@ -67,7 +67,7 @@ class Report:
     cancellations: Optional[Dict[str, Any]] = None
     # per source queue: scheduled, delivered, gave_up (from --metrics-url; docs/retries.md)
     retries: Optional[Dict[str, Dict[str, int]]] = None
-    # the publishers' messages that wait, from the index (gateway/core/waiting.py): total,
+    # the publishers' messages that wait, from the index (gateway/core/index_records.py): total,
     # due_within (cumulative, by HORIZONS' labels and "later"), exact and why not; None: not read
     waiting: Optional[Dict[str, Any]] = None
 
