@@ -190,7 +190,7 @@ def test_the_first_format_goes_on(commit: str, sample: Json) -> None:
     if sample["message"]["exchange"] == CHAIN.meditation:
         (onward,) = handlers.Returning(CHAIN, LEAD_MS)(delivery(sample["message"], NAMES.returning), NOW)
         assert isinstance(onward, Enqueue)
-        sent = handlers.carry(onward.exchange, onward.routing_key, onward.outcome, [onward.entry])
+        sent = handlers.carry(onward.exchange, onward.routing_key, onward.way, [onward.entry])
         assert envelope.Inside(sent.props).complete and envelope.PROPERTIES in sent.props.headers
         (got,) = handlers.entries(Delivery(onward.exchange, onward.routing_key, sent.props, sent.body))
         assert as_expected(got) == {k: want[k] for k in as_expected(got)}

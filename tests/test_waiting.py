@@ -200,7 +200,7 @@ class Broker:
         self.index: List[int] = []  # keys of the entries in the streams
 
     def take(self, forward) -> None:
-        if forward.outcome is Way.INDEX:
+        if forward.way is Way.INDEX:
             for m in waiting.entries(forward.body):
                 assert m.key in self.chain, "an entry for a message the broker does not have"
                 self.index.append(m.key)
@@ -279,7 +279,7 @@ def test_an_entry_the_broker_will_not_take_is_dropped_and_the_message_acknowledg
         out = flow.delivered(1, Delivery(NAMES.check_in, b"k", Properties.build(
             headers=Table([long("x-delay", 60_000)])), b"x"), NOW)
         [carried, record] = out.publish
-        assert record.payload.forward.outcome is Way.INDEX and record.side and record.tags == (1,)
+        assert record.payload.forward.way is Way.INDEX and record.side and record.tags == (1,)
         assert carried.seq < record.seq  # the entry right after the message, on the same channel
         if refusal == "returned":
             f = record.payload.forward
@@ -310,7 +310,7 @@ def test_a_delivery_is_acknowledged_only_once_the_key_saying_its_message_left_is
     e = entry(due=NOW + 100)
     flow.delivered(1, Delivery(NAMES.distributor, b"", handlers.next_hop(e), e.body), NOW)
     [delivered] = flow.tick(NOW + 100).publish
-    assert delivered.payload.forward.outcome is Way.DELIVERED
+    assert delivered.payload.forward.way is Way.DELIVERED
     out = flow.confirmed(delivered.seq, False, True, NOW + 101)
     assert out.ack == [] and not flow.tick(NOW + 110).ack  # confirmed at pick-up, its key not yet written
     assert flow.next_wake() == NOW + 100 + waiting.DONE_FLUSH_MS
@@ -336,7 +336,7 @@ def test_a_carrier_is_acknowledged_once_every_message_in_it_left_and_its_keys_ar
         out = flow.tick(now)
         assert not out.ack or not flow.ledger, out
         for pub in out.publish:
-            if pub.payload.forward.outcome is Way.INDEX:
+            if pub.payload.forward.way is Way.INDEX:
                 keys += waiting.done_keys(pub.payload.forward.body)
             flow.confirmed(pub.seq, False, True, now)
         if out.ack:

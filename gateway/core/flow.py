@@ -132,7 +132,7 @@ class Flow:
                 continue
             self._observer.forwarded(action)
             if isinstance(action, Enqueue):
-                route = (action.exchange, action.routing_key, action.outcome, action.entry.exchange)
+                route = (action.exchange, action.routing_key, action.way, action.entry.exchange)
                 for batch in self._batcher.add(route, tag, action.entry, now, action.send_by_ms):
                     self._flush_batch(batch, now, out)
             elif action.fence:
@@ -295,12 +295,12 @@ class Flow:
             else:
                 self._unsent[tag] = left
         answer = self.ledger.publish(tuple(tags) if len(tags) == 1 else tuple(dict.fromkeys(tags)),
-                                     Payload(forward, members), finishing, parking=forward.outcome is Way.PARKED)
+                                     Payload(forward, members), finishing, parking=forward.way is Way.PARKED)
         self._apply(answer, now, out)
         if self._recorder is not None:
-            if forward.outcome in STAYS:
-                self._recorder.waits(forward.outcome is Way.MEDITATION, members, now)
-            elif forward.outcome in LEAVES:
+            if forward.way in STAYS:
+                self._recorder.waits(forward.way is Way.MEDITATION, members, now)
+            elif forward.way in LEAVES:
                 self.ledger.owe(self._recorder.left(members, now))
 
     def _record(self, now: int, out: Effects) -> None:

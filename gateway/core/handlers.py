@@ -146,12 +146,12 @@ class Routes:
         return found
 
 
-def carry(exchange: str, routing_key: bytes, outcome: Way, batch: List[Entry]) -> Forward:
+def carry(exchange: str, routing_key: bytes, way: Way, batch: List[Entry]) -> Forward:
     """One publish for the messages of a batch: alone in the plain format, or a carrier."""
     if len(batch) == 1:
         e = batch[0]
-        return Forward(exchange, routing_key, next_hop(e), e.body, outcome, entry=e)
-    return Forward(exchange, routing_key, carrier.properties(batch), carrier.pack(batch), outcome)
+        return Forward(exchange, routing_key, next_hop(e), e.body, way, entry=e)
+    return Forward(exchange, routing_key, carrier.properties(batch), carrier.pack(batch), way)
 
 
 class CheckIn:
@@ -185,10 +185,10 @@ class CheckIn:
         return [self.enqueue(entry, now)]
 
     def enqueue(self, e: Entry, now: int) -> Enqueue:
-        exchange, key, outcome = self.route(e.due_ms - now)
-        if outcome is Way.DISTRIBUTOR:
-            return Enqueue(exchange, key, outcome, e, e.due_ms - self.hand_over_ms)
-        return Enqueue(exchange, key, outcome, e)
+        exchange, key, way = self.route(e.due_ms - now)
+        if way is Way.DISTRIBUTOR:
+            return Enqueue(exchange, key, way, e, e.due_ms - self.hand_over_ms)
+        return Enqueue(exchange, key, way, e)
 
     def record(self, d: Delivery, user: Properties, now: int) -> List[Action]:
         """A cancel (it came through `<prefix>.cancel`): by id, or a rule (rules.py), or the

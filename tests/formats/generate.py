@@ -176,7 +176,7 @@ def single(f: Forward, written: Optional[Entry], produced_by: str, inputs: Json)
         for k, v in entry_json(written).items():
             assert expected[k] == v, (produced_by, k, expected[k], v)
     return {"produced_by": produced_by, "inputs": inputs, "message": msg, "expected": expected,
-            "route": f.outcome.value}
+            "route": f.way.value}
 
 
 def carried(f: Forward, written: List[Entry], produced_by: str, inputs: Json) -> Json:
@@ -184,7 +184,7 @@ def carried(f: Forward, written: List[Entry], produced_by: str, inputs: Json) ->
     expected = read_carrier(msg)
     assert expected["messages"] == [entry_json(e) for e in written], produced_by
     return {"produced_by": produced_by, "inputs": inputs, "message": msg, "expected": expected,
-            "route": f.outcome.value}
+            "route": f.way.value}
 
 
 def inputs_of(*names: str, **more: Any) -> Json:
@@ -195,7 +195,7 @@ def inputs_of(*names: str, **more: Any) -> Json:
 # -- each format ---------------------------------------------------------------------------------------------
 def alone(name: str, produced_by: str) -> Json:
     e = enqueued(check_in(), name)
-    f = handlers.carry(e.exchange, e.routing_key, e.outcome, [e.entry])
+    f = handlers.carry(e.exchange, e.routing_key, e.way, [e.entry])
     return single(f, e.entry, produced_by, inputs_of(name, lead_ms=LEAD_MS))
 
 
@@ -208,7 +208,7 @@ def meditation_samples() -> Json:
     h = check_in()
     a, b = enqueued(h, "meditation"), enqueued(h, "chain")
     second = dataclasses.replace(b.entry, due_ms=NOW + 40 * DAY_MS)
-    f = handlers.carry(a.exchange, a.routing_key, a.outcome, [a.entry, second])
+    f = handlers.carry(a.exchange, a.routing_key, a.way, [a.entry, second])
     return {"alone": alone("meditation", "handlers.CheckIn -> meditation (x-delay 30 days)"),
             "carrier": carried(f, [a.entry, second], "handlers.CheckIn x2 -> handlers.carry to meditation",
                                inputs_of("meditation", "chain", lead_ms=LEAD_MS,
@@ -218,11 +218,11 @@ def meditation_samples() -> Json:
 def carrier_samples() -> Json:
     h = check_in()
     a, b = enqueued(h, "chain"), enqueued(h, "chain-second")
-    two = handlers.carry(a.exchange, a.routing_key, a.outcome, [a.entry, b.entry])
+    two = handlers.carry(a.exchange, a.routing_key, a.way, [a.entry, b.entry])
     h = check_in()
     a, b = enqueued(h, "chain"), enqueued(h, "chain-second")
     old = dataclasses.replace(b.entry, accepted_us=None)  # one from before read times, re-batched by returning
-    mixed = handlers.carry(a.exchange, a.routing_key, a.outcome, [a.entry, old])
+    mixed = handlers.carry(a.exchange, a.routing_key, a.way, [a.entry, old])
     return {"mixed-times": carried(mixed, [a.entry, old],
                                    "handlers.carry of one entry with a read time and one without",
                                    inputs_of("chain", "chain-second", lead_ms=LEAD_MS,
@@ -258,12 +258,12 @@ def parked_samples() -> Json:
 
 def retry_samples() -> Json:
     e = enqueued(retry(), "retry")
-    f = handlers.carry(e.exchange, e.routing_key, e.outcome, [e.entry])
+    f = handlers.carry(e.exchange, e.routing_key, e.way, [e.entry])
     more = {"lead_ms": LEAD_MS, "policy": "retries.Policy() defaults", "rng": "random.Random(7)"}
     h = retry()
     a, b = enqueued(h, "retry"), enqueued(h, "retry-second")
     assert (a.exchange, a.routing_key) == (b.exchange, b.routing_key)
-    two = handlers.carry(a.exchange, a.routing_key, a.outcome, [a.entry, b.entry])
+    two = handlers.carry(a.exchange, a.routing_key, a.way, [a.entry, b.entry])
     return {"alone": single(f, e.entry, "handlers.Retry -> the chain (a retry alone)", inputs_of("retry", **more)),
             "carrier": carried(two, [a.entry, b.entry], "handlers.Retry x2 -> handlers.carry (retries to one queue)",
                                inputs_of("retry", "retry-second", lead_ms=LEAD_MS))}
@@ -281,7 +281,7 @@ def cancel_record_samples() -> Json:
                                  ("stamped", "cancel-stamped", "handlers.CheckIn records a cancel the broker stamped")):
         f = only(check_in()(delivery(name), NOW))
         out[variant] = {"produced_by": about, "inputs": inputs_of(name), "message": wire_of(f),
-                        "expected": record_expected(f), "route": f.outcome.value}
+                        "expected": record_expected(f), "route": f.way.value}
     token = b"0123456789abcdef0123456789abcdef"
     mark = cancels.mark(token)
     out["mark"] = {"produced_by": "cancels.mark (a gateway's mark to find the stream's end)",
@@ -304,7 +304,7 @@ def cancel_record_samples() -> Json:
                             "version's index lists it, published as a cancel's message_id and recorded by check-in"),
         "message": wire_of(f), "expected": {**record_expected(f), "handle": handle.decode(),
                                             "named_message": entry_json(named)},
-        "route": f.outcome.value}
+        "route": f.way.value}
     return out
 
 
@@ -347,11 +347,11 @@ def cancel_rule_samples() -> Json:
             ("all", "rule-all", "handlers.CheckIn records a rule on every message (x-cancel-all)"),
             ("withdrawal", "rule-withdraw", "handlers.CheckIn records the withdrawal of a rule")):
         f = only(check_in()(delivery(name), NOW))
-        assert isinstance(f, Forward) and f.outcome is Way.CANCEL, (name, f)
+        assert isinstance(f, Forward) and f.way is Way.CANCEL, (name, f)
         asked = rules.requested(Properties.parse(PUBLISHED[name][3]).headers)
         out[variant] = {"produced_by": about, "inputs": inputs_of(name), "message": wire_of(f),
                         "expected": {**rule_record_json(f.props.headers), "requested": request_json(asked)},
-                        "route": f.outcome.value}
+                        "route": f.way.value}
     gw = bytes(range(16))
     tally = rules.tally_record(b"by-ids", gw, 3)
     out["tally"] = {"produced_by": "rules.tally_record (broker/cancelling.Follower: what a gateway removed by a rule)",

@@ -133,7 +133,7 @@ def recording(check_in: Handler, metrics: Metrics) -> Handler:
     def handle(d: Delivery, now: int) -> List[Action]:
         actions = check_in(d, now)
         for action in actions:
-            if isinstance(action, Forward) and action.outcome is Way.CANCEL:
+            if isinstance(action, Forward) and action.way is Way.CANCEL:
                 metrics.cancels.inc()
                 found = cancels.read_record(action.props.headers)
                 if found is not None:

@@ -48,12 +48,11 @@ class Telemetry:
         metrics.parked.labels(queue)
 
     def forwarded(self, action: Publish) -> None:
-        counter = self._counters.get(action.outcome)
+        counter = self._counters.get(action.way)
         if counter is None:
-            counter = self._counters[action.outcome] = self._metrics.forwarded.labels(self._queue,
-                                                                                      action.outcome.value)
+            counter = self._counters[action.way] = self._metrics.forwarded.labels(self._queue, action.way.value)
         counter.inc()
-        if action.outcome is Way.PARKED:
+        if action.way is Way.PARKED:
             self._metrics.parked.labels(self._queue).inc()
             reason = getattr(action, "reason", None) or ""
             self._log.warning("parked", reason=reason, routing_key=envelope.readable_key(action.routing_key))
@@ -62,7 +61,7 @@ class Telemetry:
                 self._metrics.retries.labels(envelope.readable_key(action.entry.routing_key), "parked").inc()
 
     def landed(self, forward: Forward) -> None:
-        if forward.outcome is Way.RETRIED and forward.entry is not None:
+        if forward.way is Way.RETRIED and forward.entry is not None:
             self._metrics.retries.labels(envelope.readable_key(forward.entry.routing_key), "delivered").inc()
 
     def batched(self, way: Way, messages: int) -> None:
@@ -268,7 +267,7 @@ class Pipe:
                 self._log.warning("publish_failed", error=str(exc))
                 return
             if self._debug:
-                self._log.debug(f.outcome.value, exchange=f.exchange, routing_key=envelope.readable_key(f.routing_key))
+                self._log.debug(f.way.value, exchange=f.exchange, routing_key=envelope.readable_key(f.routing_key))
 
     def _schedule(self) -> None:
         at = self.flow.next_wake()
