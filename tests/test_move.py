@@ -7,7 +7,8 @@ from string import Template
 import pytest
 
 from gateway.broker.tools import plugin_table
-from gateway.broker.tools.plugin_table import ENTRY_SHAPE, INDEX_SHAPE, SHELL_SAFE, PluginMessage, Probe, Table, Waiting
+from gateway.broker.tools.plugin_table import ENTRY_SHAPE, INDEX_SHAPE, SHELL_SAFE, PluginMessage, Probe, Waiting
+from gateway.broker.tools.plugin_table import MnesiaTable as Table
 from gateway.commands.move import count, outgoing, ranges, refused
 from gateway.core import cancels, wire
 from gateway.core.envelope import Inside

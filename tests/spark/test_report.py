@@ -10,7 +10,7 @@ from collections import Counter, defaultdict
 import pytest
 
 from gateway.cli import main
-from gateway.spark.record import Recorder
+from gateway.spark.record import DeliveryRecorder as Recorder
 
 pytestmark = pytest.mark.spark
 

@@ -30,7 +30,7 @@ from gateway.urls import with_vhost
 JOIN_POLL_S = 0.2
 
 
-class Refused(Refusals):
+class VhostRefusals(Refusals):
     """One vhost's refusals, among the others' (`Parts` knows which are refused)."""
 
     def __init__(self, vhost: str, parts: Parts, metrics: Metrics, lock: threading.Lock) -> None:
@@ -76,7 +76,7 @@ def serve(settings: Settings) -> int:
         own = dataclasses.replace(settings, urls=tuple(with_vhost(u, vhost) for u in settings.urls), vhosts=(vhost,))
         vhost_metrics = metrics.of(vhost)
         try:
-            code = one(own, stop, vhost_metrics, parts.parts[vhost], Refused(vhost, parts, vhost_metrics, lock))
+            code = one(own, stop, vhost_metrics, parts.parts[vhost], VhostRefusals(vhost, parts, vhost_metrics, lock))
         except Exception as exc:  # one vhost's bug must not end the others silently: the process stops
             structlog.get_logger("gateway").exception("vhost_failed", error=repr(exc))
             code = 1

@@ -44,7 +44,9 @@ class Chain:
 
 
 @dataclass(frozen=True)
-class Window:
+class DueWithin:
+    """How many messages fall due within a horizon: at least, at most (`status`'s due-within lines)."""
+
     within: str
     within_ms: Optional[int]  # None: later than the last horizon
     at_least: int
@@ -58,7 +60,7 @@ class Report:
     lead_ms: int
     rows: List[Row]
     chains: List[Chain]
-    due_within: List[Window]
+    due_within: List[DueWithin]
     held_source: str  # "metrics" or why it is not known
     distributor_consumers: Optional[int]
     problems: List[str] = field(default_factory=list)
@@ -220,7 +222,7 @@ def _findings(prefix: str, own: ChainKey, registry: Optional[Registry], rows: Li
     return problems, notes
 
 
-def due_within(rows: Sequence[Row]) -> List[Window]:
+def due_within(rows: Sequence[Row]) -> List[DueWithin]:
     """Cumulative: how many messages are certainly (at least) and possibly (at most) due
     within each horizon; 'later': beyond the last one."""
     counted = [r for r in rows if r.scheduled and r.exists and r.messages]
@@ -228,10 +230,10 @@ def due_within(rows: Sequence[Row]) -> List[Window]:
     for label, ms in HORIZONS:
         at_least = sum(r.messages or 0 for r in counted if r.due_max_ms is not None and r.due_max_ms <= ms)
         at_most = sum(r.messages or 0 for r in counted if (r.due_min_ms or 0) < ms)
-        out.append(Window(label, ms, at_least, at_most))
+        out.append(DueWithin(label, ms, at_least, at_most))
     last = HORIZONS[-1][1]
-    out.append(Window("later", None, sum(r.messages or 0 for r in counted if (r.due_min_ms or 0) >= last),
-                      sum(r.messages or 0 for r in counted if r.due_max_ms is None or r.due_max_ms > last)))
+    out.append(DueWithin("later", None, sum(r.messages or 0 for r in counted if (r.due_min_ms or 0) >= last),
+                         sum(r.messages or 0 for r in counted if r.due_max_ms is None or r.due_max_ms > last)))
     return out
 
 
