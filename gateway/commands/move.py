@@ -40,6 +40,7 @@ from gateway.clock import wall_ms
 from gateway.core import cancels, envelope
 from gateway.core.wire import Properties
 from gateway.settings import Settings, Tls, argument, integer
+from gateway.times import exact_duration
 from gateway.urls import one_vhost
 
 MINUTE, HOUR, DAY = 60_000, 3_600_000, 86_400_000
@@ -67,19 +68,11 @@ def ranges(leave_ms: int) -> List[Tuple[str, Optional[int]]]:
     lower = leave_ms
     for upper, name in RANGES:
         if upper is None:
-            out.append((f"{_span(lower)} or later", None))
+            out.append((f"{exact_duration(lower)} or later", None))
         elif upper > leave_ms:
-            out.append((f"from {_span(lower)} to {name}", upper))
+            out.append((f"from {exact_duration(lower)} to {name}", upper))
             lower = upper
     return out
-
-
-def _span(ms: int) -> str:
-    for unit, name in ((DAY, "day"), (HOUR, "h"), (MINUTE, "min"), (1000, "s")):
-        if ms >= unit and ms % unit == 0:
-            n = ms // unit
-            return f"{n} {name}{'s' if name == 'day' and n != 1 else ''}"
-    return f"{ms} ms"
 
 
 def count(waiting: Sequence[Waiting], now_ms: int, leave_ms: int, vhost: str, exchanges: Sequence[str]) -> Count:
@@ -168,8 +161,9 @@ def command(args: argparse.Namespace, urls: Sequence[str], tls: Tls, chain: Chai
     else:
         rate = f" ({outcome['per_second']:,}/s)" if outcome["per_second"] else ""
         print(f"moved {moved:,} message(s) from the plugin into {chain.names.distributor} in {seconds:.1f} s{rate}; "
-              f"the plugin still holds {after.left:,} due within {_span(args.leave_due_within_ms)} (it delivers "
-              f"them itself), {after.movable:,} more to move, {after.elsewhere:,} of other vhosts or exchanges")
+              f"the plugin still holds {after.left:,} due within {exact_duration(args.leave_due_within_ms)} "
+              f"(it delivers them itself), {after.movable:,} more to move, {after.elsewhere:,} of other vhosts or "
+              "exchanges")
     return 0
 
 

@@ -30,6 +30,7 @@ from gateway.core import listing, rules, wire
 from gateway.core.selection import Selection
 from gateway.core.index_records import Listed
 from gateway.core.wire import Table
+from gateway.times import due_in, iso_ms, plain_ms
 from gateway.settings import Settings, UsageError, argument, integer
 from gateway.urls import one_vhost
 
@@ -173,28 +174,6 @@ def _shown(text: str) -> str:
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
-def clock_text(ms: int) -> str:
-    return datetime.datetime.fromtimestamp(ms / 1000, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
-
-
-def iso(ms: int) -> str:
-    return datetime.datetime.fromtimestamp(ms / 1000, datetime.timezone.utc).isoformat(timespec="milliseconds")
-
-
-def relative(ms: int) -> str:
-    """A span of time for people: "in 3 h 2 min", "overdue 4 s"."""
-    later, left = ms >= 0, abs(ms)
-    parts: List[str] = []
-    for unit, size in (("d", 86_400_000), ("h", 3_600_000), ("min", 60_000), ("s", 1000)):
-        if parts or left >= size:  # the first unit there is, and the one after it
-            parts.append(f"{left // size} {unit}")
-            left %= size
-        if len(parts) == 2:
-            break
-    said = " ".join(parts) or f"{left} ms"
-    return f"in {said}" if later else f"overdue {said}"
-
-
 def record(m: Listed) -> Dict[str, object]:
     """One message for scripts (JSON, CSV): text where it is text, and the exact bytes in
     base64 beside it where it is not."""
@@ -207,7 +186,7 @@ def record(m: Listed) -> Dict[str, object]:
         out[name] = text
         if not exact:
             out[name + "_base64"] = base64.b64encode(raw).decode("ascii")
-    out.update(handle=m.handle, due_ms=m.due_ms, due=iso(m.due_ms), size=m.size, retry_attempt=m.retry_attempt,
+    out.update(handle=m.handle, due_ms=m.due_ms, due=iso_ms(m.due_ms), size=m.size, retry_attempt=m.retry_attempt,
                retry_queue=out["routing_key"] if m.retry else None, read_us=m.read_us)
     return out
 
@@ -222,7 +201,7 @@ def table(listed: List[Listed], now_ms: int) -> List[str]:
         ident = _shown(_text(m.message_id)[0]) if m.message_id is not None else m.handle
         key = _shown(_text(m.routing_key)[0])
         retry = "" if not m.retry else f"{m.retry_attempt or '?'} to {key}"
-        rows.append((ident, "" if m.retry else key, clock_text(m.due_ms), relative(m.due_ms - now_ms), str(m.size),
+        rows.append((ident, "" if m.retry else key, plain_ms(m.due_ms), due_in(m.due_ms - now_ms), str(m.size),
                      retry))
     widths = [min(60, max(len(r[i]) for r in rows)) for i in range(len(rows[0]))]
     return ["  ".join(cell.ljust(widths[i]) if i != 4 else cell.rjust(widths[i]) for i, cell in enumerate(r)).rstrip()
@@ -433,9 +412,9 @@ def cancel_selected(args: argparse.Namespace, channel, names, select: Selection,
               "check-in); once check-in reads it, it cancels every message it selects that was published before "
               "it, whether or not it is listed")
         return 0
-    print(f"recorded at {iso(rule.at.read_us // 1000)} ({recorded_after_s:.1f} s after it was published): no "
+    print(f"recorded at {iso_ms(rule.at.read_us // 1000)} ({recorded_after_s:.1f} s after it was published): no "
           "message it selects that was published before then will be delivered")
-    rest = f"; the rest as each next passes a gateway (the last is due {iso(view.latest_due_ms)})" \
+    rest = f"; the rest as each next passes a gateway (the last is due {iso_ms(view.latest_due_ms)})" \
         if removed < view.total and view.latest_due_ms is not None else ""
     print(f"removed so far: {removed} of the {view.total} expected{rest}")
     return 0
@@ -505,15 +484,15 @@ def show_rules(args: argparse.Namespace, recorded: cancelling.Recorded, now_ms: 
     live = sorted(recorded.rules.live, key=lambda r: r.at.read_us)
     if args.json:
         for r in live:
-            print(json.dumps({"rule": r.name.decode("utf-8", "backslashreplace"), "recorded": iso(r.at.read_us // 1000),
-                              "recorded_us": r.at.read_us, "filter": described(r),
-                              "removed": recorded.tallies.get(r.name, 0)}, ensure_ascii=False))
+            print(json.dumps({"rule": r.name.decode("utf-8", "backslashreplace"),
+                              "recorded": iso_ms(r.at.read_us // 1000), "recorded_us": r.at.read_us,
+                              "filter": described(r), "removed": recorded.tallies.get(r.name, 0)}, ensure_ascii=False))
         return 0
     if not live:
         print("no live rule (group cancel) in the retention window")
         return 0
     cells = [("rule", "recorded (UTC)", "removed", "filter")] + [
-        (_shown(r.name.decode("utf-8", "backslashreplace")), clock_text(r.at.read_us // 1000),
+        (_shown(r.name.decode("utf-8", "backslashreplace")), plain_ms(r.at.read_us // 1000),
          str(recorded.tallies.get(r.name, 0)), _shown(described(r))) for r in live]
     widths = [max(len(c[i]) for c in cells) for i in range(3)]
     for c in cells:

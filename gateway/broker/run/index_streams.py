@@ -37,6 +37,7 @@ from gateway.core import index_records, listing
 from gateway.core.listing import Gap, Horizon, Place, View
 from gateway.core.index_records import Consumers
 from gateway.core.wire import Properties
+from gateway.times import iso_s
 
 MARK = b"DGM1"
 PREFETCH = 64  # records (each up to a carrier's worth of entries) unacknowledged per stream
@@ -122,7 +123,7 @@ def note_messages_before_index(connection, settings: ChainSettings, now_ms: int)
     prober.close()
     if not waiting_now:
         return None
-    since = datetime.datetime.fromtimestamp(now_ms / 1000, datetime.timezone.utc).isoformat(timespec="seconds")
+    since = iso_s(now_ms)
     record = Record("unlisted", now_ms, until_ms=now_ms + settings.meditation_ms + DAY_MS,
                     why=f"messages scheduled before {since} (before the index of what waits existed) are listed "
                         "from their next lap, or not at all until due")
@@ -185,13 +186,9 @@ class Found:
             out.append(f"{self.horizon.why}: everything the streams keep was read (up to "
                        f"{RETENTION_SLACK_MS // 3_600_000} h past due)")
         for gap in self.gaps:
-            until = "" if gap.until_ms is None else f" (until {iso(gap.until_ms)})"
+            until = "" if gap.until_ms is None else f" (until {iso_s(gap.until_ms)})"
             out.append(gap.why + until)
         return out
-
-
-def iso(ms: int) -> str:
-    return datetime.datetime.fromtimestamp(ms / 1000, datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 class Missing(RuntimeError):

@@ -11,6 +11,8 @@ from topology.registry import ChainKey, Registry, chain_queues, level_queues
 from topology.retirement import Observed
 from topology.settings import MAX_LEVELS, QUEUE_TYPES
 
+from gateway.times import duration
+
 HORIZONS: Tuple[Tuple[str, int], ...] = (
     ("1 second", 1000), ("1 minute", 60_000), ("1 hour", 3_600_000), ("1 day", 86_400_000))
 
@@ -168,7 +170,7 @@ def _chains(prefix: str, own: ChainKey, lead_ms: int, registry: Optional[Registr
             if k in present or k == own:
                 chain_max = k.settings(prefix).meditation_ms
                 add(names.meditation(k.max_level), f"{gen} meditation.{k.max_level:02d}", "meditation", unit, None,
-                    f"at least 1 unit from now (entered with more than the chain's {human_ms(chain_max)})",
+                    f"at least 1 unit from now (entered with more than the chain's {duration(chain_max)})",
                     gen, k.max_level, "meditation")
         seen = [k + 1 for k in range(MAX_LEVELS) if observed.level_seen(names, keys[0], k)]
         top = max(seen + [own.max_level if own.generation == gen else 0])
@@ -241,11 +243,5 @@ def gateways_text(n: Optional[int]) -> str:
     return "gateways: unknown" if n is None else f"{n} gateway{'s' if n != 1 else ''}"
 
 
-def human_ms(ms: int) -> str:
-    for unit, size in (("years", 31_557_600_000), ("d", 86_400_000), ("h", 3_600_000), ("min", 60_000), ("s", 1000)):
-        if ms >= size:
-            value = ms / size
-            return f"{value:.3g} {unit}"
-    return f"{ms} ms"
 
 
