@@ -1,6 +1,6 @@
 """One consumer's core (pure): every decision about its deliveries, and all their state.
 
-The pika adapter (broker.consumer.Pipe) turns frames into the events below and does what
+The pika adapter (broker.run.consumer.Pipe) turns frames into the events below and does what
 the returned `Effects` say, nothing more. The core keeps:
 
 - the outstanding deliveries and the publishes they became (`Deliveries`, with the
