@@ -34,7 +34,7 @@ def held(*times: Time) -> Held:
 
 
 def taken_in(entry: Entry) -> Optional[Time]:
-    """A message's time as broker/cancelling.Judge reads it."""
+    """A message's time as broker/run/cancelling.Judge reads it."""
     if entry.accepted_us is None:
         return None
     return Time(entry.accepted_us, envelope.broker_stamp(entry.user.headers, NOW + 60_000))

@@ -7,8 +7,8 @@ from string import Template
 import pytest
 
 from gateway.broker.tools import plugin_table
-from gateway.broker.tools.plugin_table import ENTRY_SHAPE, INDEX_SHAPE, SHELL_SAFE, PluginMessage, Probe, Waiting
-from gateway.broker.tools.plugin_table import MnesiaTable as Table
+from gateway.broker.tools.plugin_table import ENTRY_SHAPE, INDEX_SHAPE, SHELL_SAFE, MnesiaTable, PluginMessage, Probe
+from gateway.broker.tools.plugin_table import Waiting
 from gateway.commands.move import count, outgoing, ranges, refused
 from gateway.core import cancels, wire
 from gateway.core.envelope import Inside
@@ -50,11 +50,11 @@ def test_what_is_published_is_the_entry_in_the_gateways_format():
     assert cancels.after(cancels.Time(1), cancels.Time(inside.accepted_us))
 
 
-def table(**changes) -> Table:
+def table(**changes) -> MnesiaTable:
     fields = dict(name="rabbit_delayed_messagerabbit@a", where="rabbit@a", record=ENTRY_SHAPE[0],
                   attributes=ENTRY_SHAPE[1], type=ENTRY_SHAPE[2], size=1, index=INDEX_SHAPE)
     fields.update(changes)
-    return Table(**fields)
+    return MnesiaTable(**fields)
 
 
 def test_a_table_of_the_plugins_shape_passes_and_others_say_what_they_are():
