@@ -18,7 +18,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import pika
 
-from gateway.broker.window import Outgoing, PublishError, WindowPublisher
+from gateway.broker.tools.window import Outgoing, PublishError, WindowPublisher
 
 HEAD = struct.Struct("<qd")  # message number, due time (epoch ms)
 

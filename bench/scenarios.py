@@ -9,7 +9,7 @@ from .memory import pending
 from .quiet import idle, trickle
 from .roles import roles
 from .side_by_side import at_once, burst, paced
-from .waiting import waiting
+from .at_scale import waiting
 
 SCENARIOS = {"paced": paced, "burst": burst, "at-once": at_once, "pending": pending, "steady": steady,
              "roles": roles, "ceiling": ceiling, "hops": hops, "idle": idle, "trickle": trickle, "naive": naive,

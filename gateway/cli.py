@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Tuple
 
 from gateway import logs
-from gateway.exits import EXIT_NO_BROKER, EXIT_REFUSED
+from gateway.exits import EXIT_REFUSED, ExitCodeError
 from gateway.settings import BY_NAME, OPTIONS, Option, UsageError, add_options, settings_from
 
 
@@ -148,12 +148,11 @@ def main(argv: Optional[Sequence[str]] = None, environ=None) -> int:
 
 def refused(exc: Exception) -> Optional[int]:
     """The exit code of a topology conflict or a broker's refusal (said in one line), if it is one."""
-    from gateway.broker.amqp import BrokerError
     from topology.broker.declare import TopologyConflict
     if isinstance(exc, TopologyConflict):
         return EXIT_REFUSED
-    if isinstance(exc, BrokerError):
-        return EXIT_NO_BROKER if exc.trouble.heals else EXIT_REFUSED
+    if isinstance(exc, ExitCodeError):
+        return exc.exit_code
     return None
 
 

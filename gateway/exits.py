@@ -7,3 +7,12 @@ EXIT_NO_BROKER, EXIT_REFUSED = 1, 3
 
 class UsageError(ValueError):
     """A bad flag or environment value: one line, exit 2."""
+
+
+class ExitCodeError(RuntimeError):
+    """An error, already explained in one line, that knows the exit code it ends a command
+    with (a broker's trouble: broker/plumbing/amqp.BrokerError)."""
+
+    @property
+    def exit_code(self) -> int:
+        raise NotImplementedError

@@ -35,7 +35,7 @@ def configure(level: str = "info", fmt: str = "auto") -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     # pika narrates every frame at INFO, and a refused connection as five errors with a
-    # traceback; the gateway reports each trouble itself, once, with the fix (broker.amqp).
+    # traceback; the gateway reports each trouble itself, once, with the fix (broker.plumbing.amqp).
     # --log-level debug shows pika's warnings and errors as well.
     debug = root.level <= logging.DEBUG
     logging.getLogger("pika").setLevel(logging.WARNING if debug else logging.CRITICAL + 1)

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from pika import spec
 from pika.exceptions import ChannelClosedByBroker, ChannelWrongStateError
 
-from gateway.broker.lazy_properties import WireProperties
+from gateway.broker.plumbing.lazy_properties import WireProperties
 from gateway.core.wire import Properties
 
 

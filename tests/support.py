@@ -15,7 +15,7 @@ import pika
 from . import launcher
 from .launcher import ROOT, chain_args, free_port  # noqa: F401 (tests import them from here)
 from .wait import wait_until  # (the one way tests wait: they import it from here)
-from gateway.broker import wire_connection
+from gateway.broker.plumbing import wire_connection
 from gateway.settings import DEFAULT_URL, default
 from topology import ChainSettings, build
 from topology.broker.declare import declare, delete

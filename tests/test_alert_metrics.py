@@ -9,7 +9,7 @@ from topology import build
 from topology.broker.declare import declare
 from topology.broker.inventory import Prober
 
-from gateway.broker.upkeep import count_queues, counted_queues
+from gateway.broker.run.upkeep import count_queues, counted_queues
 from gateway.metrics import Metrics
 
 from .support import connect, wait_until

@@ -6,8 +6,8 @@ import pytest
 from pika.exceptions import (AMQPConnectionError, ChannelClosedByBroker, ConnectionClosedByBroker,
                              ProbableAuthenticationError, StreamLostError)
 
-from gateway.broker.amqp import classify
-from gateway.broker.reconnects import Backoff
+from gateway.broker.plumbing.amqp import classify
+from gateway.broker.run.reconnects import Backoff
 
 URL = "amqp://gw:s3cret@rabbit:5672/%2F"
 
@@ -42,8 +42,8 @@ def test_backoff_grows_to_its_ceiling_and_starts_over_only_after_a_stable_connec
 
 
 def test_reconnects_give_up_on_three_refusals_in_a_row_or_on_no_broker_for_connect_timeout():
-    from gateway.broker.amqp import Trouble
-    from gateway.broker.reconnects import Reconnects
+    from gateway.broker.plumbing.amqp import Trouble
+    from gateway.broker.run.reconnects import Reconnects
     from gateway.exits import EXIT_NO_BROKER, EXIT_REFUSED
 
     now = [0.0]

@@ -329,7 +329,7 @@ def test_short_strings_that_are_not_utf8(names):
     on every version (the gateway keeps them: tests/test_isolation.py); the same bytes as
     a binding key, in a method the broker decodes, close the client's connection with 501
     FRAME_ERROR "Malformed UTF-8 in shortstr": a receiver cannot bind to such a key."""
-    from gateway.broker import lazy_properties
+    from gateway.broker.plumbing import lazy_properties
     from gateway.core.wire import Properties, Table
     prefix, made = names
     with connect() as connection:  # the gateway's WireConnection: it reads a header name that is not UTF-8

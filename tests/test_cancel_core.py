@@ -34,7 +34,7 @@ def held(*times: Time) -> Held:
 
 
 def taken_in(entry: Entry) -> Optional[Time]:
-    """A message's time as broker/cancelling.Judge reads it."""
+    """A message's time as broker/run/cancelling.Judge reads it."""
     if entry.accepted_us is None:
         return None
     return Time(entry.accepted_us, envelope.broker_stamp(entry.user.headers, NOW + 60_000))
@@ -185,7 +185,7 @@ def test_check_in_records_a_cancel_with_its_time():
     check_in = handlers.CheckIn(CHAIN, 0)
     [record] = check_in(cancel("order-1"), NOW)
     assert isinstance(record, Forward) and record.exchange == NAMES.cancellations and record.mandatory
-    assert record.outcome is Way.CANCEL and record.fence
+    assert record.way is Way.CANCEL and record.fence
     mid, at = cancels.read_record(record.props.headers)
     assert mid == b"order-1" and at.read_us // 1000 == NOW and at.arrived_ms is None
     [stamped] = check_in(cancel("order-1", timestamp_in_ms=NOW - 7), NOW)
@@ -196,7 +196,7 @@ def test_check_in_records_a_cancel_with_its_time():
 @pytest.mark.parametrize("mid, why", [(None, "needs the id"), ("", "empty")])
 def test_a_cancel_without_an_id_is_parked_with_the_reason(mid, why):
     [parked] = handlers.CheckIn(CHAIN, 0)(cancel(mid), NOW)
-    assert parked.outcome == "parked" and why in parked.reason
+    assert parked.way == "parked" and why in parked.reason
 
 
 def test_a_message_on_check_in_is_timed_and_a_cancel_read_later_wins_over_it():

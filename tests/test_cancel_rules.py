@@ -14,8 +14,8 @@ from typing import Dict, List
 import pika
 import pytest
 
-from gateway.broker import lazy_properties
-from gateway.broker.plugin_table import PluginMessage
+from gateway.broker.plumbing import lazy_properties
+from gateway.broker.tools.plugin_table import PluginMessage
 from gateway.commands import move
 from gateway.core import cancels
 from gateway.core.wire import Properties

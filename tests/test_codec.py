@@ -12,7 +12,7 @@ from pika import data, frame, spec
 from pika.adapters.blocking_connection import BlockingConnection
 from pika.connection import Connection
 
-from gateway.broker import lazy_properties, publish_frames, wire_connection
+from gateway.broker.plumbing import lazy_properties, publish_frames, wire_connection
 from gateway.core.wire import Properties, Table
 
 PINNED = "pika>=1.3,<1.5"
@@ -67,7 +67,7 @@ def test_the_codec_decodes_exactly_and_leaves_pika_as_it_was():
 
 
 def test_the_cli_publisher_sends_a_float_header_as_a_double():
-    from gateway.broker.publish import Publisher
+    from gateway.broker.tools.publish import Publisher
     from topology import ChainSettings
 
     class Channel:

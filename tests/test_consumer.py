@@ -6,7 +6,7 @@ from collections import deque
 
 import structlog.testing
 
-from gateway.broker.consumer import Pipe
+from gateway.broker.run.consumer import Pipe
 from gateway.core import carrier, envelope, wire
 from gateway.core.carrier import Batcher
 from gateway.core.envelope import Inside

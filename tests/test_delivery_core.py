@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from .fake_broker import FakeConnection, Published
-from gateway.broker.consumer import Pipe
+from gateway.broker.run.consumer import Pipe
 from gateway.core import carrier
 from gateway.core.actions import Action, Enqueue, Forward
 from gateway.core.inputs import Delivery

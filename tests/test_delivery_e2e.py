@@ -5,7 +5,7 @@ import time
 import pika
 import pytest
 
-from gateway.broker import lazy_properties
+from gateway.broker.plumbing import lazy_properties
 
 from .support import Receiver, connect, drain, now_ms, publish_sentinel, same_entries, sent_headers, wait_until
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, strategies as st
 from pika import BasicProperties
 
-from gateway.broker import lazy_properties
+from gateway.broker.plumbing import lazy_properties
 from gateway.core import envelope
 from gateway.core.envelope import Inside, Unreadable, due_at
 from gateway.core.wire import TableField, Properties, Table, long

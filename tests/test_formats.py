@@ -24,9 +24,9 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import pytest
 from pika import data, spec
 
-from gateway.broker.cancelling import Judge
+from gateway.broker.run.cancelling import Judge
 from gateway.commands.parked import NOT_OURS, Parked, destination
-from gateway.core import cancels, carrier, envelope, handlers, listing, retries, rules, waiting, wire
+from gateway.core import cancels, carrier, envelope, handlers, index_records, listing, retries, rules, wire
 from gateway.core.actions import Enqueue, Forward
 from gateway.core.carrier import Entry
 from gateway.core.inputs import Delivery
@@ -44,7 +44,7 @@ Json = Dict[str, Any]
 
 # -- the eras read by a reader of their own ---------------------------------------------------------------------
 FIRST_FORMAT = ("0a9c351", "a11db56")  # the format of 2026-11-21, until the core rework 1013189 (envelope.first_format)
-OLD_INDEX = "345936a"  # the index of 2026-11-25 22:28 .. 23:01, before 4a05290 (waiting.first_layout)
+OLD_INDEX = "345936a"  # the index of 2026-11-25 22:28 .. 23:01, before 4a05290 (index_records.first_layout)
 BEFORE_CANCEL_MARK = ("f602c79", "ae852a0")  # a parked cancel had no x-gateway-exchange before 7438e7c
 
 # -- the eras today's code cannot read (strict expected failures) ---------------------------------------------
@@ -189,7 +189,7 @@ def test_the_first_format_goes_on(commit: str, sample: Json) -> None:
     if sample["message"]["exchange"] == CHAIN.meditation:
         (onward,) = handlers.Returning(CHAIN, LEAD_MS)(delivery(sample["message"], NAMES.returning), NOW)
         assert isinstance(onward, Enqueue)
-        sent = handlers.carry(onward.exchange, onward.routing_key, onward.outcome, [onward.entry])
+        sent = handlers.carry(onward.exchange, onward.routing_key, onward.way, [onward.entry])
         assert envelope.Inside(sent.props).complete and envelope.PROPERTIES in sent.props.headers
         (got,) = handlers.entries(Delivery(onward.exchange, onward.routing_key, sent.props, sent.body))
         assert as_expected(got) == {k: want[k] for k in as_expected(got)}
@@ -388,7 +388,7 @@ def test_a_cancel_by_handle_still_cancels_its_message(commit: str, sample: Json)
     assert Judge(store, Rules(86_400_000), Metrics(), {})(other, "distributor") == (commit == OLD_INDEX)
     judge = listing.cancelled_by(store, Rules(86_400_000), NOW)
     assert judge is not None
-    (today,) = waiting.entries(waiting.pack_entries([waiting.entry_record(named, named.due_ms)]))
+    (today,) = index_records.entries(index_records.pack_entries([index_records.entry_record(named, named.due_ms)]))
     assert judge(today)
 
 
@@ -430,7 +430,7 @@ def test_a_stamped_cancel_cancels_what_was_stamped_before_it(record_sample: Json
 
 
 # -- the index of what waits ----------------------------------------------------------------------------------
-def listed(m: waiting.Listed) -> Json:
+def listed(m: index_records.Listed) -> Json:
     return {"read_us": m.read_us, "crc": m.crc, "due_ms": m.due_ms, "until_ms": m.until_ms, "size": m.size,
             "retry_attempt": m.retry_attempt, "retry": m.retry,
             "message_id": None if m.message_id is None else m.message_id.hex(), "routing_key": m.routing_key.hex(),
@@ -439,37 +439,38 @@ def listed(m: waiting.Listed) -> Json:
 
 def era_checksum(commit: str, e: Entry) -> int:
     """The checksum an entry of this era names its message by (its version's, as today reads it)."""
-    return waiting.first_checksum(e.routing_key) if commit == OLD_INDEX else waiting.checksum(e)
+    return index_records.first_checksum(e.routing_key) if commit == OLD_INDEX else index_records.checksum(e)
 
 
 @pytest.mark.parametrize("commit, sample", cases({"waiting": ("entries", "entries-carried")}))
 def test_index_entries_read_as_written(commit: str, sample: Json) -> None:
-    """waiting.entries yields each entry of a record: read time, checksum (the one its version
+    """index_records.entries yields each entry of a record: read time, checksum (the one its version
     wrote, or for the first layout the one its version computed: the routing key's CRC-32),
     due, until, size, retry attempt, id, routing key, properties."""
     for r in sample["records"]:
         body = raw(r["body"])
-        got = [listed(m) for m in waiting.entries(body)]
+        got = [listed(m) for m in index_records.entries(body)]
         assert [{k: g[k] for k in want} for g, want in zip(got, r["expected"], strict=False)] == r["expected"]
         assert len(got) == len(r["expected"])
-        assert waiting.first_layout(body) == (commit == OLD_INDEX)
+        assert index_records.first_layout(body) == (commit == OLD_INDEX)
     by_key = {(m["accepted_us"], m["routing_key"]): entry_of(m) for m in sample["messages"]}
     for r in sample["records"]:
-        for m in waiting.entries(raw(r["body"])):
+        for m in index_records.entries(raw(r["body"])):
             assert m.crc == era_checksum(commit, by_key[m.read_us, m.routing_key.hex()])
 
 
 @pytest.mark.parametrize("commit, sample", cases({"waiting": ("done",)}))
 def test_done_records_read_as_written(commit: str, sample: Json) -> None:
-    assert waiting.done_keys(raw(sample["body"])) == sample["expected"]["keys"]
+    assert index_records.done_keys(raw(sample["body"])) == sample["expected"]["keys"]
 
 
 @pytest.mark.parametrize("commit, sample", cases({"waiting": ("done",)}))
 def test_done_keys_name_their_messages(commit: str, sample: Json) -> None:
     """A done key is the key today's index gives the message it names (so `pending` stops
     listing it): for an entry of the index's first layout, with that layout's checksum."""
-    keys = waiting.done_keys(raw(sample["body"]))
-    assert keys == [waiting.key_of(e.accepted_us, era_checksum(commit, e)) for e in map(entry_of, sample["messages"])]
+    keys = index_records.done_keys(raw(sample["body"]))
+    assert keys == [index_records.key_of(e.accepted_us, era_checksum(commit, e))
+                    for e in map(entry_of, sample["messages"])]
 
 
 @pytest.mark.parametrize("commit, sample", cases({"waiting": ("lapped",)}))
@@ -479,13 +480,15 @@ def test_a_lapped_record_is_passed_over(commit: str, sample: Json) -> None:
     and readers pass over them: no done keys, beat or entries. The keys are those of the
     entries written with them, as that version read them."""
     body, entry = raw(sample["body"]), raw(sample["entry"])
-    assert (waiting.done_keys(body), waiting.beat(body), list(waiting.entries(body))) == ([], None, [])
+    assert index_records.done_keys(body) == [] and index_records.beat(body) is None
+    assert list(index_records.entries(body)) == []
     count = int.from_bytes(body[4:8], "big")
-    assert body[:4] == b"DGL1" and len(body) == 8 + count * waiting.KEY.size
-    keys = [waiting.key_of(*waiting.KEY.unpack_from(body, 8 + i * waiting.KEY.size)) for i in range(count)]
-    assert keys == sample["expected"]["keys"] == [m.key for m in waiting.entries(entry)] == [
-        waiting.key_of(e.accepted_us, waiting.checksum(e)) for e in map(entry_of, sample["messages"])]
-    assert [listed(m) for m in waiting.entries(entry)] == sample["expected"]["entry"]
+    assert body[:4] == b"DGL1" and len(body) == 8 + count * index_records.KEY.size
+    key = index_records.KEY
+    keys = [index_records.key_of(*key.unpack_from(body, 8 + i * key.size)) for i in range(count)]
+    assert keys == sample["expected"]["keys"] == [m.key for m in index_records.entries(entry)] == [
+        index_records.key_of(e.accepted_us, index_records.checksum(e)) for e in map(entry_of, sample["messages"])]
+    assert [listed(m) for m in index_records.entries(entry)] == sample["expected"]["entry"]
     v = listing.View(NOW, listing.Horizon(NOW - 60_000, True, ""), None, Selection(), keep=0)
     v.add_keys(body)
     assert v.keys == 0
@@ -509,8 +512,8 @@ def test_a_listing_reads_an_eras_index(commit: str) -> None:
         records.append({"band": "04", "body": index["lapped"]["entry"]})  # (the entry written with the lapped key)
     entries = [raw(r["body"]) for r in sorted(records, key=lambda r: r["band"], reverse=True)]
     keys = [raw(index[v]["body"]) for v in ("done", "lapped", "beat", "beat-unindexed", "mark") if v in index]
-    done = set(waiting.done_keys(raw(index["done"]["body"])))
-    every = [m for body in entries for m in waiting.entries(body)]
+    done = set(index_records.done_keys(raw(index["done"]["body"])))
+    every = [m for body in entries for m in index_records.entries(body)]
     assert len(every) == sum(len(r["expected"]) for v in ("entries", "entries-carried") for r in index[v]["records"]) \
         + (1 if "lapped" in index else 0)
     assert done & {m.key for m in every}  # (the message "chain" is done: its entries go)
@@ -521,7 +524,7 @@ def test_a_listing_reads_an_eras_index(commit: str) -> None:
         v.add_entries(body)
     v.finish()
     assert sorted(m.key for m in v.listed()) == sorted(m.key for m in every if m.key not in done)
-    assert v.read == len(every) and v.keys == len(waiting.done_keys(raw(index["done"]["body"])))
+    assert v.read == len(every) and v.keys == len(index_records.done_keys(raw(index["done"]["body"])))
 
 
 @pytest.mark.parametrize("commit", [d["written_by"]["commit"][:7] for f, _, d in DOCUMENTS if f == "waiting"])
@@ -529,7 +532,7 @@ def test_a_listing_judges_an_eras_entries_by_their_handles(commit: str) -> None:
     """A cancel of the handle `pending` listed a message by (its era's) leaves it out of the
     listing, and only it."""
     index = index_of(commit)
-    every = [m for v in ("entries", "entries-carried") for r in index[v]["records"] for m in waiting.entries(
+    every = [m for v in ("entries", "entries-carried") for r in index[v]["records"] for m in index_records.entries(
         raw(r["body"]))]
     assert len(every) == 6
     for m in every:
@@ -545,22 +548,24 @@ def test_beats_read_as_written(commit: str, sample: Json) -> None:
     for a DGB1 beat (before 1.0) one consumer of each kind its roles consume, and entries
     written."""
     want = sample["expected"]
-    beat = waiting.beat(raw(sample["body"]))
+    beat = index_records.beat(raw(sample["body"]))
     assert beat is not None
     assert (beat.gateway, beat.roles, beat.low_ms, beat.at_ms) == (raw(want["gateway"]), want["roles"],
                                                                     want["low_ms"], want["at_ms"])
     if "consumers" in want:
-        assert (beat.consumers, beat.flags) == (waiting.Consumers(**want["consumers"]), want["flags"])
+        assert (beat.consumers, beat.flags) == (index_records.Consumers(**want["consumers"]), want["flags"])
     else:
-        one = 1 if want["roles"] & waiting.ROLE_CHECK_IN else 0
-        assert beat.consumers == waiting.Consumers(one, one, 1 if want["roles"] & waiting.ROLE_DISTRIBUTOR else 0)
+        one = 1 if want["roles"] & index_records.ROLE_CHECK_IN else 0
+        distributors = 1 if want["roles"] & index_records.ROLE_DISTRIBUTOR else 0
+        assert beat.consumers == index_records.Consumers(one, one, distributors)
         assert beat.indexes
 
 
 @pytest.mark.parametrize("commit, sample", cases({"waiting": ("mark",)}))
 def test_a_readers_mark_is_no_record(commit: str, sample: Json) -> None:
     body = raw(sample["body"])
-    assert (list(waiting.entries(body)), waiting.done_keys(body), waiting.beat(body)) == ([], [], None)
+    assert list(index_records.entries(body)) == [] and index_records.done_keys(body) == []
+    assert index_records.beat(body) is None
 
 
 # -- the chains registry, the pick-up stamp ------------------------------------------------------------------
@@ -645,7 +650,8 @@ def test_a_rule_by_handle_cancels_the_message_it_names(commit: str, sample: Json
                 if f == "cancel-record" and d["written_by"]["commit"].startswith("4a05290")]
     message = entry_of(named)
     assert Judge(cancels.Store(86_400_000), held, Metrics(), {})(message, "distributor")
-    (listed_as,) = waiting.entries(waiting.pack_entries([waiting.entry_record(message, message.due_ms)]))
+    record = index_records.entry_record(message, message.due_ms)
+    (listed_as,) = index_records.entries(index_records.pack_entries([record]))
     judge = listing.cancelled_by(cancels.Store(86_400_000), held, NOW)
     assert judge is not None and judge(listed_as)
 

@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 from pika import BasicProperties
 
 from gateway.core import carrier, envelope
-from gateway.broker import lazy_properties
+from gateway.broker.plumbing import lazy_properties
 from gateway.core.actions import Enqueue, Forward
 from gateway.core.inputs import Delivery
 from gateway.core.routes import Way
@@ -36,14 +36,14 @@ def check_in(headers=None, wait_ms=0, **kw):
 
 def sent(action) -> Delivery:
     """What the next queue delivers of an action sent alone (the broker keeps the bytes)."""
-    f = carry(action.exchange, action.routing_key, action.outcome, [action.entry]) \
+    f = carry(action.exchange, action.routing_key, action.way, [action.entry]) \
         if isinstance(action, Enqueue) else action
     return Delivery(f.exchange, f.routing_key, f.props, f.body)
 
 
 def test_check_in_routes_by_remaining_delay():
     a = check_in({"x-delay": 11_050})
-    assert isinstance(a, Enqueue) and (a.exchange, a.routing_key, a.outcome) == (LEVEL + "03", b"1.1.0.1", "chain")
+    assert isinstance(a, Enqueue) and (a.exchange, a.routing_key, a.way) == (LEVEL + "03", b"1.1.0.1", "chain")
     assert check_in({"x-delay": 500}).exchange == "d.distributor"
     assert check_in({"x-delay": 60_000}).exchange == MEDITATION
     assert check_in({"x-delay": 500}).entry.due_ms == NOW + 500
@@ -57,7 +57,7 @@ def test_a_message_that_may_wait_for_a_carrier_leaves_the_chain_that_much_earlie
 def test_check_in_parks_an_unreadable_delay_under_the_publishers_key():
     parked = check_in({"x-delay": "tomorrow"}, key=b"\xffnot-utf8")
     assert isinstance(parked, Forward)
-    assert (parked.exchange, parked.routing_key, parked.outcome) == ("d.parked", b"\xffnot-utf8", "parked")
+    assert (parked.exchange, parked.routing_key, parked.way) == ("d.parked", b"\xffnot-utf8", "parked")
     inside = Inside(parked.props)
     assert "not a number" in inside.error and inside.due_ms is None and inside.routing_key == b"\xffnot-utf8"
 
@@ -81,7 +81,7 @@ def test_returning_from_meditation_goes_on_by_its_due_time():
 
 def test_returning_parks_what_is_not_in_the_gateways_format():
     [f] = Returning(CHAIN, 50)(published({"x-gateway-due-at": NOW}), NOW)
-    assert f.outcome == "parked" and "not in the gateway's format" in Inside(f.props).error
+    assert f.way == "parked" and "not in the gateway's format" in Inside(f.props).error
 
 
 def test_distributor_holds_until_due_and_restores_key_and_properties_exactly():
@@ -119,7 +119,7 @@ def test_distributor_stamps_the_due_time_only_when_asked():
 
 def test_distributor_sends_a_far_early_message_back_into_the_chain():
     [out] = Distributor(CHAIN, 50)(sent(check_in({"x-deliver-at": NOW + 3_600_000})), NOW)
-    assert out.outcome == "recheck" and out.exchange == MEDITATION
+    assert out.way == "recheck" and out.exchange == MEDITATION
 
 
 def test_distributor_parks_an_unroutable_message_keeping_its_due_time():

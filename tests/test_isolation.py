@@ -12,7 +12,7 @@ import time
 import pika
 import pytest
 
-from gateway.broker import lazy_properties
+from gateway.broker.plumbing import lazy_properties
 from gateway.core.wire import Properties, Table
 
 from .support import (ROOT, START_NOTICES, Receiver, broker_url, chain_args, connect, now_ms, publish_sentinel,

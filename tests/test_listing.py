@@ -10,11 +10,11 @@ from typing import List, Optional, Sequence, Tuple
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from gateway.core import cancels, listing, rules, waiting
+from gateway.core import cancels, index_records, listing, rules
 from gateway.core.carrier import Entry
 from gateway.core.listing import Gap, Horizon, Place, View
 from gateway.core.selection import Selection
-from gateway.core.waiting import Beat, Consumers
+from gateway.core.index_records import Beat, Consumers
 from gateway.core.wire import Properties, Table, long, longstr
 
 from .support import examples
@@ -32,7 +32,7 @@ def entry(key: bytes = b"k", mid: Optional[bytes] = b"m", due: int = NOW + 60_00
 
 
 def key(e: Entry) -> bytes:
-    found = waiting.done_key(e)
+    found = index_records.done_key(e)
     assert found is not None
     return found
 
@@ -44,10 +44,10 @@ def view(written: Sequence[Tuple[Entry, int]], done: Sequence[Entry] = (), selec
     entry a record of its own, or all of them in one), read at `read_at`."""
     v = View(NOW, at, cancelled, select or Selection(), keep)
     if done:
-        v.add_keys(waiting.pack_done([key(e) for e in done]))
-    records = [waiting.entry_record(e, until) for e, until in written]
+        v.add_keys(index_records.pack_done([key(e) for e in done]))
+    records = [index_records.entry_record(e, until) for e, until in written]
     for group in ([records] if one_record else [[r] for r in records]):
-        v.add_entries(waiting.pack_entries(group), read_at)
+        v.add_entries(index_records.pack_entries(group), read_at)
     v.finish()
     return v
 
@@ -112,7 +112,7 @@ def test_cancels_by_id_after_the_message_by_handle_always_and_rules_after_the_me
     by_rule, after_rule = entry(b"orders.42.a", b"r", read_us=t + 50), entry(b"orders.42.b", b"s", read_us=t + 70)
     store.add(b"x", cancels.Time(t + 11), NOW)
     store.add(b"y", cancels.Time(t + 29), NOW)  # before the message (a reschedule): it stays
-    store.add(cancels.handle(t + 20, waiting.checksum(by_handle)).encode(), cancels.Time(t + 1), NOW)
+    store.add(cancels.handle(t + 20, index_records.checksum(by_handle)).encode(), cancels.Time(t + 1), NOW)
     held.add(rules.Rule(b"r1", Selection(key="orders.42.#"), cancels.Time(t + 60)), NOW)
     v = view([(e, e.due_ms) for e in (by_id, by_handle, after, spared, by_rule, after_rule)],
              cancelled=listing.cancelled_by(store, held, NOW))
@@ -137,7 +137,7 @@ def test_filters_combine_and_the_soonest_due_are_kept(one_record):
     assert chosen(headers=(("customer", "42"),)) == [4, 3]
     assert chosen(headers=(("customer", "42"), ("tier", "gold"))) == [3]
     assert chosen(ids=(b"a*",)) == [2, 1] and chosen(ids=(b"a1", b"r1")) == [5, 1]
-    assert chosen(ids=(cancels.handle(4, waiting.checksum(FILTERED[3])).encode(),)) == [4]
+    assert chosen(ids=(cancels.handle(4, index_records.checksum(FILTERED[3])).encode(),)) == [4]
     assert chosen(retries=True) == [5]
     v = view([(e, e.due_ms) for e in FILTERED], keep=2, one_record=one_record)
     assert [m.read_us for m in v.listed()] == [5, 4] and v.total == 5 and v.latest_due_ms == NOW + 90_000_000
@@ -191,11 +191,11 @@ def test_the_fast_path_counts_and_keeps_what_one_by_one_does(items, keep, filter
 
 def first_layout(written: Sequence[Tuple[Entry, int]]) -> bytes:
     """Entries as 345936a..bc3eba0 wrote them: today's fixed part without the checksum."""
-    fixed = [waiting.FIRST_FIXED.pack(e.accepted_us, e.due_ms, until, len(e.body), 0, waiting.HAS_ID,
-                                      len(e.user.get("message_id")), len(e.routing_key), len(e.user.raw))
+    fixed = [index_records.FIRST_FIXED.pack(e.accepted_us, e.due_ms, until, len(e.body), 0, index_records.HAS_ID,
+                                            len(e.user.get("message_id")), len(e.routing_key), len(e.user.raw))
              for e, until in written]
     rest = [e.user.get("message_id") + e.routing_key + e.user.raw for e, _ in written]
-    return waiting.ENTRIES + len(written).to_bytes(4, "big") + b"".join(fixed) + b"".join(rest)
+    return index_records.ENTRIES + len(written).to_bytes(4, "big") + b"".join(fixed) + b"".join(rest)
 
 
 @pytest.mark.parametrize("cancelled", [False, True])
@@ -207,29 +207,29 @@ def test_entries_of_the_first_layout_are_listed_and_taken_off_by_their_keys(canc
     new = [entry(b"b.%d" % n, b"new-%d" % n, NOW + 500 + 1000 * n, NOW * 1000 + n) for n in range(3)]
     store = cancels.Store(86_400_000)
     store.add(b"new-1", cancels.Time(NOW * 1000 + 10), NOW)
-    named = cancels.handle(old[2].accepted_us, waiting.first_checksum(b"a.2")).encode()  # a handle of its time
+    named = cancels.handle(old[2].accepted_us, index_records.first_checksum(b"a.2")).encode()  # a handle of its time
     store.add(named, cancels.Time(NOW * 1000), NOW)
     judge = listing.cancelled_by(store, rules.Rules(86_400_000), NOW) if cancelled else None
     for one_record in (False, True):
         v = View(NOW, EXACT, judge, Selection(), 0)
-        v.add_keys(waiting.pack_done([waiting.KEY.pack(old[0].accepted_us, waiting.first_checksum(b"a.0")),
-                                      key(new[0])]))
+        first = index_records.KEY.pack(old[0].accepted_us, index_records.first_checksum(b"a.0"))
+        v.add_keys(index_records.pack_done([first, key(new[0])]))
         records = [first_layout([(e, e.due_ms)]) for e in old] if not one_record else [
             first_layout([(e, e.due_ms) for e in old])]
-        for body in records + [waiting.pack_entries([waiting.entry_record(e, e.due_ms) for e in new])]:
-            assert waiting.first_layout(body) == (body in records)
+        for body in records + [index_records.pack_entries([index_records.entry_record(e, e.due_ms) for e in new])]:
+            assert index_records.first_layout(body) == (body in records)
             v.add_entries(body)
         v.finish()
         left = {b"old-1", b"old-2", b"old-3", b"new-1", b"new-2"} - ({b"old-2", b"new-1"} if cancelled else set())
         assert {m.message_id for m in v.listed()} == left and v.total == len(left) and v.read == 7
         assert [m.handle for m in v.listed() if m.message_id == b"old-1"] == [
-            cancels.handle(old[1].accepted_us, waiting.first_checksum(b"a.1"))]
+            cancels.handle(old[1].accepted_us, index_records.first_checksum(b"a.1"))]
 
 
 # -- the horizon and the gaps ------------------------------------------------------------------
 def beat(n: int, roles: int, at: int, consumers: Optional[Consumers] = None, indexes: bool = True) -> Beat:
     return Beat(bytes([n]) * 16, roles, NOW - 10, at, consumers or Consumers(1, 1, 1),
-                waiting.INDEXES if indexes else 0)
+                index_records.INDEXES if indexes else 0)
 
 
 @pytest.mark.parametrize("distributor,returning,beats,exact", [

@@ -6,10 +6,11 @@ from string import Template
 
 import pytest
 
-from gateway.broker import plugin_table
-from gateway.broker.plugin_table import ENTRY_SHAPE, INDEX_SHAPE, SHELL_SAFE, PluginMessage, Probe, Table, Waiting
-from gateway.commands.move import count, held_as_gateway, index_records, outgoing, ranges, refused
-from gateway.core import cancels, waiting, wire
+from gateway.broker.tools import plugin_table
+from gateway.broker.tools.plugin_table import ENTRY_SHAPE, INDEX_SHAPE, SHELL_SAFE, MnesiaTable, PluginMessage, Probe
+from gateway.broker.tools.plugin_table import Waiting
+from gateway.commands.move import count, held_as_gateway, index_entries, outgoing, ranges, refused
+from gateway.core import cancels, index_records, wire
 from gateway.core.envelope import Inside
 
 NOW = 1_800_000_000_000
@@ -50,11 +51,11 @@ def test_what_is_published_is_the_entry_in_the_gateways_format():
     assert cancels.after(cancels.Time(1), cancels.Time(inside.accepted_us))
 
 
-def table(**changes) -> Table:
+def table(**changes) -> MnesiaTable:
     fields = dict(name="rabbit_delayed_messagerabbit@a", where="rabbit@a", record=ENTRY_SHAPE[0],
                   attributes=ENTRY_SHAPE[1], type=ENTRY_SHAPE[2], size=1, index=INDEX_SHAPE)
     fields.update(changes)
-    return Table(**fields)
+    return MnesiaTable(**fields)
 
 
 def test_a_table_of_the_plugins_shape_passes_and_others_say_what_they_are():
@@ -96,9 +97,9 @@ def test_the_moved_messages_entries_name_them_in_the_index_until_due():
     plugin = [PluginMessage(NOW + 60_000, b"order.1", props.raw, b"body", "a"),
               PluginMessage(NOW + 400 * 86_400_000, b"order.2", props.raw, b"body", "b")]
     held = held_as_gateway(plugin, cancels.Sequencer(), NOW)
-    records = list(index_records(held, "delay.waiting", 11, NOW))
+    records = list(index_entries(held, "delay.waiting", 11, NOW))
     assert [key for _, key, _, _ in records] == ["03", "10"]  # (1 minute; 400 days: the top band of 11)
-    listed = [m for _, _, _, body in records for m in waiting.entries(body)]
+    listed = [m for _, _, _, body in records for m in index_records.entries(body)]
     assert [(m.routing_key, m.due_ms, m.until_ms, m.read_us) for m in listed] == \
         [(e.routing_key, e.due_ms, e.due_ms, e.accepted_us) for e in held]
     assert all(m.read_us < 0 for m in listed)  # (before any cancel)

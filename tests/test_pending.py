@@ -17,7 +17,7 @@ from typing import List, Optional
 import pika
 import pytest
 
-from gateway.broker import lazy_properties
+from gateway.broker.plumbing import lazy_properties
 from gateway.core import envelope
 from gateway.core.wire import Properties, Table, long
 from topology import ChainSettings, Topology, build

@@ -9,7 +9,7 @@ from pika import BasicProperties
 
 from topology import ChainSettings
 
-from gateway.broker import lazy_properties
+from gateway.broker.plumbing import lazy_properties
 from gateway.commands.parked import Parked, destination
 from gateway.core import carrier, envelope, handlers, retries
 from gateway.core.actions import Drop, Enqueue
@@ -108,7 +108,7 @@ def test_a_rejected_message_goes_back_to_its_queue_after_the_policys_delay_with_
 
 def test_after_the_last_attempt_it_is_parked_with_the_reason_and_replay_sends_it_back_afresh():
     [parked] = retry_handler(Policy(attempts=3))(rejected("orders", attempt=3, reason="db down"), NOW)
-    assert parked.exchange == NAMES.parked and parked.outcome == "parked"
+    assert parked.exchange == NAMES.parked and parked.way == "parked"
     assert parked.reason == "gave up after 3 retries to queue 'orders': db down"
     message = Parked(1, parked.props, parked.body, parked.routing_key)
     exchange, key, props = destination(message, NAMES)
@@ -124,7 +124,7 @@ def test_after_the_last_attempt_it_is_parked_with_the_reason_and_replay_sends_it
 ])
 def test_hostile_or_unexplained_input_on_the_retry_exchange_is_parked_with_a_reason(delivery, why):
     [parked] = retry_handler()(delivery, NOW)
-    assert parked.outcome == "parked" and why in parked.reason
+    assert parked.way == "parked" and why in parked.reason
 
 
 def test_a_retry_travels_in_carriers_of_its_own_and_the_distributor_sends_it_to_its_queue():
@@ -136,7 +136,7 @@ def test_a_retry_travels_in_carriers_of_its_own_and_the_distributor_sends_it_to_
     alone = handlers.carry("ex", b"", Way.CHAIN, [e1])
     assert handlers.entries(Delivery("ex", b"", alone.props, alone.body)) == [e1]
     [out] = handlers.Distributor(CHAIN, 50)(Delivery("ex", b"", both.props, both.body), NOW)[:1]
-    assert (out.exchange, out.routing_key, out.outcome, out.mandatory) == ("", b"orders", "retried", True)
+    assert (out.exchange, out.routing_key, out.way, out.mandatory) == ("", b"orders", "retried", True)
     gone = handlers.unroutable(NAMES, e1)
     assert "queue 'orders' does not exist" in gone.reason
     assert carrier.properties([Entry(b"k", Properties.build(), b"", NOW)]).headers.get(envelope.EXCHANGE) is None
@@ -173,7 +173,7 @@ def test_retries_go_back_only_to_the_queues_allowed():
         [sent] = handler(rejected(allowed), NOW)
         assert isinstance(sent, Enqueue) and sent.entry.routing_key == allowed.encode(), sent
     [parked] = handler(rejected("billing"), NOW)
-    assert parked.outcome == "parked" and "may not go back to queue 'billing'" in parked.reason
+    assert parked.way == "parked" and "may not go back to queue 'billing'" in parked.reason
 
 
 def test_run_refuses_a_policy_that_cannot_be_in_one_line_with_exit_2():

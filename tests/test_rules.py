@@ -218,18 +218,18 @@ def test_check_in_records_a_rule_behind_the_messages_before_it_and_parks_a_bad_o
     out2 = flow.delivered(2, rule, NOW + 1)
     published: List[Forward] = [p.payload.forward for p in out.publish + out2.publish]
     # the message goes on at once (the rule closes its carrier); the rule's record waits for its ack
-    assert [f.outcome for f in published] == [Way.CHAIN]
+    assert [f.way for f in published] == [Way.CHAIN]
     assert check_in.recorded == {("rule", b"gdpr"): check_in.recorded[("rule", b"gdpr")]}
     out = flow.confirmed(max(p.seq for p in out.publish + out2.publish), True, True, NOW + 2)
     assert out.ack == [(1, True)] and out.sync  # every delivery before it acknowledged: a round trip, then
     out = flow.synced(NOW + 11)
     [record] = [p.payload.forward for p in out.publish]
     found = rules.read_record(record.props.headers)
-    assert record.outcome is Way.CANCEL and isinstance(found, rules.Rule) and found.name == b"gdpr"
+    assert record.way is Way.CANCEL and isinstance(found, rules.Rule) and found.name == b"gdpr"
     assert found.select == Selection(key="orders.42.#")  # the message_id a client set is not a filter
     bad = Delivery(CHAIN.names.cancel, b"", Properties.build(headers=Table([longstr("x-cancel-kye", "a")])), b"")
     [parked] = check_in(bad, NOW)
-    assert isinstance(parked, Forward) and parked.outcome is Way.PARKED and "x-cancel-kye" in (parked.reason or "")
+    assert isinstance(parked, Forward) and parked.way is Way.PARKED and "x-cancel-kye" in (parked.reason or "")
 
 
 # -- selection ---------------------------------------------------------------------------------

@@ -3,7 +3,7 @@ against real brokers in tests/faults/test_stamp_notice.py and tests/test_arrival
 
 import pytest
 
-from gateway.broker.stamp import FIRST_WITH_STAMP, version_of
+from gateway.broker.run.stamp import FIRST_WITH_STAMP, version_of
 
 
 @pytest.mark.parametrize("properties, version", [

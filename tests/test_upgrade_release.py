@@ -56,8 +56,8 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import pytest
 
-from gateway.broker import lazy_properties
-from gateway.broker.window import Outgoing, WindowPublisher
+from gateway.broker.plumbing import lazy_properties
+from gateway.broker.tools.window import Outgoing, WindowPublisher
 from gateway.core import wire
 from gateway.core.wire import Properties, Table, TableField
 from topology import ChainSettings

@@ -1,4 +1,4 @@
-"""The index of what waits, on the pure core (gateway/core/waiting.py, the Flow's recorder):
+"""The index of what waits, on the pure core (gateway/core/index_records.py, the Flow's recorder):
 its records read back exactly; against a model of the broker with crashes at any moment,
 that the index names every message that waits and none that does not; and that the keys
 saying a message left (or finished a lap) are confirmed before its delivery is acknowledged.
@@ -11,14 +11,14 @@ from typing import Dict, List, Optional
 from hypothesis import given, settings, strategies as st
 
 from topology import ChainSettings
-from topology.waiting import band, bands, span_ms
+from topology.index_bands import band, bands, span_ms
 
-from gateway.core import cancels, carrier, handlers, waiting
+from gateway.core import cancels, carrier, handlers, index_records
 from gateway.core.inputs import Delivery
 from gateway.core.routes import Way
 from gateway.core.carrier import Batcher, Entry
 from gateway.core.flow import Flow
-from gateway.core.waiting import Consumers, Listed, Recorder
+from gateway.core.index_records import Consumers, Listed, Recorder
 from gateway.core.wire import Properties, Table, long, longstr
 
 from .support import examples
@@ -39,7 +39,7 @@ def entry(key: bytes = b"k", mid: Optional[bytes] = b"m", due: int = NOW + 60_00
 
 
 def listed(e: Entry, until: int) -> Listed:
-    [m] = waiting.entries(waiting.pack_entries([waiting.entry_record(e, until)]))
+    [m] = index_records.entries(index_records.pack_entries([index_records.entry_record(e, until)]))
     return m
 
 
@@ -53,7 +53,8 @@ def test_entries_read_back_exactly(items):
     for key, mid, read_us, due, body, retry, attempt in items:
         headers = Table([long("x-retry-attempt", attempt)]) if retry else Table([longstr("h", b"\x00\xff")])
         sent.append((entry(key, mid, due, read_us, body, "" if retry else None, headers), due + 5))
-    got = list(waiting.entries(waiting.pack_entries([waiting.entry_record(e, until) for e, until in sent])))
+    records = [index_records.entry_record(e, until) for e, until in sent]
+    got = list(index_records.entries(index_records.pack_entries(records)))
     assert len(got) == len(sent)
     for (e, until), m in zip(sent, got, strict=True):
         assert (m.routing_key, m.message_id, m.read_us, m.due_ms, m.until_ms, m.size) == \
@@ -61,7 +62,7 @@ def test_entries_read_back_exactly(items):
         assert m.props == e.user.raw and m.retry == (e.exchange == "")
         attempt = e.user.headers.get("x-retry-attempt")
         assert m.retry_attempt == (attempt if m.retry and 0 < attempt < 65536 else None)
-        assert m.key == waiting.key_of(e.accepted_us, cancels.checksum(e.routing_key, e.user.raw, e.body))
+        assert m.key == index_records.key_of(e.accepted_us, cancels.checksum(e.routing_key, e.user.raw, e.body))
 
 
 def adds_up(record: bytes, fixed) -> bool:
@@ -80,12 +81,12 @@ def first_layout_record(sent) -> bytes:
         mid = e.user.get("message_id") or b""
         retry = e.exchange == ""
         attempt = e.user.headers.get("x-retry-attempt") if retry else 0
-        fixed.append(waiting.FIRST_FIXED.pack(e.accepted_us, e.due_ms, until, len(e.body),
-                                               attempt if 0 < attempt < 65536 else 0,
-                                               (waiting.RETRY if retry else 0) | (waiting.HAS_ID if mid else 0),
-                                               len(mid), len(e.routing_key), len(e.user.raw)))
+        flags = (index_records.RETRY if retry else 0) | (index_records.HAS_ID if mid else 0)
+        fixed.append(index_records.FIRST_FIXED.pack(e.accepted_us, e.due_ms, until, len(e.body),
+                                                    attempt if 0 < attempt < 65536 else 0, flags,
+                                                    len(mid), len(e.routing_key), len(e.user.raw)))
         rest.append(mid + e.routing_key + e.user.raw)
-    return waiting.ENTRIES + len(sent).to_bytes(4, "big") + b"".join(fixed) + b"".join(rest)
+    return index_records.ENTRIES + len(sent).to_bytes(4, "big") + b"".join(fixed) + b"".join(rest)
 
 
 @settings(max_examples=examples(300))
@@ -98,18 +99,18 @@ def test_entries_of_the_first_layout_read_back_with_its_checksum(items):
     sent = [(entry(key, mid, due, read_us, body, "" if retry else None,
                    Table([long("x-retry-attempt", 2)]) if retry else None), due + 5)
             for key, mid, read_us, due, body, retry in items]
-    today = waiting.pack_entries([waiting.entry_record(e, until) for e, until in sent])
-    assert not waiting.first_layout(today)
+    today = index_records.pack_entries([index_records.entry_record(e, until) for e, until in sent])
+    assert not index_records.first_layout(today)
     old = first_layout_record(sent)
-    if not waiting.first_layout(old):  # (it adds up under today's layout too: read as today's, by the rule)
-        assert adds_up(old, waiting.FIXED)
+    if not index_records.first_layout(old):  # (it adds up under today's layout too: read as today's, by the rule)
+        assert adds_up(old, index_records.FIXED)
         return
-    got = list(waiting.entries(old))
+    got = list(index_records.entries(old))
     assert [(m.read_us, m.crc, m.due_ms, m.until_ms, m.size, m.retry, m.message_id, m.routing_key, m.props)
             for m in got] == [(e.accepted_us, zlib.crc32(e.routing_key), e.due_ms, until, len(e.body),
                                e.exchange == "", e.user.get("message_id"), e.routing_key, e.user.raw)
                               for e, until in sent]
-    assert [m.key for m in got] == [waiting.key_of(e.accepted_us, waiting.first_checksum(e.routing_key))
+    assert [m.key for m in got] == [index_records.key_of(e.accepted_us, index_records.first_checksum(e.routing_key))
                                     for e, _ in sent]
 
 
@@ -118,31 +119,32 @@ def test_a_record_that_adds_up_under_both_layouts_reads_as_todays():
     record under either fixed part: it is today's."""
     props = Properties.build(content_type=b"x")
     e = Entry(b"key", props, b"b" * (4 + len(props.raw)), NOW + 5, NOW * 1000)
-    record = waiting.pack_entries([waiting.entry_record(e, NOW + 5)])
-    assert adds_up(record, waiting.FIRST_FIXED) and adds_up(record, waiting.FIXED)
-    assert not waiting.first_layout(record)
-    assert [(m.read_us, m.routing_key, m.crc) for m in waiting.entries(record)] == [
-        (NOW * 1000, b"key", waiting.checksum(e))]
+    record = index_records.pack_entries([index_records.entry_record(e, NOW + 5)])
+    assert adds_up(record, index_records.FIRST_FIXED) and adds_up(record, index_records.FIXED)
+    assert not index_records.first_layout(record)
+    assert [(m.read_us, m.routing_key, m.crc) for m in index_records.entries(record)] == [
+        (NOW * 1000, b"key", index_records.checksum(e))]
 
 
 def test_done_keys_and_beats_read_back_and_nothing_else_reads_as_them():
     a, b = entry(b"a", read_us=1), entry(b"b", read_us=2)
-    keys = [waiting.key_of(1, waiting.checksum(a)), waiting.key_of(2, waiting.checksum(b))]
-    assert waiting.done_keys(waiting.pack_done([waiting.done_key(a), waiting.done_key(b)])) == keys
-    assert waiting.done_key(entry(read_us=None)) is None  # (from before read times were kept: never indexed)
-    beat = waiting.beat(waiting.pack_beat(b"g" * 16, 3, NOW - 5, NOW, Consumers(2, 1, 2), 0))
-    assert beat == waiting.Beat(b"g" * 16, 3, NOW - 5, NOW, Consumers(2, 1, 2), 0) and not beat.indexes
-    for other in (b"", b"DGM1" + b"x" * 16, waiting.pack_done([]), b"DGW1\xff\xff\xff\xff"):
-        assert list(waiting.entries(other)) == [] and waiting.beat(other) is None
-    assert waiting.done_keys(waiting.pack_entries([])) == []
+    keys = [index_records.key_of(1, index_records.checksum(a)), index_records.key_of(2, index_records.checksum(b))]
+    done = index_records.pack_done([index_records.done_key(a), index_records.done_key(b)])
+    assert index_records.done_keys(done) == keys
+    assert index_records.done_key(entry(read_us=None)) is None  # (from before read times were kept: never indexed)
+    beat = index_records.beat(index_records.pack_beat(b"g" * 16, 3, NOW - 5, NOW, Consumers(2, 1, 2), 0))
+    assert beat == index_records.Beat(b"g" * 16, 3, NOW - 5, NOW, Consumers(2, 1, 2), 0) and not beat.indexes
+    for other in (b"", b"DGM1" + b"x" * 16, index_records.pack_done([]), b"DGW1\xff\xff\xff\xff"):
+        assert list(index_records.entries(other)) == [] and index_records.beat(other) is None
+    assert index_records.done_keys(index_records.pack_entries([])) == []
 
 
 def test_a_beat_of_an_earlier_version_stands_for_one_consumer_of_each_kind_its_roles_run():
     """Before 1.0 a beat (DGB1) did not count consumers; a gateway then always wrote entries."""
     old = b"DGB1" + b"g" * 16 + bytes([3]) + (NOW - 5).to_bytes(8, "big") + NOW.to_bytes(8, "big")
-    assert waiting.beat(old) == waiting.Beat(b"g" * 16, 3, NOW - 5, NOW, Consumers(1, 1, 1))
-    distributor_only = old[:20] + bytes([waiting.ROLE_DISTRIBUTOR]) + old[21:]
-    assert waiting.beat(distributor_only).consumers == Consumers(0, 0, 1) and waiting.beat(old).indexes
+    assert index_records.beat(old) == index_records.Beat(b"g" * 16, 3, NOW - 5, NOW, Consumers(1, 1, 1))
+    distributor_only = old[:20] + bytes([index_records.ROLE_DISTRIBUTOR]) + old[21:]
+    assert index_records.beat(distributor_only).consumers == Consumers(0, 0, 1) and index_records.beat(old).indexes
 
 
 @settings(max_examples=examples(200))
@@ -172,7 +174,7 @@ def test_bands_hold_waits_up_to_four_to_the_b_seconds():
 
 
 def waiting_top() -> int:
-    from topology.waiting import BANDS
+    from topology.index_bands import BANDS
     return BANDS - 1
 
 
@@ -199,13 +201,13 @@ class Broker:
         self.index: List[int] = []  # keys of the entries in the streams
 
     def take(self, forward) -> None:
-        if forward.outcome is Way.INDEX:
-            for m in waiting.entries(forward.body):
+        if forward.way is Way.INDEX:
+            for m in index_records.entries(forward.body):
                 assert m.key in self.chain, "an entry for a message the broker does not have"
                 self.index.append(m.key)
             return
         for e in handlers.entries(Delivery(forward.exchange, forward.routing_key, forward.props, forward.body)):
-            self.chain.append(waiting.key_of(e.accepted_us, waiting.checksum(e)))
+            self.chain.append(index_records.key_of(e.accepted_us, index_records.checksum(e)))
 
 
 def run_check_in(count: int, seed: int, crashes: int) -> Broker:
@@ -278,7 +280,7 @@ def test_an_entry_the_broker_will_not_take_is_dropped_and_the_message_acknowledg
         out = flow.delivered(1, Delivery(NAMES.check_in, b"k", Properties.build(
             headers=Table([long("x-delay", 60_000)])), b"x"), NOW)
         [carried, record] = out.publish
-        assert record.payload.forward.outcome is Way.INDEX and record.side and record.tags == (1,)
+        assert record.payload.forward.way is Way.INDEX and record.side and record.tags == (1,)
         assert carried.seq < record.seq  # the entry right after the message, on the same channel
         if refusal == "returned":
             f = record.payload.forward
@@ -309,14 +311,14 @@ def test_a_delivery_is_acknowledged_only_once_the_key_saying_its_message_left_is
     e = entry(due=NOW + 100)
     flow.delivered(1, Delivery(NAMES.distributor, b"", handlers.next_hop(e), e.body), NOW)
     [delivered] = flow.tick(NOW + 100).publish
-    assert delivered.payload.forward.outcome is Way.DELIVERED
+    assert delivered.payload.forward.way is Way.DELIVERED
     out = flow.confirmed(delivered.seq, False, True, NOW + 101)
     assert out.ack == [] and not flow.tick(NOW + 110).ack  # confirmed at pick-up, its key not yet written
-    assert flow.next_wake() == NOW + 100 + waiting.DONE_FLUSH_MS
-    out = flow.tick(NOW + 100 + waiting.DONE_FLUSH_MS)
+    assert flow.next_wake() == NOW + 100 + index_records.DONE_FLUSH_MS
+    out = flow.tick(NOW + 100 + index_records.DONE_FLUSH_MS)
     [done] = out.publish
-    assert done.side and done.tags == (1,) and waiting.done_keys(done.payload.forward.body) == \
-        [waiting.key_of(e.accepted_us, waiting.checksum(e))]
+    assert done.side and done.tags == (1,) and index_records.done_keys(done.payload.forward.body) == \
+        [index_records.key_of(e.accepted_us, index_records.checksum(e))]
     assert not flow.tick(NOW + 400).ack
     flow.confirmed(done.seq, False, True, NOW + 401)
     assert flow.tick(NOW + 500).ack == [(1, True)]
@@ -335,13 +337,13 @@ def test_a_carrier_is_acknowledged_once_every_message_in_it_left_and_its_keys_ar
         out = flow.tick(now)
         assert not out.ack or not flow.ledger, out
         for pub in out.publish:
-            if pub.payload.forward.outcome is Way.INDEX:
-                keys += waiting.done_keys(pub.payload.forward.body)
+            if pub.payload.forward.way is Way.INDEX:
+                keys += index_records.done_keys(pub.payload.forward.body)
             flow.confirmed(pub.seq, False, True, now)
         if out.ack:
             break
-    assert out.ack == [(1, True)] and sorted(keys) == sorted(waiting.key_of(e.accepted_us, waiting.checksum(e))
-                                                             for e in batch)
+    assert out.ack == [(1, True)]
+    assert sorted(keys) == sorted(index_records.key_of(e.accepted_us, index_records.checksum(e)) for e in batch)
 
 
 def test_a_cancelled_message_dropped_at_release_is_noted_gone():
@@ -350,9 +352,10 @@ def test_a_cancelled_message_dropped_at_release_is_noted_gone():
     e = entry(due=NOW + 100)
     flow.delivered(1, Delivery(NAMES.distributor, b"", handlers.next_hop(e), e.body), NOW)
     assert not flow.tick(NOW + 100).publish  # released, and dropped: not delivered
-    out = flow.tick(NOW + 100 + waiting.DONE_FLUSH_MS)
+    out = flow.tick(NOW + 100 + index_records.DONE_FLUSH_MS)
     [done] = out.publish  # only the key saying it is gone
-    assert waiting.done_keys(done.payload.forward.body) == [waiting.key_of(e.accepted_us, waiting.checksum(e))]
+    gone = index_records.key_of(e.accepted_us, index_records.checksum(e))
+    assert index_records.done_keys(done.payload.forward.body) == [gone]
     assert not out.ack
     flow.confirmed(done.seq, False, True, NOW + 400)
     assert flow.tick(NOW + 500).ack == [(1, True)]
@@ -370,9 +373,9 @@ def test_keys_outlive_a_lost_channel_but_speak_for_no_new_delivery():
     flow.publishing_opened(NOW + 150)  # (a consumer that carried on: none does, the connection closes)
     later = entry(due=NOW + 10_000, read_us=NOW * 1000 + 1)
     flow.delivered(1, Delivery(NAMES.distributor, b"", handlers.next_hop(later), later.body), NOW + 200)
-    [done] = flow.tick(NOW + 100 + waiting.DONE_FLUSH_MS).publish
-    assert done.tags == () and waiting.done_keys(done.payload.forward.body) == \
-        [waiting.key_of(e.accepted_us, waiting.checksum(e))]
+    [done] = flow.tick(NOW + 100 + index_records.DONE_FLUSH_MS).publish
+    assert done.tags == () and index_records.done_keys(done.payload.forward.body) == \
+        [index_records.key_of(e.accepted_us, index_records.checksum(e))]
 
 
 def test_the_model_finds_a_recorder_that_loses_entries(monkeypatch):

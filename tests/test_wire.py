@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from pika import BasicProperties, spec
 
-from gateway.broker import lazy_properties, wire_connection
+from gateway.broker.plumbing import lazy_properties, wire_connection
 from gateway.core import wire
 from gateway.core.wire import Opaque, Properties, Table
 

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
-from topology import waiting as index
+from topology import index_bands
 from topology.model import build
 from topology.names import generation
 from topology.operator import ClusterReference, resources
@@ -54,8 +54,8 @@ def _group(chain: ChainSettings, d: Json) -> Tuple[str, int]:
     n = chain.names
     name = d["spec"].get("name") or d["spec"]["source"]
     stream = d["spec"].get("name") or d["spec"].get("destination")
-    for b in range(index.BANDS):
-        if stream == n.waiting_stream(index.band_key(b)):
+    for b in range(index_bands.BANDS):
+        if stream == n.waiting_stream(index_bands.band_key(b)):
             return "waiting", b
     if name in (chain.meditation, n.gateways(chain.max_level)):  # the objects of one max level
         return "meditation", chain.max_level
@@ -107,7 +107,7 @@ def chain_data(queue_type: str, zero_bits: str) -> Json:
     fixed: List[Json] = []
     levels: List[List[Json]] = [[] for _ in range(top)]
     meditation: List[List[Json]] = [[] for _ in range(top)]
-    waiting: List[List[Json]] = [[] for _ in range(index.BANDS)]
+    waiting: List[List[Json]] = [[] for _ in range(index_bands.BANDS)]
     seen = set()
     # (every band: a lap of nearly 10 years, the longest RabbitMQ allows, needs all of them)
     longest = ChainSettings(prefix=_MARK, max_level=18, resolution_ms=1_200_000, queue_type=queue_type,

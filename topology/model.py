@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-from topology import waiting as index
+from topology import index_bands
 from topology.encoding import level_pattern
 from topology.settings import ChainSettings
 
@@ -199,7 +199,7 @@ def build(settings: ChainSettings, cancel_window: Optional[int] = None) -> Topol
         # Failed messages to retry later: the dead-letter exchange of the users' queues
         # (docs/retries.md); no arguments, so a plain declare of it succeeds.
         Exchange(n.retry, "fanout"),
-        # The index of what waits (topology/waiting.py): one stream per band and one of done
+        # The index of what waits (topology/index_bands.py): one stream per band and one of done
         # records, behind one exchange keyed by band (no wildcards: a direct exchange, declared
         # as a topic one like the others).
         Exchange(n.waiting, "topic"),
@@ -233,9 +233,10 @@ def build(settings: ChainSettings, cancel_window: Optional[int] = None) -> Topol
     ]
     # every wait of this chain fits its bands: a lap, or one pass (the lead and carrier wait a
     # pass adds beyond a lap go in the top band: a reader reads a minute more than a span)
-    for key in [index.band_key(b) for b in range(index.bands(settings))] + [index.DONE]:
-        queues.append(Queue(n.waiting_stream(key), {"x-queue-type": "stream", "x-max-age": f"{index.max_age_s(key)}s",
-                                                    "x-stream-max-segment-size-bytes": index.SEGMENT_BYTES}, "waiting"))
+    for key in [index_bands.band_key(b) for b in range(index_bands.bands(settings))] + [index_bands.DONE]:
+        queues.append(Queue(n.waiting_stream(key), {
+            "x-queue-type": "stream", "x-max-age": f"{index_bands.max_age_s(key)}s",
+            "x-stream-max-segment-size-bytes": index_bands.SEGMENT_BYTES}, "waiting"))
         bindings.append(Binding(n.waiting, n.waiting_stream(key), key))
     if settings.queue_type != "quorum":  # the chain's own exits (names.exit_distributor)
         for name, role, internal in ((n.exit_returning(settings.queue_type), "returning", True),

@@ -104,7 +104,7 @@ class Names:
     @property
     def waiting(self) -> str:
         """Exchange (topic, exact keys) in front of the waiting streams: the index of what waits, which
-        `delay-gateway pending` reads (gateway/core/waiting.py)."""
+        `delay-gateway pending` reads (gateway/core/index_records.py)."""
         return self._("waiting")
 
     def waiting_stream(self, key: str) -> str:

@@ -13,7 +13,7 @@ every gateway for the chain it runs with:
   only while no chain using the queue was declared after it (stream order, not clocks).
 - `retired`: every object of this chain that no other chain needs is gone.
 - `unlisted`: messages sent on meanwhile may wait without an entry in the index of what
-  waits (gateway/core/waiting.py) until `until_ms`: appended when the index is first
+  waits (gateway/core/index_records.py) until `until_ms`: appended when the index is first
   declared where messages already wait (an upgrade from a version without it), and by a
   gateway that runs without writing entries (--no-pending-index). `pending` says so.
 

@@ -18,17 +18,17 @@ confirmed; 2 when an id is not one a message can have (the others are still canc
 """
 
 import argparse
-import datetime
 import sys
 import time
 from typing import Dict, List, Optional, Tuple
 
 import pika
 
-from gateway.broker import cancelling
-from gateway.broker.amqp import blocking_channel
+from gateway.broker.run import cancelling
+from gateway.broker.plumbing.amqp import blocking_channel
 from gateway.core import cancels
 from gateway.settings import Settings, UsageError
+from gateway.times import iso_ms
 from gateway.urls import one_vhost
 
 NOT_KNOWN = "whether it was already delivered cannot be known (the gateway keeps no record of deliveries)"
@@ -53,10 +53,6 @@ def read_ids(given: List[str], from_file: Optional[str]) -> List[str]:
     if not ids:
         raise UsageError("no message id given: name them, or --from-file PATH")
     return ids
-
-
-def readable_time(at_us: int) -> str:
-    return datetime.datetime.fromtimestamp(at_us / 1e6, datetime.timezone.utc).isoformat(timespec="milliseconds")
 
 
 def main(settings: Settings, ids: List[str], from_file: Optional[str], wait: float) -> int:
@@ -122,6 +118,6 @@ def line(mid: bytes, before: Optional[int], now: Optional[int]) -> str:
         return (f"{name}: queued: the broker has it, but no gateway has recorded it yet (none running, or a "
                 "backlog in check-in); it applies to messages published before it once check-in reads it")
     if before is not None:
-        return (f"{name}: already cancelled at {readable_time(before)}; cancelled again at {readable_time(now)}; "
+        return (f"{name}: already cancelled at {iso_ms(before // 1000)}; cancelled again at {iso_ms(now // 1000)}; "
                 f"{NOT_KNOWN}")
-    return f"{name}: cancelled at {readable_time(now)}: not delivered if still scheduled; {NOT_KNOWN}"
+    return f"{name}: cancelled at {iso_ms(now // 1000)}: not delivered if still scheduled; {NOT_KNOWN}"

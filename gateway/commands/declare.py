@@ -4,8 +4,8 @@ from topology import build
 from topology.broker.inventory import read_registry
 from topology.registry import ChainKey, fold
 
-from gateway.broker import cancelling, upkeep, waiting
-from gateway.broker.amqp import blocking_channel
+from gateway.broker.run import cancelling, index_streams, upkeep
+from gateway.broker.plumbing.amqp import blocking_channel
 from gateway.settings import Settings
 from gateway.urls import per_vhost
 
@@ -16,7 +16,7 @@ def main(settings: Settings) -> int:
     # --vhosts: the same topology in each, one line each (unset: the URL's own, said as before)
     for vhost, where in per_vhost(settings.urls, settings.vhosts):
         with blocking_channel(where, tls=settings.tls) as channel:
-            waiting.declare_noting(channel, topology)
+            index_streams.declare_noting(channel, topology)
             records = read_registry(channel.connection, chain.names)
             upkeep.record_chain(channel.connection, chain.prefix, ChainKey.of(chain),
                                 None if records is None else fold(records))

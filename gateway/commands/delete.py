@@ -7,7 +7,7 @@ from topology.broker.declare import delete
 from topology.broker.inventory import read_registry
 from topology.registry import ChainKey
 
-from gateway.broker.amqp import blocking_channel
+from gateway.broker.plumbing.amqp import blocking_channel
 from gateway.settings import Settings, UsageError
 from gateway.urls import one_vhost
 

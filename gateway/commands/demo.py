@@ -19,9 +19,9 @@ from pathlib import Path
 from topology import build
 from topology.broker.declare import declare
 
-from gateway.broker.amqp import blocking_channel
+from gateway.broker.plumbing.amqp import blocking_channel
 from gateway.clock import wall_ms
-from gateway.broker.publish import Publisher
+from gateway.broker.tools.publish import Publisher
 from gateway.commands.selftest import unconsumed
 from gateway.settings import Settings, argument
 from gateway.urls import one_vhost

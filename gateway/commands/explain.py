@@ -6,7 +6,7 @@ from typing import List
 from topology import ChainSettings, Enter, Meditate, build, plan
 from topology.routing import trace
 
-from gateway.commands.status.report import human_ms
+from gateway.times import duration
 from gateway.core import limits
 from gateway.settings import Settings, UsageError
 
@@ -42,7 +42,7 @@ def lines(delay_ms: int, chain: ChainSettings, lead_ms: int) -> List[str]:
     if n == 1:
         out.append(f"  {chain.meditation:<44} wait {chain.meditation_ms} ms, then check in again")
     elif n > 1:
-        out.append(f"  {chain.meditation:<44} wait {chain.meditation_ms} ms, {n} times ({human_ms(total)}), "
+        out.append(f"  {chain.meditation:<44} wait {chain.meditation_ms} ms, {n} times ({duration(total)}), "
                    "checking in again after each lap")
     route = plan(delay_ms - total, chain, lead_ms)
     if isinstance(route, Enter):

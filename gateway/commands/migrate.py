@@ -8,13 +8,13 @@ from topology.broker.inventory import read_registry
 from topology.registry import ChainKey, fold
 from topology.retirement import DeleteExchange, DeleteQueue, MarkRetired, SealQueues, Unused
 
-from gateway.broker import upkeep
-from gateway.broker.amqp import blocking_channel
+from gateway.broker.run import upkeep
+from gateway.broker.plumbing.amqp import blocking_channel
 from gateway.clock import wall_ms
 from gateway.commands.status.reads import read_report
-from gateway.commands.status.render import clock_text
 from gateway.commands.status.report import Report
 from gateway.settings import Settings, UsageError
+from gateway.times import plain_utc
 from gateway.urls import one_vhost
 
 
@@ -66,7 +66,7 @@ def _remaining(report: Callable[..., None], r: Report) -> list:
     others = [c for c in r.chains if not c.yours]
     for c in others:
         report("chain_remaining", chain=c.key.describe(), gateways=c.gateways,
-               empty_by=None if c.empty_by_ms is None else clock_text(c.empty_by_ms))
+               empty_by=None if c.empty_by_ms is None else plain_utc(c.empty_by_ms))
     return others
 
 

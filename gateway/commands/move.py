@@ -38,15 +38,16 @@ from pika.exceptions import ChannelClosedByBroker
 from topology import ChainSettings
 
 from gateway.exits import EXIT_NO_BROKER, EXIT_REFUSED
-from gateway.broker.amqp import blocking_channel
-from gateway.broker.plugin_table import REFS_PER_REMOVE, PluginMessage, PluginError, PluginTables, Probe, Waiting
-from gateway.broker.window import Outgoing, PublishError, WindowPublisher
+from gateway.broker.plumbing.amqp import blocking_channel
+from gateway.broker.tools.plugin_table import REFS_PER_REMOVE, PluginMessage, PluginError, PluginTables, Probe, Waiting
+from gateway.broker.tools.window import Outgoing, PublishError, WindowPublisher
 from gateway.clock import wall_ms
-from gateway.core import cancels, envelope, waiting
+from gateway.core import cancels, envelope, index_records
 from gateway.core.carrier import Entry
 from gateway.core.wire import Properties
-from topology.waiting import band, band_key, bands
+from topology.index_bands import band, band_key, bands
 from gateway.settings import Settings, Tls, argument, integer
+from gateway.times import exact_duration
 from gateway.urls import one_vhost
 
 MINUTE, HOUR, DAY = 60_000, 3_600_000, 86_400_000
@@ -74,19 +75,11 @@ def ranges(leave_ms: int) -> List[Tuple[str, Optional[int]]]:
     lower = leave_ms
     for upper, name in RANGES:
         if upper is None:
-            out.append((f"{_span(lower)} or later", None))
+            out.append((f"{exact_duration(lower)} or later", None))
         elif upper > leave_ms:
-            out.append((f"from {_span(lower)} to {name}", upper))
+            out.append((f"from {exact_duration(lower)} to {name}", upper))
             lower = upper
     return out
-
-
-def _span(ms: int) -> str:
-    for unit, name in ((DAY, "day"), (HOUR, "h"), (MINUTE, "min"), (1000, "s")):
-        if ms >= unit and ms % unit == 0:
-            n = ms // unit
-            return f"{n} {name}{'s' if name == 'day' and n != 1 else ''}"
-    return f"{ms} ms"
 
 
 def count(waiting: Sequence[Waiting], now_ms: int, leave_ms: int, vhost: str, exchanges: Sequence[str]) -> Count:
@@ -120,16 +113,16 @@ def outgoing(entries: Sequence[Entry], distributor: str) -> Iterator[Outgoing]:
         yield distributor, "", envelope.inside(e.user, e.routing_key, e.due_ms, accepted_us=e.accepted_us), e.body
 
 
-def index_records(entries: Sequence[Entry], exchange: str, bands: int, now_ms: int) -> Iterator[Outgoing]:
+def index_entries(entries: Sequence[Entry], exchange: str, bands: int, now_ms: int) -> Iterator[Outgoing]:
     """Their entries in the index of what waits, a record per band of the chain's `bands`
-    (gateway/core/waiting.py): each waits until due (a wait longer than the top band's span
+    (gateway/core/index_records.py): each waits until due (a wait longer than the top band's span
     is kept there until the message's first lap gives it an entry of its own)."""
     by_band: Dict[str, List[bytes]] = {}
     for e in entries:
         b = min(band(max(0, e.due_ms - now_ms)), bands - 1)
-        by_band.setdefault(band_key(b), []).append(waiting.entry_record(e, e.due_ms))
+        by_band.setdefault(band_key(b), []).append(index_records.entry_record(e, e.due_ms))
     for key, records in by_band.items():
-        yield exchange, key, Properties.build(delivery_mode=2), waiting.pack_entries(records)
+        yield exchange, key, Properties.build(delivery_mode=2), index_records.pack_entries(records)
 
 
 # -- command line ---------------------------------------------------------------------------
@@ -191,8 +184,9 @@ def command(args: argparse.Namespace, urls: Sequence[str], tls: Tls, chain: Chai
     else:
         rate = f" ({outcome['per_second']:,}/s)" if outcome["per_second"] else ""
         print(f"moved {moved:,} message(s) from the plugin into {chain.names.distributor} in {seconds:.1f} s{rate}; "
-              f"the plugin still holds {after.left:,} due within {_span(args.leave_due_within_ms)} (it delivers "
-              f"them itself), {after.movable:,} more to move, {after.elsewhere:,} of other vhosts or exchanges")
+              f"the plugin still holds {after.left:,} due within {exact_duration(args.leave_due_within_ms)} "
+              f"(it delivers them itself), {after.movable:,} more to move, {after.elsewhere:,} of other vhosts or "
+              "exchanges")
     return 0
 
 
@@ -238,7 +232,7 @@ def move(tables: PluginTables, probe: Probe, urls: Sequence[str], tls: Tls, chai
                             unroutable=f"{chain.names.distributor} routed a message to no queue",
                             unroutable_hint="run `delay-gateway declare` with the same --prefix",
                             queue=chain.names.distributor).run()
-            WindowPublisher(urls, index_records(gateway_format, chain.names.waiting, bands(chain), wall_ms()),
+            WindowPublisher(urls, index_entries(gateway_format, chain.names.waiting, bands(chain), wall_ms()),
                             "delay-gateway move-from-plugin", tls,
                             unroutable=f"{chain.names.waiting} routed an entry of the index to no stream",
                             unroutable_hint="run `delay-gateway declare` with this version and the same --prefix",

@@ -36,8 +36,8 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from pika.exceptions import AMQPError
 
-from gateway.broker import lazy_properties
-from gateway.broker.amqp import blocking_channel
+from gateway.broker.plumbing import lazy_properties
+from gateway.broker.plumbing.amqp import blocking_channel
 from gateway.core import envelope, retries
 from gateway.core.envelope import Inside
 from gateway.core.handlers import DEATH_REASONS

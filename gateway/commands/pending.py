@@ -1,8 +1,8 @@
 """`delay-gateway pending`: list, count, cancel and export the messages that wait; the
 group cancels (rules) that are live, and withdrawing one.
 
-What waits is read from the waiting streams the gateways write (gateway/core/waiting.py,
-gateway/broker/waiting.py, gateway/core/listing.py), filtered by message id, routing key,
+What waits is read from the waiting streams the gateways write (gateway/core/index_records.py,
+gateway/broker/run/index_streams.py, gateway/core/listing.py), filtered by message id, routing key,
 due time, header or retries. `cancel` publishes one rule with the same filters
 (gateway/core/rules.py) through the path of `delay-gateway cancel`: every gateway cancels
 every message the rule selects that was published before it, listed or not, with every
@@ -22,14 +22,15 @@ from typing import IO, Any, Callable, Dict, List, Optional, Tuple
 
 import pika
 
-from gateway.broker import cancelling
-from gateway.broker import waiting as index
-from gateway.broker.amqp import blocking_channel
+from gateway.broker.run import cancelling
+from gateway.broker.run import index_streams
+from gateway.broker.plumbing.amqp import blocking_channel
 from gateway.clock import wall_ms
 from gateway.core import listing, rules, wire
 from gateway.core.selection import Selection
-from gateway.core.waiting import Listed
+from gateway.core.index_records import Listed
 from gateway.core.wire import Table
+from gateway.times import due_in, iso_ms, plain_ms
 from gateway.settings import Settings, UsageError, argument, integer
 from gateway.urls import one_vhost
 
@@ -173,28 +174,6 @@ def _shown(text: str) -> str:
     return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
-def clock_text(ms: int) -> str:
-    return datetime.datetime.fromtimestamp(ms / 1000, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
-
-
-def iso(ms: int) -> str:
-    return datetime.datetime.fromtimestamp(ms / 1000, datetime.timezone.utc).isoformat(timespec="milliseconds")
-
-
-def relative(ms: int) -> str:
-    """A span of time for people: "in 3 h 2 min", "overdue 4 s"."""
-    later, left = ms >= 0, abs(ms)
-    parts: List[str] = []
-    for unit, size in (("d", 86_400_000), ("h", 3_600_000), ("min", 60_000), ("s", 1000)):
-        if parts or left >= size:  # the first unit there is, and the one after it
-            parts.append(f"{left // size} {unit}")
-            left %= size
-        if len(parts) == 2:
-            break
-    said = " ".join(parts) or f"{left} ms"
-    return f"in {said}" if later else f"overdue {said}"
-
-
 def record(m: Listed) -> Dict[str, object]:
     """One message for scripts (JSON, CSV): text where it is text, and the exact bytes in
     base64 beside it where it is not."""
@@ -207,7 +186,7 @@ def record(m: Listed) -> Dict[str, object]:
         out[name] = text
         if not exact:
             out[name + "_base64"] = base64.b64encode(raw).decode("ascii")
-    out.update(handle=m.handle, due_ms=m.due_ms, due=iso(m.due_ms), size=m.size, retry_attempt=m.retry_attempt,
+    out.update(handle=m.handle, due_ms=m.due_ms, due=iso_ms(m.due_ms), size=m.size, retry_attempt=m.retry_attempt,
                retry_queue=out["routing_key"] if m.retry else None, read_us=m.read_us)
     return out
 
@@ -222,7 +201,7 @@ def table(listed: List[Listed], now_ms: int) -> List[str]:
         ident = _shown(_text(m.message_id)[0]) if m.message_id is not None else m.handle
         key = _shown(_text(m.routing_key)[0])
         retry = "" if not m.retry else f"{m.retry_attempt or '?'} to {key}"
-        rows.append((ident, "" if m.retry else key, clock_text(m.due_ms), relative(m.due_ms - now_ms), str(m.size),
+        rows.append((ident, "" if m.retry else key, plain_ms(m.due_ms), due_in(m.due_ms - now_ms), str(m.size),
                      retry))
     widths = [min(60, max(len(r[i]) for r in rows)) for i in range(len(rows[0]))]
     return ["  ".join(cell.ljust(widths[i]) if i != 4 else cell.rjust(widths[i]) for i, cell in enumerate(r)).rstrip()
@@ -258,10 +237,10 @@ def command(args: argparse.Namespace, settings: Settings) -> int:
         recorded = cancelling.read(channel.connection, names, window_ms)
         judge = listing.cancelled_by(recorded.store(window_ms, now), recorded.rules, now)
         try:
-            view, found = index.read(channel.connection, names, now, lambda at: listing.View(
+            view, found = index_streams.read(channel.connection, names, now, lambda at: listing.View(
                 now, at, judge, select, keep, exporting.write if exporting is not None else None),
                 progress.show if progress is not None else None)
-        except index.Missing as exc:
+        except index_streams.Missing as exc:
             raise UsageError(str(exc)) from None
         finally:
             if progress is not None:
@@ -328,11 +307,11 @@ class Exporter:
             self.file.close()
 
 
-def notes(found: index.Found) -> List[str]:
+def notes(found: index_streams.Found) -> List[str]:
     return found.notes()
 
 
-def show_list(args: argparse.Namespace, view: listing.View, found: index.Found, now_ms: int) -> None:
+def show_list(args: argparse.Namespace, view: listing.View, found: index_streams.Found, now_ms: int) -> None:
     listed = view.listed()
     shown = f"{len(listed)} shown" if len(listed) < view.total else "all shown"
     summary = f"{view.total} waiting message(s) match; {shown} (soonest due first)"
@@ -355,7 +334,7 @@ def show_list(args: argparse.Namespace, view: listing.View, found: index.Found, 
         print(f"note: {note}", file=sys.stderr)
 
 
-def show_count(args: argparse.Namespace, view: listing.View, found: index.Found, now_ms: int) -> None:
+def show_count(args: argparse.Namespace, view: listing.View, found: index_streams.Found, now_ms: int) -> None:
     ranges = {label: n for (label, _), n in zip(view.counts.ranges, view.counts.counts, strict=True)}
     if args.json:
         print(json.dumps({"total": view.total, "ranges": ranges, "exact": found.exact, "at_ms": now_ms,
@@ -394,7 +373,7 @@ def rule_headers(select: Selection, everything: bool, name: bytes) -> Table:
 
 
 def cancel_selected(args: argparse.Namespace, channel, names, select: Selection, everything: bool,
-                    view: listing.View, found: index.Found, window_ms: int, now_ms: int) -> int:
+                    view: listing.View, found: index_streams.Found, window_ms: int, now_ms: int) -> int:
     """Say how many match and show some; with --yes, publish one rule and say what became of it."""
     print(f"{view.total} waiting message(s) match" + (", for example:" if view.total else ""))
     if view.total:
@@ -433,9 +412,9 @@ def cancel_selected(args: argparse.Namespace, channel, names, select: Selection,
               "check-in); once check-in reads it, it cancels every message it selects that was published before "
               "it, whether or not it is listed")
         return 0
-    print(f"recorded at {iso(rule.at.read_us // 1000)} ({recorded_after_s:.1f} s after it was published): no "
+    print(f"recorded at {iso_ms(rule.at.read_us // 1000)} ({recorded_after_s:.1f} s after it was published): no "
           "message it selects that was published before then will be delivered")
-    rest = f"; the rest as each next passes a gateway (the last is due {iso(view.latest_due_ms)})" \
+    rest = f"; the rest as each next passes a gateway (the last is due {iso_ms(view.latest_due_ms)})" \
         if removed < view.total and view.latest_due_ms is not None else ""
     print(f"removed so far: {removed} of the {view.total} expected{rest}")
     return 0
@@ -505,15 +484,15 @@ def show_rules(args: argparse.Namespace, recorded: cancelling.Recorded, now_ms: 
     live = sorted(recorded.rules.live, key=lambda r: r.at.read_us)
     if args.json:
         for r in live:
-            print(json.dumps({"rule": r.name.decode("utf-8", "backslashreplace"), "recorded": iso(r.at.read_us // 1000),
-                              "recorded_us": r.at.read_us, "filter": described(r),
-                              "removed": recorded.tallies.get(r.name, 0)}, ensure_ascii=False))
+            print(json.dumps({"rule": r.name.decode("utf-8", "backslashreplace"),
+                              "recorded": iso_ms(r.at.read_us // 1000), "recorded_us": r.at.read_us,
+                              "filter": described(r), "removed": recorded.tallies.get(r.name, 0)}, ensure_ascii=False))
         return 0
     if not live:
         print("no live rule (group cancel) in the retention window")
         return 0
     cells = [("rule", "recorded (UTC)", "removed", "filter")] + [
-        (_shown(r.name.decode("utf-8", "backslashreplace")), clock_text(r.at.read_us // 1000),
+        (_shown(r.name.decode("utf-8", "backslashreplace")), plain_ms(r.at.read_us // 1000),
          str(recorded.tallies.get(r.name, 0)), _shown(described(r))) for r in live]
     widths = [max(len(c[i]) for c in cells) for i in range(3)]
     for c in cells:

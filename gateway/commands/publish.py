@@ -8,8 +8,8 @@ from typing import List, Optional
 
 from pika.exceptions import NackError, UnroutableError
 
-from gateway.broker.amqp import BrokerError, Trouble, blocking_channel
-from gateway.broker.publish import Publisher, parse_headers
+from gateway.broker.plumbing.amqp import BrokerError, Trouble, blocking_channel
+from gateway.broker.tools.publish import Publisher, parse_headers
 from gateway.clock import wall_ms
 from gateway.core import limits
 from gateway.settings import Settings, UsageError, argument, integer

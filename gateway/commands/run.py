@@ -5,7 +5,7 @@ from gateway.settings import Settings
 
 def main(settings: Settings) -> int:
     if settings.vhosts:
-        from gateway.broker.vhosts import serve
+        from gateway.broker.run.vhosts import serve
         return serve(settings)
-    from gateway.broker.worker import main as run_worker
+    from gateway.broker.run.worker import main as run_worker
     return run_worker(settings)

@@ -19,9 +19,9 @@ import structlog
 
 from topology import ChainSettings
 
-from gateway.broker.amqp import blocking_channel
+from gateway.broker.plumbing.amqp import blocking_channel
 from gateway.clock import wall_ms
-from gateway.broker.publish import Publisher
+from gateway.broker.tools.publish import Publisher
 from gateway.settings import Settings
 from gateway.urls import per_vhost
 

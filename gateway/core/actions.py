@@ -16,7 +16,7 @@ class Forward:
     routing_key: bytes
     props: Properties
     body: bytes
-    outcome: Way
+    way: Way
     not_before_ms: Optional[int] = None  # hold until then (epoch ms)
     reason: Optional[str] = None  # why it is parked
     mandatory: bool = False  # pick-up: a message nobody is bound for comes back, to be parked
@@ -33,7 +33,7 @@ class Enqueue:
 
     exchange: str
     routing_key: bytes
-    outcome: Way  # CHAIN, MEDITATION or DISTRIBUTOR
+    way: Way  # CHAIN, MEDITATION or DISTRIBUTOR
     entry: Entry
     # To the distributor, due within the carrier wait: it may not wait for company past the
     # distributor's lead (chain routes plan the wait in, and have no limit).

@@ -40,7 +40,7 @@ MAX_ID_BYTES = 255
 RECORD_ID = "x-gateway-message-id"
 RECORD_AT = "x-gateway-cancelled-us"
 RECORD_ARRIVED = "x-gateway-cancel-arrived-ms"
-# On a record a gateway appends to find the stream's end (see broker/cancelling.py).
+# On a record a gateway appends to find the stream's end (see broker/run/cancelling.py).
 RECORD_MARK = "x-gateway-mark"
 
 

@@ -1,4 +1,4 @@
-"""What a consumer's core (flow.Flow) tells its adapter (broker.consumer.Pipe) to do after
+"""What a consumer's core (flow.Flow) tells its adapter (broker.run.consumer.Pipe) to do after
 each event, and the values it works with (pure)."""
 
 from dataclasses import dataclass, field
@@ -27,7 +27,7 @@ Sent = Publication[Payload]
 
 @dataclass
 class Effects:
-    """What the adapter (broker.consumer.Pipe) must do after an event, in this order: the
+    """What the adapter (broker.run.consumer.Pipe) must do after an event, in this order: the
     core's last word, in the adapter's terms (frames to publish, delivery tags to acknowledge
     or reject, steps of the connection). flow.Flow builds it from its own decisions and the
     confirm window's answers (`confirms.Outcome`), which the adapter never sees."""

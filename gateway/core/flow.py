@@ -1,6 +1,6 @@
 """One consumer's core (pure): every decision about its deliveries, and all their state.
 
-The pika adapter (broker.consumer.Pipe) turns frames into the events below and does what
+The pika adapter (broker.run.consumer.Pipe) turns frames into the events below and does what
 the returned `Effects` say, nothing more. The core keeps:
 
 - the outstanding deliveries and the publishes they became (`Deliveries`, with the
@@ -28,9 +28,9 @@ from collections import Counter, deque
 from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from topology.names import Names
-from topology.waiting import DONE
+from topology.index_bands import DONE
 
-from gateway.core import envelope, handlers, waiting
+from gateway.core import envelope, handlers, index_records
 from gateway.core.actions import Drop, Enqueue, Forward
 from gateway.core.inputs import Delivery
 from gateway.core.routes import LEAVES, STAYS, Way
@@ -58,7 +58,7 @@ class Flow:
 
     def __init__(self, queue: str, names: Names, handler: Handler, observer: Observer,
                  batcher: Optional[Batcher] = None, still_wanted: Optional[Callable[[Forward], bool]] = None,
-                 prefetch: int = 0, recorder: Optional[waiting.Recorder] = None) -> None:
+                 prefetch: int = 0, recorder: Optional[index_records.Recorder] = None) -> None:
         self._names, self._handler, self._observer = names, handler, observer
         self._recorder = recorder  # the index of what waits (None: not kept)
         self._refused_records = 0
@@ -132,7 +132,7 @@ class Flow:
                 continue
             self._observer.forwarded(action)
             if isinstance(action, Enqueue):
-                route = (action.exchange, action.routing_key, action.outcome, action.entry.exchange)
+                route = (action.exchange, action.routing_key, action.way, action.entry.exchange)
                 for batch in self._batcher.add(route, tag, action.entry, now, action.send_by_ms):
                     self._flush_batch(batch, now, out)
             elif action.fence:
@@ -295,16 +295,16 @@ class Flow:
             else:
                 self._unsent[tag] = left
         answer = self.ledger.publish(tuple(tags) if len(tags) == 1 else tuple(dict.fromkeys(tags)),
-                                     Payload(forward, members), finishing, parking=forward.outcome is Way.PARKED)
+                                     Payload(forward, members), finishing, parking=forward.way is Way.PARKED)
         self._apply(answer, now, out)
         if self._recorder is not None:
-            if forward.outcome in STAYS:
-                self._recorder.waits(forward.outcome is Way.MEDITATION, members, now)
-            elif forward.outcome in LEAVES:
+            if forward.way in STAYS:
+                self._recorder.waits(forward.way is Way.MEDITATION, members, now)
+            elif forward.way in LEAVES:
                 self.ledger.owe(self._recorder.left(members, now))
 
     def _record(self, now: int, out: Effects) -> None:
-        """Publish what the recorder holds (waiting.Recorder), after the messages it speaks
+        """Publish what the recorder holds (index_records.Recorder), after the messages it speaks
         of, on the same channel, each record for the deliveries it speaks of: the entries at
         once, the done keys once they have waited for company."""
         if self._recorder is None:

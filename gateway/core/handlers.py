@@ -39,7 +39,7 @@ Json = Dict[str, Any]  # a JSON object
 
 class Cancelled(Protocol):
     """Whether a publisher's message was cancelled (and, if so, counts and logs its drop):
-    broker/cancelling.py's Judge, over the cancels this gateway follows."""
+    broker/run/cancelling.py's Judge, over the cancels this gateway follows."""
 
     def __call__(self, entry: Entry, where: str) -> bool: ...
 
@@ -146,12 +146,12 @@ class Routes:
         return found
 
 
-def carry(exchange: str, routing_key: bytes, outcome: Way, batch: List[Entry]) -> Forward:
+def carry(exchange: str, routing_key: bytes, way: Way, batch: List[Entry]) -> Forward:
     """One publish for the messages of a batch: alone in the plain format, or a carrier."""
     if len(batch) == 1:
         e = batch[0]
-        return Forward(exchange, routing_key, next_hop(e), e.body, outcome, entry=e)
-    return Forward(exchange, routing_key, carrier.properties(batch), carrier.pack(batch), outcome)
+        return Forward(exchange, routing_key, next_hop(e), e.body, way, entry=e)
+    return Forward(exchange, routing_key, carrier.properties(batch), carrier.pack(batch), way)
 
 
 class CheckIn:
@@ -167,7 +167,7 @@ class CheckIn:
         # read times: one sequence per process, started above every cancel held
         self.sequence = sequence if sequence is not None else cancels.Sequencer()
         # The cancels this consumer recorded (("id", message id) or ("rule", name) -> read time)
-        # while someone asks (worker.Session, until the gateway follows them all): None when
+        # while someone asks (broker/run/session.Session, until the gateway follows them all): None when
         # nobody does.
         self.recorded: Optional[Dict[Tuple[str, bytes], int]] = None
 
@@ -185,10 +185,10 @@ class CheckIn:
         return [self.enqueue(entry, now)]
 
     def enqueue(self, e: Entry, now: int) -> Enqueue:
-        exchange, key, outcome = self.route(e.due_ms - now)
-        if outcome is Way.DISTRIBUTOR:
-            return Enqueue(exchange, key, outcome, e, e.due_ms - self.hand_over_ms)
-        return Enqueue(exchange, key, outcome, e)
+        exchange, key, way = self.route(e.due_ms - now)
+        if way is Way.DISTRIBUTOR:
+            return Enqueue(exchange, key, way, e, e.due_ms - self.hand_over_ms)
+        return Enqueue(exchange, key, way, e)
 
     def record(self, d: Delivery, user: Properties, now: int) -> List[Action]:
         """A cancel (it came through `<prefix>.cancel`): by id, or a rule (rules.py), or the

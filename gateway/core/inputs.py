@@ -1,6 +1,6 @@
 """What comes into the core: a delivery as the broker handed it to a consumer (pure).
 
-The adapter (broker.consumer.Pipe) builds one per basic.deliver; the core (flow.Flow) and
+The adapter (broker.run.consumer.Pipe) builds one per basic.deliver; the core (flow.Flow) and
 its handlers take it in and answer with actions (actions.py)."""
 
 from dataclasses import dataclass

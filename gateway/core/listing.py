@@ -1,4 +1,4 @@
-"""What `delay-gateway pending` makes of the index's records (pure; records: waiting.py):
+"""What `delay-gateway pending` makes of the index's records (pure; records: index_records.py):
 which messages wait, counted and listed, and whether the answer is exact.
 
 A reader first learns how far back a message may be overdue (`horizon`): a minute past the
@@ -33,13 +33,13 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from topology.waiting import RETENTION_SLACK_MS, span_ms
+from topology.index_bands import RETENTION_SLACK_MS, span_ms
 
 from gateway.core import cancels, envelope
 from gateway.core.rules import Rules
 from gateway.core.selection import Selection, literal_words
-from gateway.core.waiting import DONE_KEYS, ENTRIES, FIXED, HAS_ID, KEY, LIVE_MS, RETRY, Beat, Listed
-from gateway.core.waiting import FIRST_FIXED, entries_layout, first_checksum, first_fixed
+from gateway.core.index_records import DONE_KEYS, ENTRIES, FIXED, HAS_ID, KEY, LIVE_MS, RETRY, Beat, Listed
+from gateway.core.index_records import FIRST_FIXED, entries_layout, first_checksum, first_fixed
 
 GRACE_MS = 60_000  # what a message may be overdue while the gateways keep up
 
@@ -213,7 +213,7 @@ RANGES: Tuple[Tuple[str, Optional[int]], ...] = (
     ("within 1 week", 7 * 86_400_000), ("within 30 days", 30 * 86_400_000), ("within 1 year", 365 * 86_400_000),
     ("later", None))
 
-# the fixed part of an entry (waiting.FIXED), as numpy reads it
+# the fixed part of an entry (index_records.FIXED), as numpy reads it
 _FIXED_DTYPE = np.dtype([("read_us", ">i8"), ("crc", ">u4"), ("due", ">i8"), ("until", ">i8"), ("size", ">u4"),
                          ("attempt", ">u2"), ("flags", "u1"), ("id_len", "u1"), ("key_len", "u1"),
                          ("props_len", ">u4")])
@@ -224,7 +224,7 @@ _MIX = np.uint64(0x9E3779B97F4A7C15)  # an odd multiplier: a message's 64-bit ke
 
 
 def mixed(read_us: "np.ndarray", crc: "np.ndarray") -> "np.ndarray":
-    """A message's key (waiting.key_of) in 64 bits: read time x an odd number, plus the
+    """A message's key (index_records.key_of) in 64 bits: read time x an odd number, plus the
     checksum. Two messages with one checksum never meet; others by chance, 1 in 2^64."""
     out: np.ndarray = np.add(np.multiply(read_us.astype(np.uint64), _MIX), crc.astype(np.uint64))
     return out
@@ -351,7 +351,7 @@ class View:
     def add_entries(self, body: bytes, read_at_ms: Optional[int] = None) -> None:
         """A record of a band, read at `read_at_ms` (the reader's clock: default `now_ms`):
         each entry decided as it is read (but laps in transit). A record of the index's first
-        layout too, with that layout's checksum (waiting.entries_layout)."""
+        layout too, with that layout's checksum (index_records.entries_layout)."""
         if not body.startswith(ENTRIES) or len(body) < 8:
             return
         count, first = entries_layout(body)

@@ -17,7 +17,7 @@ class Way(str, Enum):
     RECHECK = "recheck"  # reached the distributor far too early: back into the chain
     HANDED_BACK = "handed back"  # held when the gateway stopped: back to the distributor queue
     CANCEL = "cancel"  # a cancel's record, into the cancellations stream
-    INDEX = "index"  # a record of what waits, into a waiting stream (waiting.py)
+    INDEX = "index"  # a record of what waits, into a waiting stream (index_records.py)
 
 
 # Sent on to wait (an entry in the index). A recheck (the distributor had it far too early)

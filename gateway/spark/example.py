@@ -11,14 +11,15 @@ import csv
 import json
 import random
 import sys
-from datetime import datetime, timedelta, timezone
 from typing import Dict, List
 
 from gateway.clock import wall_ms
 from gateway.settings import UsageError
+from gateway.times import iso_ms
 
 PRODUCTS = ("kettle", "lamp", "backpack", "headphones", "teapot", "umbrella", "notebook", "chair")
-WEEK_MS = 7 * 24 * 3600 * 1000
+DAY_MS = 24 * 3600 * 1000
+WEEK_MS = 7 * DAY_MS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,12 +39,11 @@ def orders(n: int, broken: int, after_ms: int, within_ms: int, now_ms: int, seed
     out = []
     for i in range(n):
         due = now_ms + after_ms + rng.randint(0, max(0, within_ms))
-        delivered = datetime.fromtimestamp((due - WEEK_MS) / 1000, timezone.utc)
+        delivered_ms = due - WEEK_MS
         row = {"order_id": f"order-{i:06d}", "customer": f"customer-{rng.randint(1, n // 3 + 1):05d}",
-               "product": rng.choice(PRODUCTS), "delivered_at": delivered.isoformat(timespec="milliseconds")}
+               "product": rng.choice(PRODUCTS), "delivered_at": iso_ms(delivered_ms)}
         if i < broken:  # spread the two kinds of broken rows over the first ones
-            row["delivered_at"] = "soon" if i % 2 == 0 else (delivered - timedelta(days=90)).isoformat(
-                timespec="milliseconds")
+            row["delivered_at"] = "soon" if i % 2 == 0 else iso_ms(delivered_ms - 90 * DAY_MS)
         out.append(row)
     rng.shuffle(out)
     return out

@@ -1,5 +1,5 @@
 """Publishing one partition's rows to check-in: one connection, confirms with a window
-(the gateway's confirm-window publisher, broker/window.py).
+(the gateway's confirm-window publisher, broker/tools/window.py).
 
 Runs inside a Spark task (an executor's Python worker). A row counts as published only once
 the broker confirmed it. A negative confirm (a quorum queue between leaders, the check-in
@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, Tuple
 
 import pika
 
-from gateway.broker.window import PublishError, WindowPublisher
+from gateway.broker.tools.window import PublishError, WindowPublisher
 from gateway.settings import Tls
 
 __all__ = ["PartitionPublisher", "PublishError", "Published", "Target"]

@@ -25,7 +25,7 @@ import pika
 import structlog
 
 from gateway import stopping
-from gateway.broker.amqp import BrokerError, classify, connect
+from gateway.broker.plumbing.amqp import BrokerError, classify, connect
 from gateway.clock import wall_ms
 from gateway.settings import chain_from, tls_from
 from gateway.urls import urls_from
@@ -79,7 +79,7 @@ def _ms(value: Any) -> Optional[int]:
     return value
 
 
-class Recorder:
+class DeliveryRecorder:
     """Consumes from a queue bound to pick-up and writes lines to `out` until stopped."""
 
     def __init__(self, urls: Union[str, Sequence[str]], pick_up: str, out: IO[str], pattern: str = "#",
@@ -140,8 +140,8 @@ class Recorder:
 def run(args: argparse.Namespace) -> int:
     chain = chain_from(args)
     out = sys.stdout if args.out == "-" else open(args.out, "a", encoding="utf-8")
-    recorder = Recorder(urls_from(args), chain.names.pick_up, out, args.routing_key_pattern, args.queue,
-                        chain.prefix, args.prefetch, tls_from(args))
+    recorder = DeliveryRecorder(urls_from(args), chain.names.pick_up, out, args.routing_key_pattern, args.queue,
+                                chain.prefix, args.prefetch, tls_from(args))
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stopping.setter(recorder.stopping))
     try:

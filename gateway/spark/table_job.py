@@ -57,7 +57,7 @@ def start(args, job: str, exchange_of: Callable[[Names], str]) -> Started:
 def check_exchange(urls: Sequence[str], tls, exchange: str, job: str) -> None:
     """Fail before Spark starts if the exchange `job` publishes to is not there (on the first
     node that answers, as the executors connect)."""
-    from gateway.broker.amqp import blocking_channel
+    from gateway.broker.plumbing.amqp import blocking_channel
     with blocking_channel(urls, f"delay-gateway {job}", tls) as channel:
         channel.exchange_declare(exchange, passive=True)
 

@@ -24,7 +24,7 @@ import pika
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from gateway.broker import lazy_properties
+from gateway.broker.plumbing import lazy_properties
 from gateway.core import envelope
 from gateway.core.envelope import Inside
 from gateway.core.wire import Properties, Table

@@ -6,7 +6,7 @@ what that means for cancels (exact while one gateway consumes check-in) and what
 limit there. The stamp turned on is tests/test_arrival_stamp.py's (the session's 4.x nodes
 have it). About 5 s."""
 
-from gateway.broker.stamp import STAMP_CONFIG
+from gateway.broker.run.stamp import STAMP_CONFIG
 
 from ..support import GatewayProcess, wait_until
 from .nodes import HAS_ARRIVAL_STAMP

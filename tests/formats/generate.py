@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from pika import spec
 
-from gateway.core import cancels, carrier, envelope, handlers, retries, rules, waiting
+from gateway.core import cancels, carrier, envelope, handlers, index_records, retries, rules
 from gateway.core.actions import Enqueue, Forward
 from gateway.core.carrier import Entry
 from gateway.core.inputs import Delivery
@@ -37,7 +37,7 @@ from gateway.core.routes import Way
 from gateway.core.wire import Properties
 from topology import ChainSettings
 from topology import registry
-from topology.waiting import bands
+from topology.index_bands import bands
 
 SAMPLES = Path(__file__).parent / "samples"
 NOW = 1_795_310_000_000  # 2026-11-22T01:13:20Z, the clock every handler is given
@@ -175,7 +175,7 @@ def single(f: Forward, written: Optional[Entry], produced_by: str, inputs: Json)
         for k, v in entry_json(written).items():
             assert expected[k] == v, (produced_by, k, expected[k], v)
     return {"produced_by": produced_by, "inputs": inputs, "message": msg, "expected": expected,
-            "route": f.outcome.value}
+            "route": f.way.value}
 
 
 def carried(f: Forward, written: List[Entry], produced_by: str, inputs: Json) -> Json:
@@ -183,7 +183,7 @@ def carried(f: Forward, written: List[Entry], produced_by: str, inputs: Json) ->
     expected = read_carrier(msg)
     assert expected["messages"] == [entry_json(e) for e in written], produced_by
     return {"produced_by": produced_by, "inputs": inputs, "message": msg, "expected": expected,
-            "route": f.outcome.value}
+            "route": f.way.value}
 
 
 def inputs_of(*names: str, **more: Any) -> Json:
@@ -194,7 +194,7 @@ def inputs_of(*names: str, **more: Any) -> Json:
 # -- each format ---------------------------------------------------------------------------------------------
 def alone(name: str, produced_by: str) -> Json:
     e = enqueued(check_in(), name)
-    f = handlers.carry(e.exchange, e.routing_key, e.outcome, [e.entry])
+    f = handlers.carry(e.exchange, e.routing_key, e.way, [e.entry])
     return single(f, e.entry, produced_by, inputs_of(name, lead_ms=LEAD_MS))
 
 
@@ -207,7 +207,7 @@ def meditation_samples() -> Json:
     h = check_in()
     a, b = enqueued(h, "meditation"), enqueued(h, "chain")
     second = dataclasses.replace(b.entry, due_ms=NOW + 40 * DAY_MS)
-    f = handlers.carry(a.exchange, a.routing_key, a.outcome, [a.entry, second])
+    f = handlers.carry(a.exchange, a.routing_key, a.way, [a.entry, second])
     return {"alone": alone("meditation", "handlers.CheckIn -> meditation (x-delay 30 days)"),
             "carrier": carried(f, [a.entry, second], "handlers.CheckIn x2 -> handlers.carry to meditation",
                                inputs_of("meditation", "chain", lead_ms=LEAD_MS,
@@ -217,11 +217,11 @@ def meditation_samples() -> Json:
 def carrier_samples() -> Json:
     h = check_in()
     a, b = enqueued(h, "chain"), enqueued(h, "chain-second")
-    two = handlers.carry(a.exchange, a.routing_key, a.outcome, [a.entry, b.entry])
+    two = handlers.carry(a.exchange, a.routing_key, a.way, [a.entry, b.entry])
     h = check_in()
     a, b = enqueued(h, "chain"), enqueued(h, "chain-second")
     old = dataclasses.replace(b.entry, accepted_us=None)  # one from before read times, re-batched by returning
-    mixed = handlers.carry(a.exchange, a.routing_key, a.outcome, [a.entry, old])
+    mixed = handlers.carry(a.exchange, a.routing_key, a.way, [a.entry, old])
     return {"mixed-times": carried(mixed, [a.entry, old],
                                    "handlers.carry of one entry with a read time and one without",
                                    inputs_of("chain", "chain-second", lead_ms=LEAD_MS,
@@ -257,12 +257,12 @@ def parked_samples() -> Json:
 
 def retry_samples() -> Json:
     e = enqueued(retry(), "retry")
-    f = handlers.carry(e.exchange, e.routing_key, e.outcome, [e.entry])
+    f = handlers.carry(e.exchange, e.routing_key, e.way, [e.entry])
     more = {"lead_ms": LEAD_MS, "policy": "retries.Policy() defaults", "rng": "random.Random(7)"}
     h = retry()
     a, b = enqueued(h, "retry"), enqueued(h, "retry-second")
     assert (a.exchange, a.routing_key) == (b.exchange, b.routing_key)
-    two = handlers.carry(a.exchange, a.routing_key, a.outcome, [a.entry, b.entry])
+    two = handlers.carry(a.exchange, a.routing_key, a.way, [a.entry, b.entry])
     return {"alone": single(f, e.entry, "handlers.Retry -> the chain (a retry alone)", inputs_of("retry", **more)),
             "carrier": carried(two, [a.entry, b.entry], "handlers.Retry x2 -> handlers.carry (retries to one queue)",
                                inputs_of("retry", "retry-second", lead_ms=LEAD_MS))}
@@ -280,7 +280,7 @@ def cancel_record_samples() -> Json:
                                  ("stamped", "cancel-stamped", "handlers.CheckIn records a cancel the broker stamped")):
         f = only(check_in()(delivery(name), NOW))
         out[variant] = {"produced_by": about, "inputs": inputs_of(name), "message": wire_of(f),
-                        "expected": record_expected(f), "route": f.outcome.value}
+                        "expected": record_expected(f), "route": f.way.value}
     token = b"0123456789abcdef0123456789abcdef"
     mark = cancels.mark(token)
     out["mark"] = {"produced_by": "cancels.mark (a gateway's mark to find the stream's end)",
@@ -289,10 +289,10 @@ def cancel_record_samples() -> Json:
                    "expected": {"mark": hx(cancels.read_mark(mark.headers))}}
     # a cancel by handle, as `pending cancel` publishes it for a message without an id
     named = enqueued(check_in(), "distributor").entry
-    rec = waiting.Recorder(16, CHAIN.meditation_ms)
+    rec = index_records.Recorder(16, CHAIN.meditation_ms)
     rec.waits(False, [(1, named)], NOW)
     ((_, _, record),) = rec.take_entries()
-    (listed,) = list(waiting.entries(record))
+    (listed,) = list(index_records.entries(record))
     handle = listed.handle.encode()
     assert listed.handle == HANDLE
     d = dataclasses.replace(delivery("cancel"), props=Properties.build(delivery_mode=2, message_id=handle))
@@ -303,7 +303,7 @@ def cancel_record_samples() -> Json:
                             "version's index lists it, published as a cancel's message_id and recorded by check-in"),
         "message": wire_of(f), "expected": {**record_expected(f), "handle": handle.decode(),
                                             "named_message": entry_json(named)},
-        "route": f.outcome.value}
+        "route": f.way.value}
     return out
 
 
@@ -346,14 +346,15 @@ def cancel_rule_samples() -> Json:
             ("all", "rule-all", "handlers.CheckIn records a rule on every message (x-cancel-all)"),
             ("withdrawal", "rule-withdraw", "handlers.CheckIn records the withdrawal of a rule")):
         f = only(check_in()(delivery(name), NOW))
-        assert isinstance(f, Forward) and f.outcome is Way.CANCEL, (name, f)
+        assert isinstance(f, Forward) and f.way is Way.CANCEL, (name, f)
         asked = rules.requested(Properties.parse(PUBLISHED[name][3]).headers)
         out[variant] = {"produced_by": about, "inputs": inputs_of(name), "message": wire_of(f),
                         "expected": {**rule_record_json(f.props.headers), "requested": request_json(asked)},
-                        "route": f.outcome.value}
+                        "route": f.way.value}
     gw = bytes(range(16))
     tally = rules.tally_record(b"by-ids", gw, 3)
-    out["tally"] = {"produced_by": "rules.tally_record (broker/cancelling.Follower: what a gateway removed by a rule)",
+    out["tally"] = {"produced_by": "rules.tally_record (broker/run/cancelling.Follower: what a gateway removed by a "
+                                   "rule)",
                     "inputs": {"rule": hx(b"by-ids"), "gateway": hx(gw), "removed": 3},
                     "message": {"exchange": NAMES.cancellations, "routing_key": "", "properties": hx(tally.raw),
                                 "body": ""},
@@ -369,16 +370,16 @@ def cancel_rule_samples() -> Json:
     return out
 
 
-def listed_json(m: waiting.Listed) -> Json:
+def listed_json(m: index_records.Listed) -> Json:
     return {k: hx(v) if isinstance(v, bytes) else v for k, v in dataclasses.asdict(m).items()}
 
 
-def index_records(rec: waiting.Recorder) -> List[Json]:
-    return [{"band": key, "body": hx(record), "expected": [listed_json(m) for m in waiting.entries(record)]}
+def recorded_entries(rec: index_records.Recorder) -> List[Json]:
+    return [{"band": key, "body": hx(record), "expected": [listed_json(m) for m in index_records.entries(record)]}
             for key, _, record in rec.take_entries()]
 
 
-def beat_json(beat: waiting.Beat) -> Json:
+def beat_json(beat: index_records.Beat) -> Json:
     return {"gateway": hx(beat.gateway), "roles": beat.roles, "low_ms": beat.low_ms, "at_ms": beat.at_ms,
             "consumers": dataclasses.asdict(beat.consumers), "flags": beat.flags}
 
@@ -388,53 +389,54 @@ def waiting_samples() -> Json:
     chain_e, med_e, noid_e = (enqueued(h, n).entry for n in ("chain", "meditation", "distributor"))
     retry_e = enqueued(retry(), "retry").entry
     n = bands(CHAIN)
-    rec = waiting.Recorder(n, CHAIN.meditation_ms)
+    rec = index_records.Recorder(n, CHAIN.meditation_ms)
     rec.waits(False, [(1, chain_e), (2, noid_e), (3, retry_e)], NOW)
     rec.waits(True, [(4, med_e)], NOW)
     out: Json = {"entries": {
-        "produced_by": "waiting.Recorder.waits -> take_entries (DGW1)",
+        "produced_by": "index_records.Recorder.waits -> take_entries (DGW1)",
         "inputs": {**inputs_of("chain", "distributor", "retry", "meditation"), "bands": n,
                    "lap_ms": CHAIN.meditation_ms},
-        "records": index_records(rec), "messages": [entry_json(e) for e in (chain_e, noid_e, retry_e, med_e)]}}
+        "records": recorded_entries(rec), "messages": [entry_json(e) for e in (chain_e, noid_e, retry_e, med_e)]}}
     h = check_in()
     a, b = enqueued(h, "chain").entry, enqueued(h, "chain-second").entry
-    rec = waiting.Recorder(n, CHAIN.meditation_ms)
+    rec = index_records.Recorder(n, CHAIN.meditation_ms)
     rec.waits(False, [(1, a), (1, b)], NOW)
     out["entries-carried"] = {
-        "produced_by": "waiting.Recorder.waits of a carrier's two messages (one DGW1 record)",
+        "produced_by": "index_records.Recorder.waits of a carrier's two messages (one DGW1 record)",
         "inputs": {**inputs_of("chain", "chain-second"), "bands": n, "lap_ms": CHAIN.meditation_ms},
-        "records": index_records(rec), "messages": [entry_json(e) for e in (a, b)]}
+        "records": recorded_entries(rec), "messages": [entry_json(e) for e in (a, b)]}
     h = check_in()
     a, b = enqueued(h, "chain").entry, enqueued(h, "distributor").entry
-    rec = waiting.Recorder(16, CHAIN.meditation_ms)
+    rec = index_records.Recorder(16, CHAIN.meditation_ms)
     owed = rec.left([(1, a)], NOW) + rec.left([(2, b)], NOW)
     taken = rec.take_done(NOW, now=True)
     assert taken is not None and taken[0] == owed == [1, 2]
     done = taken[1]
-    out["done"] = {"produced_by": "waiting.Recorder.left -> take_done (DGD1): the distributor delivered one message "
-                                  "and dropped one a cancel names",
+    out["done"] = {"produced_by": "index_records.Recorder.left -> take_done (DGD1): the distributor delivered one "
+                                  "message and dropped one a cancel names",
                    "inputs": inputs_of("chain", "distributor"), "body": hx(done),
-                   "expected": {"keys": waiting.done_keys(done)}, "messages": [entry_json(e) for e in (a, b)]}
+                   "expected": {"keys": index_records.done_keys(done)}, "messages": [entry_json(e) for e in (a, b)]}
     gw = bytes(range(16))
-    consumers = waiting.Consumers(check_in=2, returning=1, distributor=3)
-    body = waiting.pack_beat(gw, waiting.ROLE_CHECK_IN | waiting.ROLE_DISTRIBUTOR, NOW + 1234, NOW, consumers,
-                             waiting.INDEXES)
-    beat = waiting.beat(body)
+    consumers = index_records.Consumers(check_in=2, returning=1, distributor=3)
+    roles = index_records.ROLE_CHECK_IN | index_records.ROLE_DISTRIBUTOR
+    body = index_records.pack_beat(gw, roles, NOW + 1234, NOW, consumers, index_records.INDEXES)
+    beat = index_records.beat(body)
     assert beat is not None
-    out["beat"] = {"produced_by": "waiting.pack_beat (DGB2)",
+    out["beat"] = {"produced_by": "index_records.pack_beat (DGB2)",
                    "inputs": {"gateway": hx(gw), "roles": 3, "low_ms": NOW + 1234, "now_ms": NOW,
-                              "consumers": dataclasses.asdict(consumers), "flags": waiting.INDEXES},
+                              "consumers": dataclasses.asdict(consumers), "flags": index_records.INDEXES},
                    "body": hx(body), "expected": beat_json(beat)}
-    body = waiting.pack_beat(gw, waiting.ROLE_CHECK_IN, NOW, NOW, waiting.Consumers(check_in=1), 0)
-    beat = waiting.beat(body)
+    body = index_records.pack_beat(gw, index_records.ROLE_CHECK_IN, NOW, NOW, index_records.Consumers(check_in=1), 0)
+    beat = index_records.beat(body)
     assert beat is not None
-    out["beat-unindexed"] = {"produced_by": "waiting.pack_beat (DGB2) of a gateway with --no-pending-index",
+    out["beat-unindexed"] = {"produced_by": "index_records.pack_beat (DGB2) of a gateway with --no-pending-index",
                              "inputs": {"gateway": hx(gw), "roles": 1, "low_ms": NOW, "now_ms": NOW,
                                         "consumers": {"check_in": 1}, "flags": 0},
                              "body": hx(body), "expected": beat_json(beat)}
-    from gateway.broker.waiting import MARK  # (the reader's mark is written by the broker side)
+    from gateway.broker.run.index_streams import MARK  # (the reader's mark is written by the broker side)
     token = bytes(range(16, 32))
-    out["mark"] = {"produced_by": "gateway.broker.waiting.MARK + a token (a reader's mark to find a stream's end)",
+    out["mark"] = {"produced_by": "gateway.broker.run.index_streams.MARK + a token (a reader's mark to find a "
+                                  "stream's end)",
                    "inputs": {"token": hx(token)}, "body": hx(MARK + token),
                    "expected": {"entries": 0, "done_keys": [], "beat": None}}
     return out
@@ -466,11 +468,11 @@ def registry_json(r: registry.Record) -> Json:
 
 
 def unlisted_samples() -> Json:
-    """The `unlisted` records gateway/broker/waiting.py appends: after a declare that created the index
+    """The `unlisted` records gateway/broker/run/index_streams.py appends: after a declare that created the index
     where messages already wait, and by a gateway that writes no entries (their broker calls stubbed)."""
     from unittest import mock
 
-    from gateway.broker import waiting as index
+    from gateway.broker.run import index_streams
     written: List[registry.Record] = []
 
     class Queues:  # (Prober: every queue of the chain holds one message)
@@ -483,16 +485,16 @@ def unlisted_samples() -> Json:
         def close(self) -> None:
             pass
 
-    with mock.patch.object(index, "append", lambda connection, names, records: written.extend(records)), \
-            mock.patch.object(index, "Prober", Queues):
-        index.note_messages_before_index(None, CHAIN, NOW)
-        index.note_unindexed_gateway(None, CHAIN, NOW + 1)
+    with mock.patch.object(index_streams, "append", lambda connection, names, records: written.extend(records)), \
+            mock.patch.object(index_streams, "Prober", Queues):
+        index_streams.note_messages_before_index(None, CHAIN, NOW)
+        index_streams.note_unindexed_gateway(None, CHAIN, NOW + 1)
     out = []
     for r in written:
         body = registry.encode(r)
         assert registry.decode(body) == r
         out.append({"body": hx(body), "expected": registry_json(r)})
-    return {"produced_by": "gateway.broker.waiting.note_messages_before_index and note_unindexed_gateway -> "
+    return {"produced_by": "gateway.broker.run.index_streams.note_messages_before_index and note_unindexed_gateway -> "
                            "topology.registry.encode (unlisted)", "records": out,
             "inputs": {"now_ms": NOW, "chain": "1000 ms, 20 levels (generate.CHAIN)",
                        "note": "an upgrade's note at now, a --no-pending-index gateway's at now + 1 ms"}}

@@ -10,7 +10,7 @@ from collections import Counter, defaultdict
 import pytest
 
 from gateway.cli import main
-from gateway.spark.record import Recorder
+from gateway.spark.record import DeliveryRecorder
 
 pytestmark = pytest.mark.spark
 
@@ -91,7 +91,7 @@ def test_report_numbers_match_a_direct_computation(spark, broker, make_chain, ru
     records = tmp_path / "records.jsonl"
     n = 60
     with open(records, "w") as out:
-        recorder = Recorder(broker, chain.names.pick_up, out, "#", None, chain.prefix)
+        recorder = DeliveryRecorder(broker, chain.names.pick_up, out, "#", None, chain.prefix)
         thread = threading.Thread(target=recorder.run, kwargs=dict(limit=n), daemon=True)
         thread.start()
         assert recorder.ready.wait(10)

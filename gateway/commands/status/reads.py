@@ -11,8 +11,8 @@ from topology.registry import ChainKey, Registry, fold
 from topology.retirement import Observed
 from topology.settings import QUEUE_TYPES
 
-from gateway.broker import cancelling, stamp
-from gateway.broker import waiting as index
+from gateway.broker.run import cancelling, stamp
+from gateway.broker.run import index_streams
 from gateway.commands.status.metrics import carried_from_metrics, held_from_metrics, retries_from_metrics
 from gateway.commands.status.report import HORIZONS, Report, report
 from gateway.core import listing
@@ -109,9 +109,9 @@ def waiting_messages(connection, names: Names, records: cancelling.Recorded, win
     judge = listing.cancelled_by(records.store(window_ms, now_ms), records.rules, now_ms)
     ranges = [(label, ms) for label, ms in HORIZONS] + [("later", None)]
     try:
-        view, found = index.read(connection, names, now_ms, lambda at: listing.View(
+        view, found = index_streams.read(connection, names, now_ms, lambda at: listing.View(
             now_ms, at, judge, Selection(), None, None, ranges))
-    except index.Missing:
+    except index_streams.Missing:
         return {"total": None, "exact": False, "why": "the index of what waits is not declared (run `delay-gateway "
                                                         "declare` with this version)"}
     cumulative, running = {}, 0

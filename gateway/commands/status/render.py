@@ -2,27 +2,23 @@
 
 import json
 from dataclasses import asdict
-from datetime import datetime, timezone
 from typing import Any, Dict, Optional
 
-from gateway.commands.status.report import Chain, Report, Row, gateways_text, human_ms
+from gateway.commands.status.report import Chain, Report, Row, gateways_text
+from gateway.times import duration, plain_utc
 
 
 def _window(r: Row) -> str:
     if r.note and not r.scheduled:
         return r.note
     if r.due_max_ms is None:
-        return r.note or f"in {human_ms(r.due_min_ms or 0)} or later"
-    text = f"within {human_ms(r.due_max_ms)}"
+        return r.note or f"in {duration(r.due_min_ms or 0)} or later"
+    text = f"within {duration(r.due_max_ms)}"
     return f"{text} ({r.note})" if r.note else text
 
 
-def clock_text(ms: int) -> str:
-    return datetime.fromtimestamp(ms / 1000, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
 def text(r: Report) -> str:
-    lines = [f"prefix {r.prefix!r} at {clock_text(r.at_ms)}; lead {r.lead_ms} ms"]
+    lines = [f"prefix {r.prefix!r} at {plain_utc(r.at_ms)}; lead {r.lead_ms} ms"]
     if r.missing:  # every row would say "missing": only what to do
         return "\n".join(lines + [f"problem: {p}" for p in r.problems]) + "\n"
     if r.chains:
@@ -35,7 +31,7 @@ def text(r: Report) -> str:
             if c.declared:
                 state.append(gateways_text(c.gateways))
             if c.empty_by_ms is not None:
-                state.append(f"retiring, empty by {clock_text(c.empty_by_ms)}")
+                state.append(f"retiring, empty by {plain_utc(c.empty_by_ms)}")
             lines.append(f"  {c.key.describe():<{width}}  {', '.join(state)}")
     width = max(len(row.label) for row in r.rows)
     lines += ["", f"{'waiting':<{width}}  {'messages':>9}  falls due"]
@@ -59,7 +55,7 @@ def text(r: Report) -> str:
     if r.cancellations is not None:
         rules = r.cancellations.get("rules")
         lines += ["", f"cancellations: {r.cancellations['held']} message id(s) cancelled within the retention "
-                      f"window of {human_ms(r.cancellations['window_ms'])}"
+                      f"window of {duration(r.cancellations['window_ms'])}"
                       + (f"; {rules} live rule(s), which `delay-gateway pending rules` lists" if rules else ""),
                   f"cancels: {_promise(r.cancellations)}"]
     if r.retries:

@@ -11,6 +11,8 @@ from topology.registry import ChainKey, Registry, chain_queues, level_queues
 from topology.retirement import Observed
 from topology.settings import MAX_LEVELS, QUEUE_TYPES
 
+from gateway.times import duration
+
 HORIZONS: Tuple[Tuple[str, int], ...] = (
     ("1 second", 1000), ("1 minute", 60_000), ("1 hour", 3_600_000), ("1 day", 86_400_000))
 
@@ -44,7 +46,9 @@ class Chain:
 
 
 @dataclass(frozen=True)
-class Window:
+class DueWithin:
+    """How many messages fall due within a horizon: at least, at most (`status`'s due-within lines)."""
+
     within: str
     within_ms: Optional[int]  # None: later than the last horizon
     at_least: int
@@ -58,7 +62,7 @@ class Report:
     lead_ms: int
     rows: List[Row]
     chains: List[Chain]
-    due_within: List[Window]
+    due_within: List[DueWithin]
     held_source: str  # "metrics" or why it is not known
     distributor_consumers: Optional[int]
     problems: List[str] = field(default_factory=list)
@@ -67,7 +71,7 @@ class Report:
     cancellations: Optional[Dict[str, Any]] = None
     # per source queue: scheduled, delivered, gave_up (from --metrics-url; docs/retries.md)
     retries: Optional[Dict[str, Dict[str, int]]] = None
-    # the publishers' messages that wait, from the index (gateway/core/waiting.py): total,
+    # the publishers' messages that wait, from the index (gateway/core/index_records.py): total,
     # due_within (cumulative, by HORIZONS' labels and "later"), exact and why not; None: not read
     waiting: Optional[Dict[str, Any]] = None
 
@@ -166,7 +170,7 @@ def _chains(prefix: str, own: ChainKey, lead_ms: int, registry: Optional[Registr
             if k in present or k == own:
                 chain_max = k.settings(prefix).meditation_ms
                 add(names.meditation(k.max_level), f"{gen} meditation.{k.max_level:02d}", "meditation", unit, None,
-                    f"at least 1 unit from now (entered with more than the chain's {human_ms(chain_max)})",
+                    f"at least 1 unit from now (entered with more than the chain's {duration(chain_max)})",
                     gen, k.max_level, "meditation")
         seen = [k + 1 for k in range(MAX_LEVELS) if observed.level_seen(names, keys[0], k)]
         top = max(seen + [own.max_level if own.generation == gen else 0])
@@ -220,7 +224,7 @@ def _findings(prefix: str, own: ChainKey, registry: Optional[Registry], rows: Li
     return problems, notes
 
 
-def due_within(rows: Sequence[Row]) -> List[Window]:
+def due_within(rows: Sequence[Row]) -> List[DueWithin]:
     """Cumulative: how many messages are certainly (at least) and possibly (at most) due
     within each horizon; 'later': beyond the last one."""
     counted = [r for r in rows if r.scheduled and r.exists and r.messages]
@@ -228,10 +232,10 @@ def due_within(rows: Sequence[Row]) -> List[Window]:
     for label, ms in HORIZONS:
         at_least = sum(r.messages or 0 for r in counted if r.due_max_ms is not None and r.due_max_ms <= ms)
         at_most = sum(r.messages or 0 for r in counted if (r.due_min_ms or 0) < ms)
-        out.append(Window(label, ms, at_least, at_most))
+        out.append(DueWithin(label, ms, at_least, at_most))
     last = HORIZONS[-1][1]
-    out.append(Window("later", None, sum(r.messages or 0 for r in counted if (r.due_min_ms or 0) >= last),
-                      sum(r.messages or 0 for r in counted if r.due_max_ms is None or r.due_max_ms > last)))
+    out.append(DueWithin("later", None, sum(r.messages or 0 for r in counted if (r.due_min_ms or 0) >= last),
+                         sum(r.messages or 0 for r in counted if r.due_max_ms is None or r.due_max_ms > last)))
     return out
 
 
@@ -239,11 +243,5 @@ def gateways_text(n: Optional[int]) -> str:
     return "gateways: unknown" if n is None else f"{n} gateway{'s' if n != 1 else ''}"
 
 
-def human_ms(ms: int) -> str:
-    for unit, size in (("years", 31_557_600_000), ("d", 86_400_000), ("h", 3_600_000), ("min", 60_000), ("s", 1000)):
-        if ms >= size:
-            value = ms / size
-            return f"{value:.3g} {unit}"
-    return f"{ms} ms"
 
 

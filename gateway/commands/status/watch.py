@@ -9,7 +9,7 @@ from typing import Callable, Optional
 from topology.registry import ChainKey
 
 from gateway import stopping
-from gateway.broker.amqp import blocking_channel
+from gateway.broker.plumbing.amqp import blocking_channel
 from gateway.clock import wall_ms
 from gateway.commands.status.reads import arrival_stamp, read_report
 from gateway.commands.status.render import as_json, text

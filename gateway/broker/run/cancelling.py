@@ -20,7 +20,6 @@ message. The same thread appends this process's tallies: how many messages each 
 removed so far.
 """
 
-import contextvars
 import datetime
 import itertools
 import threading
@@ -37,10 +36,11 @@ from topology.model import cancel_window_ms
 from topology.names import Names
 from topology.settings import ChainSettings
 
-from gateway.broker import lazy_properties, wire_connection
-from gateway.broker.amqp import Trouble, classify, parameters
+from gateway.broker.plumbing import lazy_properties, wire_connection
+from gateway.broker.plumbing.amqp import Trouble, classify, parameters
+from gateway.broker.run import launch
 from gateway.clock import wall_ms
-from gateway.core import cancels, envelope, rules, waiting
+from gateway.core import cancels, envelope, index_records, rules
 from gateway.core.actions import Action, Forward
 from gateway.core.inputs import Delivery
 from gateway.core.routes import Way
@@ -74,10 +74,10 @@ def handle_of(entry: Entry) -> bytes:
 
 def first_handle_of(entry: Entry) -> bytes:
     """The handle the index's first layout listed a message by (345936a..bc3eba0: the CRC-32 of
-    its routing key alone, waiting.first_checksum), which a cancel of that time names."""
+    its routing key alone, index_records.first_checksum), which a cancel of that time names."""
     if entry.accepted_us is None:
         return b""
-    return cancels.handle(entry.accepted_us, waiting.first_checksum(entry.routing_key)).encode("ascii")
+    return cancels.handle(entry.accepted_us, index_records.first_checksum(entry.routing_key)).encode("ascii")
 
 
 class Judge:
@@ -133,7 +133,7 @@ def recording(check_in: Handler, metrics: Metrics) -> Handler:
     def handle(d: Delivery, now: int) -> List[Action]:
         actions = check_in(d, now)
         for action in actions:
-            if isinstance(action, Forward) and action.outcome is Way.CANCEL:
+            if isinstance(action, Forward) and action.way is Way.CANCEL:
                 metrics.cancels.inc()
                 found = cancels.read_record(action.props.headers)
                 if found is not None:
@@ -377,7 +377,5 @@ def start(settings: Settings, metrics: Metrics, stop: threading.Event) -> Follow
     """Follow the cancellations in a daemon thread until `stop` is set."""
     store = Store(retention_ms(settings.chain, settings.cancel_retention))
     follower = Follower(settings, store, metrics, stop)
-    # (in a copy of this context: the log fields bound here, such as the vhost, are the thread's too)
-    threading.Thread(target=contextvars.copy_context().run, args=(follower.run,), name="cancellations",
-                     daemon=True).start()
+    launch.daemon("cancellations", follower.run)
     return follower

@@ -1,12 +1,10 @@
-"""Run the consumers: prepare once (declare, probe, read the cancels), then connect and
-consume, rotating through the configured URLs, until SIGTERM. When to try again and when
-to give up is reconnects.Reconnects; a trouble that cannot heal ends the process with one
-line that says what to fix.
+"""One connection of the `run` process, from open to close, with the consumers of its role:
+check-in first and the others once it caught up (cancels before the messages they cancel),
+ready once every queue is consumed, stopped gracefully on SIGTERM, and closed when confirms
+stop coming (a broker that cannot act for its cluster). worker.run opens one after another.
 """
 
-import itertools
 import random
-import signal
 import threading
 import time
 from typing import Callable, List, Optional, Sequence
@@ -14,31 +12,24 @@ from typing import Callable, List, Optional, Sequence
 import pika
 import structlog
 
-from topology import build
-from topology.broker.declare import TopologyConflict, declare, verify
-from topology.settings import QUEUE_TYPES
-from topology.waiting import bands
+from topology.index_bands import bands
 
-from gateway import health as health_http
-from gateway import logs, stopping
-from gateway.broker import stamp, wire_connection
-from gateway.exits import EXIT_NO_BROKER, EXIT_REFUSED
-from gateway.broker.amqp import BrokerError, Trouble, blocking_channel, classify, parameters
-from gateway.broker.reconnects import FATAL_ATTEMPTS, Reconnects
+from gateway.broker.plumbing import wire_connection
+from gateway.broker.plumbing.amqp import parameters
+from gateway.broker.run import cancelling
+from gateway.broker.run.cancelling import Judge
+from gateway.broker.run.consumer import Pipe
+from gateway.broker.run.index_streams import Beats
+from gateway.broker.run.retrying import counting_retries
 from gateway.clock import wall_ms
-from gateway.core.carrier import Batcher
 from gateway.core.cancels import Sequencer
-from gateway.broker import cancelling
-from gateway.broker.cancelling import Judge
-from gateway.broker.consumer import Pipe
-from gateway.broker.retrying import counting_retries
-from gateway.broker.waiting import Beats, declare_noting
+from gateway.core.carrier import Batcher
 from gateway.core.handlers import CheckIn, Distributor, Parking, Retry, Returning
-from gateway.core.waiting import Consumers, Recorder
+from gateway.core.index_records import Consumers, Recorder
 from gateway.health import Health
 from gateway.metrics import Metrics
 from gateway.settings import Settings
-from gateway.urls import redact, vhost_of
+from gateway.urls import redact
 
 STOP_POLL_S = 0.2
 STOP_GRACE_S = 10.0
@@ -232,167 +223,3 @@ class Session:
     @property
     def stable(self) -> bool:
         return self.ready_since is not None and time.monotonic() - self.ready_since >= STABLE_S
-
-
-def other_exits(url: str, settings: Settings) -> List[str]:
-    """The exits of chains in another queue type than ours that exist (a chain of the
-    other type may still be draining into them, or is current for other gateways)."""
-    names, found = settings.chain.names, []
-    for queue_type in QUEUE_TYPES:
-        if queue_type == "quorum":
-            continue  # the quorum exits are every chain's: always consumed
-        for queue in (names.exit_returning(queue_type), names.exit_distributor(queue_type)):
-            if queue_type == settings.chain.queue_type or exists(url, settings, queue):
-                found.append(queue)
-    return found
-
-
-def exists(url: str, settings: Settings, queue: str) -> bool:
-    try:
-        with blocking_channel(url, "delay-gateway", settings.tls) as channel:
-            channel.queue_declare(queue, passive=True)
-        return True
-    except BrokerError as exc:
-        if exc.trouble.heals or "NOT_FOUND" not in exc.trouble.message:
-            raise
-        return False
-
-
-def main(settings: Settings) -> int:
-    """`delay-gateway run`: the consumers until SIGTERM or SIGINT (of the URLs' own virtual
-    host; several: vhosts.py)."""
-    metrics, health = Metrics(vhost=vhost_of(settings.urls[0])), Health()
-    if settings.metrics_port:
-        health_http.serve(settings.metrics_port, metrics.registry, health)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, stopping.setter(stop))
-    starting(settings)
-    return one(settings, stop, metrics, health)
-
-
-def starting(settings: Settings, **fields) -> None:
-    c = settings.chain
-    structlog.get_logger("gateway").info(
-        "starting", role=settings.role, brokers=[redact(u) for u in settings.urls], prefix=c.prefix,
-        max_level=c.max_level, resolution_ms=c.resolution_ms, queue_type=c.queue_type, zero_bits=c.zero_bits,
-        **fields)
-
-
-def one(settings: Settings, stop: threading.Event, metrics: Metrics, health: Health,
-        refusals: Optional["Refusals"] = None) -> int:
-    """The consumers of one virtual host (the URLs'), with their upkeep and cancellations."""
-    from gateway.broker import upkeep
-    beats = Beats(settings.chain.names, settings.role, settings.pending_index)
-    # counted as a user of the chain; retires unused chains; counts queues; beats
-    upkeep.start(settings, stop, metrics, beats)
-    return run(settings, stop, metrics, health, cancelling.start(settings, metrics, stop), beats, refusals)
-
-
-class Refusals:
-    """How a vhost among several meets a refusal that does not heal (vhosts.py): `tolerate`
-    says whether to try again (True) or to give up as a process of one vhost does; `back`
-    is called once it consumes again."""
-
-    def tolerate(self, trouble: Trouble, retry_in_s: float) -> bool:
-        raise NotImplementedError
-
-    def back(self) -> None:
-        raise NotImplementedError
-
-
-class Preparation:
-    """What a process does once, on the first broker that lets it: the topology declared
-    (or, --no-declare, found), the arrival stamp probed, and every cancel of the window read
-    before the first message is. Each step is done once; a broker that fails one raises
-    (BrokerError, TopologyConflict) and the next broker tries it again."""
-
-    def __init__(self, settings: Settings, health: Health, cancels: Optional[cancelling.Follower]) -> None:
-        self.settings, self.health, self.cancels = settings, health, cancels
-        self.sequence = Sequencer()  # read times: one sequence for the process
-        self._checked = False  # the topology
-        self._stamp_checked = False  # said once per process
-        self._log = structlog.get_logger("gateway")
-
-    def on(self, url: str, stop: threading.Event) -> bool:
-        """Prepared against the broker at `url`: False if stopped meanwhile."""
-        settings = self.settings
-        if not self._checked:
-            with blocking_channel(url, "delay-gateway declare", settings.tls) as channel:
-                declare_noting(channel, build(settings.chain, cancelling.retention_ms(
-                    settings.chain, settings.cancel_retention)), declare if settings.declare else verify)
-            self._log.info("topology_declared" if settings.declare else "topology_found",
-                           prefix=settings.chain.prefix, generation=settings.chain.generation,
-                           max_level=settings.chain.max_level)
-            self._checked = True
-        if not self._stamp_checked:
-            stamp.check(url, settings, self._log)
-            self._stamp_checked = True
-        cancels = self.cancels
-        if cancels is not None and not cancels.ready.is_set():
-            self.health.ready(False, "reading the cancellations")
-            missing = cancels.wait_ready()
-            if stop.is_set():
-                return False
-            if missing is not None:
-                raise BrokerError(missing)
-        if cancels is not None:  # read times above every cancel held, whatever the clock did
-            self.sequence.above(cancels.newest_read_us())
-        return True
-
-
-def run(settings: Settings, stop: threading.Event, metrics: Metrics, health: Health,
-        cancels: Optional[cancelling.Follower] = None, beats: Optional[Beats] = None,
-        refusals: Optional[Refusals] = None) -> int:
-    """0 once stopped; EXIT_NO_BROKER after connect_timeout without a broker; EXIT_REFUSED
-    after FATAL_ATTEMPTS troubles that cannot heal (unless `refusals` tolerates them: then
-    it tries again, with backoff)."""
-    log = structlog.get_logger("gateway")
-    metrics.ready.labels(settings.role).set(0)  # 0 from the start: an alert sees a process that never gets ready
-    urls = itertools.cycle(settings.urls)
-    prepared = Preparation(settings, health, cancels)
-    reconnects = Reconnects(settings.connect_timeout)
-    while not stop.is_set():
-        url = next(urls)
-        session = None
-        try:
-            if not prepared.on(url, stop):
-                break
-            session = Session(url, settings, metrics, health, stop, other_exits(url, settings),
-                              cancels.judge(metrics) if cancels is not None else None, prepared.sequence,
-                              beats, refusals.back if refusals is not None else None)
-            session.run()
-            trouble = classify(session.error, url) if session.error is not None else None
-        except TopologyConflict as exc:
-            trouble = Trouble(False, str(exc))
-        except BrokerError as exc:
-            trouble = exc.trouble
-        if session is not None and session.ready_since is not None:
-            reconnects.up()
-        if stop.is_set():
-            break
-        health.beat()
-        then = reconnects.after(trouble, session is not None and session.stable)
-        if then.exit_code == EXIT_REFUSED and trouble is not None and refusals is not None:
-            wait_s = reconnects.backoff.next(False)
-            if refusals.tolerate(trouble, wait_s):  # (it says so, once)
-                stop.wait(wait_s)
-                continue
-        if trouble is not None and not trouble.heals:
-            # (one line per attempt, its retry included: `reconnecting` would say it again)
-            log.error("broker_refused", error=trouble.message, attempt=then.refused, of=FATAL_ATTEMPTS,
-                      **({} if then.exit_code is not None else {"retry_in_s": round(then.wait_s, 2)}))
-        if then.exit_code == EXIT_REFUSED and trouble is not None:
-            logs.last_line(f"delay-gateway run: {trouble.message}")
-            return then.exit_code
-        if then.exit_code == EXIT_NO_BROKER:
-            error = trouble.message if trouble else "no connection"
-            log.error("giving_up", seconds=settings.connect_timeout, error=error)
-            logs.last_line(f"delay-gateway run: no broker for {settings.connect_timeout:g} s (--connect-timeout), "
-                           f"giving up: {error}")
-            return then.exit_code
-        if trouble is None or trouble.heals:
-            log.warning("reconnecting", after_s=round(then.wait_s, 2), error=trouble.message if trouble else None)
-        stop.wait(then.wait_s)
-    log.info("stopped")
-    return 0

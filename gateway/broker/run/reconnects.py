@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from gateway.broker.amqp import Trouble
+from gateway.broker.plumbing.amqp import Trouble
 from gateway.exits import EXIT_NO_BROKER, EXIT_REFUSED
 
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.2, 10.0

@@ -3,7 +3,7 @@ recording the chain in the registry, retiring chains no gateway uses any more, a
 it is alive.
 
 It runs in a thread of its own with its own connection (`start`, called once from
-worker.main), so the consumers never wait for it and it never touches their connection:
+worker.one), so the consumers never wait for it and it never touches their connection:
 
 - it consumes the chain's `gateways.NN` queue (nothing is ever published there); the queue's
   consumer count is how other gateways and `status` know that this chain is in use;
@@ -14,7 +14,7 @@ worker.main), so the consumers never wait for it and it never touches their conn
 - every 15 s it counts the ready messages of the gateway's own queues (one passive declare
   each) for the metric `delay_gateway_queue_messages`, which the alerts on a check-in
   backlog read;
-- every 5 s it beats into the done stream (broker/waiting.py: Beats), so that a reader
+- every 5 s it beats into the done stream (index_streams.py: Beats), so that a reader
   knows which gateways keep up; with --no-pending-index it also notes in the registry, every
   quarter lap, until when what it sends on may wait unlisted.
 
@@ -24,7 +24,6 @@ is removed once empty, with nothing for a person to remember. `delay-gateway mig
 the same retirement once, for deployments that turn it off.
 """
 
-import contextvars
 import itertools
 import threading
 import time
@@ -39,9 +38,10 @@ from topology.names import Names
 from topology.registry import ChainKey, Record, Registry, fold
 from topology.retirement import Step, Unused, plan
 
-from gateway.broker import wire_connection
-from gateway.broker.amqp import classify, parameters, unreachable
-from gateway.broker.waiting import Beats, note_unindexed_gateway, unindexed_every_ms
+from gateway.broker.plumbing import wire_connection
+from gateway.broker.plumbing.amqp import classify, parameters, unreachable
+from gateway.broker.run import launch
+from gateway.broker.run.index_streams import Beats, note_unindexed_gateway, unindexed_every_ms
 from gateway.clock import wall_ms
 from gateway.metrics import Metrics
 from gateway.settings import Settings
@@ -261,7 +261,5 @@ def start(settings: Settings, stop: threading.Event, metrics: Optional[Metrics] 
           beats: Optional[Beats] = None) -> Upkeep:
     """Run the upkeep in a daemon thread until `stop` is set."""
     upkeep = Upkeep(settings, stop, metrics, beats)
-    # (in a copy of this context: the log fields bound here, such as the vhost, are the thread's too)
-    threading.Thread(target=contextvars.copy_context().run, args=(upkeep.run,), name="upkeep",
-                     daemon=True).start()
+    launch.daemon("upkeep", upkeep.run)
     return upkeep

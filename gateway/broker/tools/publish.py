@@ -7,7 +7,7 @@ import pika
 
 from topology import ChainSettings
 
-from gateway.broker import lazy_properties
+from gateway.broker.plumbing import lazy_properties
 from gateway.core.envelope import DELAY, DELIVER_AT
 
 

@@ -1,6 +1,6 @@
 """The index of what waits on the broker: the gateways' beats, noting where messages may wait
 unlisted, and reading the waiting streams for `delay-gateway pending` (what the records
-mean: gateway/core/waiting.py; what a reader makes of them: gateway/core/listing.py).
+mean: gateway/core/index_records.py; what a reader makes of them: gateway/core/listing.py).
 
 Reading: passive declares say whether messages wait unread where a gateway should take
 them (check-in, and the distributor and returning queues) and who consumes them; the
@@ -29,14 +29,15 @@ from topology.broker.inventory import Prober, Unknown, append, close_stream_read
 from topology.names import Names
 from topology.registry import Record, fold
 from topology.settings import QUEUE_TYPES, ChainSettings
-from topology.waiting import BANDS, DONE, RETENTION_SLACK_MS, band_key
+from topology.index_bands import BANDS, DONE, RETENTION_SLACK_MS, band_key
 
-from gateway.broker import lazy_properties
+from gateway.broker.plumbing import lazy_properties
 from gateway.clock import wall_ms
-from gateway.core import listing, waiting
+from gateway.core import index_records, listing
 from gateway.core.listing import Gap, Horizon, Place, View
-from gateway.core.waiting import Consumers
+from gateway.core.index_records import Consumers
 from gateway.core.wire import Properties
+from gateway.times import iso_s
 
 MARK = b"DGM1"
 PREFETCH = 64  # records (each up to a carrier's worth of entries) unacknowledged per stream
@@ -56,9 +57,9 @@ class Beats:
     def __init__(self, names: Names, role: str, indexes: bool = True) -> None:
         self.names = names
         self.id = uuid.uuid4().bytes
-        self.roles = (waiting.ROLE_CHECK_IN if role in ("all", "check-in") else 0) \
-            | (waiting.ROLE_DISTRIBUTOR if role in ("all", "distributor") else 0)
-        self.flags = waiting.INDEXES if indexes else 0
+        self.roles = (index_records.ROLE_CHECK_IN if role in ("all", "check-in") else 0) \
+            | (index_records.ROLE_DISTRIBUTOR if role in ("all", "distributor") else 0)
+        self.flags = index_records.INDEXES if indexes else 0
         self.low: Callable[[], Optional[int]] = lambda: None
         self.consumers = Consumers()
         self._channel: Any = None
@@ -67,7 +68,7 @@ class Beats:
         self.log = structlog.get_logger("gateway").bind(part="upkeep")
 
     def maybe(self, connection) -> None:
-        if self._off or time.monotonic() - self._sent < waiting.BEAT_EVERY_MS / 1000:
+        if self._off or time.monotonic() - self._sent < index_records.BEAT_EVERY_MS / 1000:
             return
         self._sent = time.monotonic()
         now = wall_ms()
@@ -75,7 +76,7 @@ class Beats:
         try:
             if self._channel is None or not self._channel.is_open:
                 self._channel = connection.channel()
-            self._channel.basic_publish(self.names.waiting, DONE, waiting.pack_beat(
+            self._channel.basic_publish(self.names.waiting, DONE, index_records.pack_beat(
                 self.id, self.roles, now if low is None else min(low, now), now, self.consumers, self.flags),
                 lazy_properties.WireProperties(RECORD))
         except ChannelClosedByBroker as exc:  # the exchange is missing: an older topology
@@ -125,7 +126,7 @@ def note_messages_before_index(connection, settings: ChainSettings, now_ms: int)
     prober.close()
     if not waiting_now:
         return None
-    since = datetime.datetime.fromtimestamp(now_ms / 1000, datetime.timezone.utc).isoformat(timespec="seconds")
+    since = iso_s(now_ms)
     record = Record("unlisted", now_ms, until_ms=now_ms + settings.meditation_ms + DAY_MS,
                     why=f"messages scheduled before {since} (before the index of what waits existed) are listed "
                         "from their next lap, or not at all until due")
@@ -191,13 +192,9 @@ class Found:
             out.append(f"{self.horizon.why}: everything the streams keep was read (up to "
                        f"{RETENTION_SLACK_MS // 3_600_000} h past due)")
         for gap in self.gaps:
-            until = "" if gap.until_ms is None else f" (until {iso(gap.until_ms)})"
+            until = "" if gap.until_ms is None else f" (until {iso_s(gap.until_ms)})"
             out.append(gap.why + until)
         return out
-
-
-def iso(ms: int) -> str:
-    return datetime.datetime.fromtimestamp(ms / 1000, datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 class Missing(RuntimeError):
@@ -227,13 +224,13 @@ def read(connection, names: Names, now_ms: int, make_view: Callable[[Horizon], V
     records = read_registry(connection, names)
     unlisted = [Gap(r.why, r.until_ms) for r in fold(records or []).unlisted]
     reader = StreamReader(connection, names)
-    recent: List[waiting.Beat] = []
+    recent: List[index_records.Beat] = []
 
     def on_beat(body: bytes) -> None:
-        found = waiting.beat(body)
+        found = index_records.beat(body)
         if found is not None:
             recent.append(found)
-    reader.read({DONE: now_ms - waiting.LIVE_MS - CLOCKS_MS}, {DONE: on_beat})
+    reader.read({DONE: now_ms - index_records.LIVE_MS - CLOCKS_MS}, {DONE: on_beat})
     at = listing.horizon(now_ms, recent, places)
     view = make_view(at)
     if progress is not None:

@@ -19,7 +19,7 @@ import pika
 import structlog
 from pika.exceptions import AMQPError
 
-from gateway.broker.amqp import blocking_channel
+from gateway.broker.plumbing.amqp import blocking_channel
 from gateway.core.envelope import ARRIVED
 from gateway.settings import Settings
 

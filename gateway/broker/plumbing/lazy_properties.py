@@ -9,7 +9,7 @@ decode the Python attributes only when something reads them, with values pika ca
 represent left as `wire.Opaque` instead of failing. Sent, `WireProperties` are these bytes
 exactly; `encoded()` turns pika properties with Python values into them, a Python float as
 an AMQP double (pika cannot encode floats). The gateway's connections
-(broker/wire_connection.py) deliver their messages with them.
+(wire_connection.py) deliver their messages with them.
 """
 
 import struct

@@ -151,7 +151,10 @@ class PluginError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class Table:
+class MnesiaTable:
+    """One of the plugin's tables in Mnesia, as the node describes it (not the AMQP field
+    table of gateway/core/wire.py)."""
+
     name: str
     where: str  # the node holding it ('nowhere' when that node is down)
     record: str
@@ -178,7 +181,7 @@ class Probe:
     plugin_version: Optional[str]
     metadata_store: str  # 'mnesia' or 'khepri'
     mnesia_running: bool
-    tables: Tuple[Table, ...]
+    tables: Tuple[MnesiaTable, ...]
 
 
 @dataclass(frozen=True)
@@ -234,7 +237,7 @@ class PluginTables:
         node = next((fields for fields in lines if fields[0] == "node"), None)
         if node is None:
             raise PluginError(f"{' '.join(self.ctl)} eval printed nothing this command understands", False)
-        tables = tuple(Table(f[1], f[2], f[3], f[4], f[5], int(f[6]), f[7]) for f in lines if f[0] == "table")
+        tables = tuple(MnesiaTable(f[1], f[2], f[3], f[4], f[5], int(f[6]), f[7]) for f in lines if f[0] == "table")
         return Probe(node[1], None if node[2] == "-" else node[2], node[3],
                      not any(f[0] == "mnesia" for f in lines), tables)
 

@@ -2,7 +2,7 @@
 
 A connection made here (`WireConnection`, or `blocking()` for a BlockingConnection) decodes
 content headers itself: its messages arrive with `WireProperties`
-(broker/lazy_properties.py), which keep the exact bytes, where pika would decode them into
+(lazy_properties.py), which keep the exact bytes, where pika would decode them into
 Python values it may truncate or fail on. Nothing in pika is changed: other connections in
 the same process keep pika's behaviour.
 
@@ -28,7 +28,7 @@ import pika
 from pika import frame, spec
 from pika.exceptions import InvalidFrameError
 
-from gateway.broker.lazy_properties import WireProperties
+from gateway.broker.plumbing.lazy_properties import WireProperties
 from gateway.core import wire
 
 _FRAME_HEAD = struct.Struct(">BHL")  # frame type, channel, payload size

@@ -10,8 +10,8 @@ from typing import Any
 
 from pika import spec
 
-from gateway.broker.lazy_properties import WireProperties
-from gateway.broker.wire_connection import WireConnection
+from gateway.broker.plumbing.lazy_properties import WireProperties
+from gateway.broker.plumbing.wire_connection import WireConnection
 from gateway.core.wire import Properties
 
 _PUBLISH_HEAD = struct.Struct(">BHLHHH")  # method frame head; basic.publish; ticket 0

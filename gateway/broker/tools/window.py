@@ -2,7 +2,8 @@
 
 pika's BlockingConnection waits for each confirm before the next publish (a few hundred
 messages a second); this SelectConnection keeps up to `window` publishes unconfirmed and
-moves on as confirms arrive, so a message counts as published only once the broker
+moves on as confirms arrive (core/confirms.Window numbers the publishes and settles them, as
+it does for the gateway's consumers), so a message counts as published only once the broker
 confirmed it and a bulk load is still fast. Optionally paced (`max_rate` a second).
 
 A negative confirm (a quorum queue between leaders, a full queue) is retried after
@@ -20,8 +21,9 @@ from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 import pika
 from pika import spec
 
-from gateway.broker import lazy_properties, wire_connection
-from gateway.broker.amqp import parameters
+from gateway.broker.plumbing import lazy_properties, wire_connection
+from gateway.broker.plumbing.amqp import parameters
+from gateway.core.confirms import Publication, Window
 from gateway.settings import Tls
 from gateway.urls import redact
 
@@ -47,9 +49,11 @@ class WindowPublisher:
         self.nack_attempts, self.retry_s, self.connect_timeout = nack_attempts, retry_s, connect_timeout
         self.confirm_timeout_s, self.tick_s, self.queue = confirm_timeout_s, tick_s, queue
         self.unroutable, self.unroutable_hint = unroutable, unroutable_hint
-        self.pending: Dict[int, Tuple[Outgoing, int]] = {}  # sequence number -> (message, attempt), in order
-        self.retry: Deque[Tuple[float, Outgoing, int]] = deque()  # (not before, message, attempt)
-        self.seq = self.sent = self.acked = self.nacked = 0  # sent: first publishes, not retries
+        # What is sent and not confirmed yet, by sequence number (a publication's `refused`
+        # counts the broker's negative confirms: the attempts before its latest).
+        self.confirms: Window[Outgoing] = Window()
+        self._retry: Deque[Tuple[float, Publication[Outgoing]]] = deque()  # (not before, to send again)
+        self.sent = self.acked = self.nacked = 0  # sent: first publishes, not retries
         self.confirm_times: List[float] = []  # one per confirmed message: s since start
         self.exhausted = False
         self.error: Optional[str] = None
@@ -60,8 +64,18 @@ class WindowPublisher:
         self._ticking = self._watching = False  # timers scheduled (one each: every confirm calls fill)
 
     @property
+    def pending(self) -> Dict[int, Tuple[Outgoing, int]]:
+        """Sent and not confirmed: sequence number -> (message, attempt), in order."""
+        return {p.seq: (p.payload, p.refused) for p in self.confirms.inflight()}
+
+    @property
+    def retry(self) -> List[Tuple[float, Outgoing, int]]:
+        """Refused, to be sent again: (not before, message, attempt)."""
+        return [(at, p.payload, p.refused) for at, p in list(self._retry)]
+
+    @property
     def unconfirmed(self) -> int:
-        return len(self.pending) + len(self.retry)
+        return self.confirms.unconfirmed + len(self._retry)
 
     @property
     def seconds(self) -> float:
@@ -121,6 +135,7 @@ class WindowPublisher:
 
     def _begin(self) -> None:
         self.start = time.monotonic()  # the rate counts from here
+        self.confirms.open()  # (nothing waits to be sent yet)
         self.fill()
 
     def on_channel_closed(self, _channel: Any, reason: Exception) -> None:
@@ -139,30 +154,21 @@ class WindowPublisher:
     def on_confirm(self, frame: Any) -> None:
         m = frame.method
         self._last_confirm = time.monotonic()
-        # Confirms may come out of order (a single ack for a later message before a
-        # multiple ack that covers earlier ones): track each publish, never count by tag.
-        if m.multiple:
-            tags = []
-            for tag in self.pending:
-                if tag > m.delivery_tag:
-                    break
-                tags.append(tag)
-        else:
-            tags = [m.delivery_tag] if m.delivery_tag in self.pending else []
-        nack = isinstance(m, spec.Basic.Nack)
-        for tag in tags:
-            message, attempt = self.pending.pop(tag)
-            if not nack:
-                self.acked += 1
-                self.confirm_times.append(self._last_confirm - self.start)
-            elif self.nack_attempts <= 0:
+        # Confirms may come out of order (a single ack for a later message before a multiple
+        # ack that covers earlier ones): the window settles each publish, never counts by tag.
+        settled = self.confirms.confirmed(m.delivery_tag, m.multiple, not isinstance(m, spec.Basic.Nack))
+        for _ in settled.confirmed:
+            self.acked += 1
+            self.confirm_times.append(self._last_confirm - self.start)
+        for pub in settled.refused:
+            if self.nack_attempts <= 0:
                 self.nacked += 1
-            elif attempt + 1 >= self.nack_attempts:
+            elif pub.refused >= self.nack_attempts:
                 self.fail(f"the broker refused a message {self.nack_attempts} times (negative confirms): "
                           f"is {self.queue} full or without a leader?")
                 return
             else:
-                self.retry.append((self._last_confirm + self.retry_s, message, attempt + 1))
+                self._retry.append((self._last_confirm + self.retry_s, pub))
         self.fill()
 
     # -- publishing ------------------------------------------------------------------------
@@ -170,24 +176,23 @@ class WindowPublisher:
         if self._closing:
             return
         now = time.monotonic()
-        while self.retry and len(self.pending) < self.window and self.retry[0][0] <= now:
-            _, message, attempt = self.retry.popleft()
-            self._send(message, attempt)
+        while self._retry and self.confirms.unconfirmed < self.window and self._retry[0][0] <= now:
+            self._send(self._retry.popleft()[1])
         allowed = self._allowed(now)
-        while not self.exhausted and len(self.pending) < self.window and self.sent < allowed:
+        while not self.exhausted and self.confirms.unconfirmed < self.window and self.sent < allowed:
             try:
                 message = next(self.items)
             except StopIteration:
                 self.exhausted = True
                 break
-            self._send(message, 0)
+            self._send(Publication((), message))
             self.sent += 1
-        if self.exhausted and not self.pending and not self.retry:
+        if self.exhausted and not self.confirms.unconfirmed and not self._retry:
             self._close()
-        elif (self.retry or (not self.exhausted and self.sent >= allowed)) and not self._ticking:
+        elif (self._retry or (not self.exhausted and self.sent >= allowed)) and not self._ticking:
             self._ticking = True
             self._connection.ioloop.call_later(self.tick_s, self._tick)
-        elif self.exhausted and self.confirm_timeout_s and self.pending and not self._watching:
+        elif self.exhausted and self.confirm_timeout_s and self.confirms.unconfirmed and not self._watching:
             self._watching = True
             self._connection.ioloop.call_later(0.5, self._watch)
 
@@ -197,7 +202,7 @@ class WindowPublisher:
 
     def _watch(self) -> None:
         """All sent: give up on confirms that do not come (they count as unconfirmed)."""
-        if self._closing or not self.pending:
+        if self._closing or not self.confirms.unconfirmed:
             return
         if time.monotonic() - max(self._last_confirm, self.start) > self.confirm_timeout_s:
             self._close()
@@ -209,13 +214,12 @@ class WindowPublisher:
             return float("inf")
         return int((now - self.start) * self.max_rate) + 1
 
-    def _send(self, message: Outgoing, attempt: int) -> None:
-        exchange, routing_key, properties, body = message
-        # pika cannot encode floats (JSON headers have them): sent as AMQP doubles, as the gateway does
-        self._channel.basic_publish(exchange, routing_key, body, lazy_properties.encoded(properties),
-                                    mandatory=self.mandatory)
-        self.seq += 1  # delivery tags of a confirming channel count publishes from 1
-        self.pending[self.seq] = (message, attempt)
+    def _send(self, pub: Publication[Outgoing]) -> None:
+        for sent in self.confirms.add(pub).send:  # (numbered as the channel numbers its publishes)
+            exchange, routing_key, properties, body = sent.payload
+            # pika cannot encode floats (JSON headers have them): sent as AMQP doubles, as the gateway does
+            self._channel.basic_publish(exchange, routing_key, body, lazy_properties.encoded(properties),
+                                        mandatory=self.mandatory)
 
 
 def _opened(publisher: WindowPublisher, params: pika.ConnectionParameters) -> Any:

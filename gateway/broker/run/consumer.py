@@ -20,7 +20,7 @@ from prometheus_client import Counter as Count
 
 from topology.names import Names
 
-from gateway.broker import lazy_properties, publish_frames, wire_connection
+from gateway.broker.plumbing import lazy_properties, publish_frames, wire_connection
 from gateway.clock import wall_ms
 from gateway.core import envelope, retries
 from gateway.core.actions import Forward, Publish
@@ -29,7 +29,7 @@ from gateway.core.routes import Way
 from gateway.core.carrier import Batcher
 from gateway.core.effects import Effects, Handler
 from gateway.core.flow import Flow
-from gateway.core.waiting import Recorder
+from gateway.core.index_records import Recorder
 from gateway.metrics import Metrics
 
 # Channel errors that no message causes: the topology or the permissions are wrong, and
@@ -48,12 +48,11 @@ class Telemetry:
         metrics.parked.labels(queue)
 
     def forwarded(self, action: Publish) -> None:
-        counter = self._counters.get(action.outcome)
+        counter = self._counters.get(action.way)
         if counter is None:
-            counter = self._counters[action.outcome] = self._metrics.forwarded.labels(self._queue,
-                                                                                      action.outcome.value)
+            counter = self._counters[action.way] = self._metrics.forwarded.labels(self._queue, action.way.value)
         counter.inc()
-        if action.outcome is Way.PARKED:
+        if action.way is Way.PARKED:
             self._metrics.parked.labels(self._queue).inc()
             reason = getattr(action, "reason", None) or ""
             self._log.warning("parked", reason=reason, routing_key=envelope.readable_key(action.routing_key))
@@ -62,7 +61,7 @@ class Telemetry:
                 self._metrics.retries.labels(envelope.readable_key(action.entry.routing_key), "parked").inc()
 
     def landed(self, forward: Forward) -> None:
-        if forward.outcome is Way.RETRIED and forward.entry is not None:
+        if forward.way is Way.RETRIED and forward.entry is not None:
             self._metrics.retries.labels(envelope.readable_key(forward.entry.routing_key), "delivered").inc()
 
     def batched(self, way: Way, messages: int) -> None:
@@ -99,7 +98,7 @@ class Pipe:
         self._on_stopped: Optional[Callable[[], None]] = None
         self.consuming = False
         # Told once this consumer has read what its queue held when it started, and the broker
-        # confirmed the record of every cancel among it (worker.Session: check-in, before the
+        # confirmed the record of every cancel among it (session.Session: check-in, before the
         # distributor).
         self._on_caught_up = on_caught_up
         self._backlog: Optional[int] = None  # what the queue held as we started consuming
@@ -268,7 +267,7 @@ class Pipe:
                 self._log.warning("publish_failed", error=str(exc))
                 return
             if self._debug:
-                self._log.debug(f.outcome.value, exchange=f.exchange, routing_key=envelope.readable_key(f.routing_key))
+                self._log.debug(f.way.value, exchange=f.exchange, routing_key=envelope.readable_key(f.routing_key))
 
     def _schedule(self) -> None:
         at = self.flow.next_wake()

@@ -1,5 +1,5 @@
 """The waiting streams: the index of what waits that the gateways write and `delay-gateway
-pending` reads (gateway/core/waiting.py). Here: how many a chain needs, their routing keys,
+pending` reads (gateway/core/index_records.py). Here: how many a chain needs, their routing keys,
 and how long each keeps its records.
 
 Band b holds the entries of messages that wait up to 4^b s where they were sent (a lap of

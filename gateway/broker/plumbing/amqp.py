@@ -18,7 +18,8 @@ import pika
 from pika.exceptions import (AMQPConnectionError, AuthenticationError, ChannelClosedByBroker,
                              ConnectionClosedByBroker, ProbableAccessDeniedError, ProbableAuthenticationError)
 
-from gateway.broker import wire_connection
+from gateway.broker.plumbing import wire_connection
+from gateway.exits import EXIT_NO_BROKER, EXIT_REFUSED, ExitCodeError
 from gateway.settings import Tls, UsageError
 from gateway.urls import redact
 
@@ -50,12 +51,17 @@ class Trouble:
     message: str  # one line: what went wrong, naming the object, and the fix
 
 
-class BrokerError(RuntimeError):
+class BrokerError(ExitCodeError):
     """A broker problem, already explained in one line."""
 
     def __init__(self, trouble: Trouble) -> None:
         super().__init__(trouble.message)
         self.trouble = trouble
+
+    @property
+    def exit_code(self) -> int:
+        """None answered (it may heal): 1; refused (it will not): 3."""
+        return EXIT_NO_BROKER if self.trouble.heals else EXIT_REFUSED
 
 
 def classify(error: BaseException, url: str) -> Trouble:

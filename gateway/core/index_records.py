@@ -15,7 +15,7 @@ Done keys go out within DONE_FLUSH_MS, and the deliveries they speak of are ackn
 only once the broker confirmed them (like the entries): a crash hands the delivery back, to
 be sent on and written down again, so no key is lost with a process.
 
-Entries go to one of several streams by how long the message waits there (topology/waiting.py:
+Entries go to one of several streams by how long the message waits there (topology/index_bands.py:
 band b holds waits up to 4^b s). A message is identified by its read time and a checksum of
 its routing key, properties and body (`key_of`; two processes' read times can meet), the
 same wherever it is. One with no message id is listed by its *handle* (`cancels.handle`),
@@ -32,7 +32,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
-from topology.waiting import band, band_key
+from topology.index_bands import band, band_key
 
 from gateway.core import cancels, retries
 from gateway.core.carrier import Entry

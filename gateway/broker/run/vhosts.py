@@ -14,16 +14,14 @@ vhost's trouble alike: the process exits 1.
 """
 
 import dataclasses
-import signal
 import threading
 from typing import Dict, List, Optional
 
 import structlog
 
-from gateway import health as health_http
-from gateway import stopping
-from gateway.broker.amqp import Trouble
-from gateway.broker.worker import Refusals, one, starting
+from gateway.broker.plumbing.amqp import Trouble
+from gateway.broker.run import launch
+from gateway.broker.run.worker import Refusals, one
 from gateway.health import Parts
 from gateway.metrics import Metrics
 from gateway.settings import Settings
@@ -32,7 +30,7 @@ from gateway.urls import with_vhost
 JOIN_POLL_S = 0.2
 
 
-class Refused(Refusals):
+class VhostRefusals(Refusals):
     """One vhost's refusals, among the others' (`Parts` knows which are refused)."""
 
     def __init__(self, vhost: str, parts: Parts, metrics: Metrics, lock: threading.Lock) -> None:
@@ -68,12 +66,7 @@ def serve(settings: Settings) -> int:
     """`delay-gateway run --vhosts ...`: every vhost's consumers until SIGTERM or SIGINT."""
     parts = Parts(settings.vhosts)
     metrics = Metrics(vhost=settings.vhosts[0])
-    if settings.metrics_port:
-        health_http.serve(settings.metrics_port, metrics.registry, parts)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, stopping.setter(stop))
-    starting(settings, vhosts=list(settings.vhosts))
+    stop = launch.process(settings, metrics, parts, vhosts=list(settings.vhosts))
     lock = threading.Lock()
     codes: Dict[str, Optional[int]] = {}
     threads: List[threading.Thread] = []
@@ -83,7 +76,7 @@ def serve(settings: Settings) -> int:
         own = dataclasses.replace(settings, urls=tuple(with_vhost(u, vhost) for u in settings.urls), vhosts=(vhost,))
         vhost_metrics = metrics.of(vhost)
         try:
-            code = one(own, stop, vhost_metrics, parts.parts[vhost], Refused(vhost, parts, vhost_metrics, lock))
+            code = one(own, stop, vhost_metrics, parts.parts[vhost], VhostRefusals(vhost, parts, vhost_metrics, lock))
         except Exception as exc:  # one vhost's bug must not end the others silently: the process stops
             structlog.get_logger("gateway").exception("vhost_failed", error=repr(exc))
             code = 1
@@ -92,9 +85,7 @@ def serve(settings: Settings) -> int:
             stop.set()
 
     for vhost in settings.vhosts:
-        thread = threading.Thread(target=serve_one, args=(vhost,), name=f"vhost {vhost}", daemon=True)
-        thread.start()
-        threads.append(thread)
+        threads.append(launch.daemon(f"vhost {vhost}", serve_one, vhost))
     while any(t.is_alive() for t in threads):
         for t in threads:
             t.join(JOIN_POLL_S)

@@ -1,0 +1,142 @@
+"""The layers of the code (pure, fast): every module of gateway/, topology/ and bench/ read
+with `ast`, the imports inside its functions too, against the rules of docs/development.md
+(Layout); and every "module:name" the command table names resolves."""
+
+import ast
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Set, Tuple
+
+import pytest
+
+from gateway.cli import COMMANDS, load
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _modules() -> Dict[str, Path]:
+    found = {}
+    for top in ("gateway", "topology", "bench"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def imports(module: str) -> Iterator[Tuple[str, int]]:
+    """(what `module` imports, line), anywhere in it: a module of ours, or another's name."""
+    path = MODULES[module]
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the module's package, up level - 1
+                base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
+            for alias in node.names:  # `from package import module` imports the module
+                yield (f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base), node.lineno
+
+
+def ours(name: str) -> Optional[str]:
+    """The module of ours a name is in, if it is ours."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+GRAPH: Dict[str, Set[str]] = {m: {o for name, _ in imports(m) if (o := ours(name)) not in (None, m)}
+                              for m in MODULES}
+
+
+def within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+# Circles known today, each with what removes it; one that is gone must leave this list too.
+KNOWN_CIRCLES: List[Set[str]] = []
+
+
+def circles() -> List[Set[str]]:
+    """The sets of modules that import each other, around (Tarjan's strongly connected components)."""
+    order: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    found: List[Set[str]] = []
+
+    def visit(m: str) -> None:
+        order[m] = low[m] = len(order)
+        stack.append(m)
+        for t in sorted(GRAPH[m]):
+            if t not in order:
+                visit(t)
+                low[m] = min(low[m], low[t])
+            elif t in stack:
+                low[m] = min(low[m], order[t])
+        if low[m] == order[m]:
+            part = set()
+            while True:
+                t = stack.pop()
+                part.add(t)
+                if t == m:
+                    break
+            if len(part) > 1:
+                found.append(part)
+
+    for m in sorted(MODULES):
+        if m not in order:
+            visit(m)
+    return found
+
+
+def test_the_reader_finds_every_module_and_the_imports_inside_functions():
+    assert {"gateway.cli", "gateway.core.flow", "gateway.broker.run.worker", "topology", "bench.cli"} <= set(MODULES)
+    # (worker imports upkeep inside `one`; commands/run imports the worker inside `main`)
+    assert "gateway.broker.run.upkeep" in GRAPH["gateway.broker.run.worker"]
+    assert "gateway.broker.run.worker" in GRAPH["gateway.commands.run"]
+    assert "bench.clients" in GRAPH["bench.delayed"]  # (relative)
+
+
+def test_no_import_circle():
+    found = sorted(sorted(c) for c in circles())
+    known = sorted(sorted(c) for c in KNOWN_CIRCLES)
+    assert found == known, ("modules that import each other (imports inside functions count too): "
+                            f"{[c for c in found if c not in known]}; known circles gone (remove them from "
+                            f"KNOWN_CIRCLES): {[c for c in known if c not in found]}")
+
+
+# (modules, what they must not import, why)
+RULES = [
+    ("gateway.core", ("gateway.broker", "gateway.commands", "pika"), "the core is pure: no I/O, no verbs"),
+    ("gateway.broker", ("gateway.commands",), "the broker side serves the verbs, never the other way round"),
+    ("topology", ("gateway",), "the topology stays below the gateway"),
+    ("gateway.broker.plumbing", ("gateway.broker.run", "gateway.broker.tools"),
+     "the plumbing is what the `run` process and the tools stand on"),
+]
+
+
+@pytest.mark.parametrize("modules, forbidden, why", RULES, ids=[r[0] for r in RULES])
+def test_a_layer_imports_nothing_above_it(modules, forbidden, why):
+    broken = [f"{MODULES[m].relative_to(ROOT)}:{line} imports {name}"
+              for m in MODULES if within(m, modules)
+              for name, line in imports(m) if any(within(name, f) for f in forbidden)]
+    assert not broken, f"{why}: {broken}"
+
+
+REFERENCES = [(verb, field, getattr(command, field)) for verb, command in COMMANDS.items()
+              for field in ("run", "arguments", "actions") if getattr(command, field) is not None]
+
+
+@pytest.mark.parametrize("verb, field, reference", REFERENCES, ids=[f"{v}-{f}" for v, f, _ in REFERENCES])
+def test_every_reference_of_the_command_table_resolves(verb, field, reference):
+    module, colon, name = reference.partition(":")
+    assert colon and module in MODULES and name, f"{verb}: {field} {reference!r} is not an existing module:name"
+    found = load(reference)  # (the Spark verbs' modules import PySpark: the test environment has it)
+    if field == "actions":
+        assert isinstance(found, dict) and found, reference
+        assert all(isinstance(text, str) and callable(add) for text, add in found.values()), reference
+    else:
+        assert callable(found), reference
