@@ -16,7 +16,8 @@ from topology import ChainSettings
 
 from gateway.core.retries import BadPolicy, Policy, policies
 from gateway.exits import UsageError
-from gateway.urls import urls_from
+from gateway.urls import one_vhost, urls_from
+from topology.model import cancel_window_ms
 from topology.settings import QUEUE_TYPES, ZERO_BITS
 
 ENV = "DELAY_GATEWAY_"
@@ -355,6 +356,19 @@ class Settings:
         if not self.urls:
             raise UsageError("at least one broker URL is needed")
         self.retry_rules()  # refused at start, in one line
+
+    # -- values derived from the settings, the same for every command that needs them ----------
+    @property
+    def one_vhost_urls(self) -> Tuple[str, ...]:
+        """The URLs of a command that works on one virtual host (gateway/urls.one_vhost):
+        raises UsageError when --vhosts names several."""
+        return one_vhost(self.urls, self.vhosts)
+
+    @property
+    def cancel_window_ms(self) -> int:
+        """How long a cancel is kept (topology.model.cancel_window_ms): the retention of the
+        cancellations stream, and of a gateway's store of cancels."""
+        return cancel_window_ms(self.chain, self.cancel_retention)
 
     def retry_rules(self) -> Tuple[Policy, ...]:
         """The retry policies: per queue, then the default (retries.py). Raises UsageError."""

@@ -29,7 +29,6 @@ from gateway.broker.plumbing.amqp import blocking_channel
 from gateway.core import cancels
 from gateway.settings import Settings, UsageError
 from gateway.times import iso_ms
-from gateway.urls import one_vhost
 
 NOT_KNOWN = "whether it was already delivered cannot be known (the gateway keeps no record of deliveries)"
 
@@ -68,8 +67,8 @@ def main(settings: Settings, ids: List[str], from_file: Optional[str], wait: flo
             print(f"delay-gateway cancel: error: id {n} ({text[:40]!r}): {exc}", file=sys.stderr)
     if not good:
         return 2
-    window_ms = cancelling.retention_ms(chain, settings.cancel_retention)
-    with blocking_channel(one_vhost(settings.urls, settings.vhosts), "delay-gateway cancel", settings.tls) as channel:
+    window_ms = settings.cancel_window_ms
+    with blocking_channel(settings.one_vhost_urls, "delay-gateway cancel", settings.tls) as channel:
         before = latest(cancelling.read(channel.connection, names, window_ms).ids)
         channel.confirm_delivery()
         for mid in good:

@@ -4,7 +4,7 @@ from topology import build
 from topology.broker.inventory import read_registry
 from topology.registry import ChainKey, fold
 
-from gateway.broker.run import cancelling, index_streams, upkeep
+from gateway.broker.run import index_streams, upkeep
 from gateway.broker.plumbing.amqp import blocking_channel
 from gateway.settings import Settings
 from gateway.urls import per_vhost
@@ -12,7 +12,7 @@ from gateway.urls import per_vhost
 
 def main(settings: Settings) -> int:
     chain = settings.chain
-    topology = build(chain, cancelling.retention_ms(chain, settings.cancel_retention))
+    topology = build(chain, settings.cancel_window_ms)
     # --vhosts: the same topology in each, one line each (unset: the URL's own, said as before)
     for vhost, where in per_vhost(settings.urls, settings.vhosts):
         with blocking_channel(where, tls=settings.tls) as channel:

@@ -9,7 +9,6 @@ from topology.registry import ChainKey
 
 from gateway.broker.plumbing.amqp import blocking_channel
 from gateway.settings import Settings, UsageError
-from gateway.urls import one_vhost
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -20,7 +19,7 @@ def main(settings: Settings, yes: bool) -> int:
     if not yes:
         raise UsageError("delete removes every queue of the topology and the messages in them; add --yes")
     chain = settings.chain
-    with blocking_channel(one_vhost(settings.urls, settings.vhosts), tls=settings.tls) as channel:
+    with blocking_channel(settings.one_vhost_urls, tls=settings.tls) as channel:
         # Every chain the registry knows of under the prefix, then the fixed objects and
         # the registry itself (with the chain of the given settings).
         records = read_registry(channel.connection, chain.names) or []

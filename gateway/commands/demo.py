@@ -24,7 +24,6 @@ from gateway.clock import wall_ms
 from gateway.broker.tools.publish import Publisher
 from gateway.commands.selftest import unconsumed
 from gateway.settings import Settings, argument
-from gateway.urls import one_vhost
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,7 +41,7 @@ def _delays(text: str) -> str:
 
 
 def main(settings: Settings, delays: str) -> int:
-    chain, urls = settings.chain, one_vhost(settings.urls, settings.vhosts)
+    chain, urls = settings.chain, settings.one_vhost_urls
     url = ",".join(urls)  # the gateway it starts takes the whole list too
     delays_ms = [int(d) for d in delays.split(",")]
     with blocking_channel(urls, "delay-gateway demo", settings.tls) as channel:

@@ -15,7 +15,6 @@ from gateway.commands.status.reads import read_report
 from gateway.commands.status.report import Report
 from gateway.settings import Settings, UsageError
 from gateway.times import plain_utc
-from gateway.urls import one_vhost
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,7 +32,7 @@ def main(settings: Settings, wait: bool, dry_run: bool) -> int:
     def report(event: str, **fields) -> None:
         print(json.dumps({"event": event, **fields}, default=str), flush=True)
 
-    with blocking_channel(one_vhost(settings.urls, settings.vhosts), "delay-gateway migrate",
+    with blocking_channel(settings.one_vhost_urls, "delay-gateway migrate",
                           settings.tls) as channel:
         connection = channel.connection
         while True:

@@ -48,7 +48,6 @@ from gateway.core.wire import Properties
 from topology.index_bands import band, band_key, bands
 from gateway.settings import Settings, Tls, argument, integer
 from gateway.times import exact_duration
-from gateway.urls import one_vhost
 
 MINUTE, HOUR, DAY = 60_000, 3_600_000, 86_400_000
 # Upper ends of the due-time ranges --dry-run counts, after the one left to the plugin.
@@ -145,7 +144,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(settings: Settings, **own: Any) -> int:
     """`delay-gateway move-from-plugin`: `own` is its options."""
-    return command(argparse.Namespace(**own), one_vhost(settings.urls, settings.vhosts), settings.tls, settings.chain)
+    return command(argparse.Namespace(**own), settings.one_vhost_urls, settings.tls, settings.chain)
 
 
 def command(args: argparse.Namespace, urls: Sequence[str], tls: Tls, chain: ChainSettings) -> int:

@@ -43,7 +43,6 @@ from gateway.core.envelope import Inside
 from gateway.core.handlers import DEATH_REASONS
 from gateway.core.wire import Properties
 from gateway.settings import Settings, argument, integer
-from gateway.urls import one_vhost
 
 
 @dataclass(frozen=True)
@@ -233,7 +232,7 @@ ACTIONS = {
 def main(settings: Settings, **own: Any) -> int:
     """`delay-gateway parked ACTION`: `own` is the action and its options."""
     return command(argparse.Namespace(**own), lambda: blocking_channel(
-        one_vhost(settings.urls, settings.vhosts), "delay-gateway parked", settings.tls), settings.chain)
+        settings.one_vhost_urls, "delay-gateway parked", settings.tls), settings.chain)
 
 
 def command(args, open_channel, chain) -> int:

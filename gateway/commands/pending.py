@@ -32,7 +32,6 @@ from gateway.core.index_records import Listed
 from gateway.core.wire import Table
 from gateway.times import due_in, iso_ms, plain_ms
 from gateway.settings import Settings, UsageError, argument, integer
-from gateway.urls import one_vhost
 
 SAMPLE = 10  # what `pending cancel` shows before it acts
 LIST_LIMIT = 100
@@ -218,8 +217,8 @@ def command(args: argparse.Namespace, settings: Settings) -> int:
     chain = settings.chain
     names = chain.names
     now = wall_ms()
-    window_ms = cancelling.retention_ms(chain, settings.cancel_retention)
-    url = one_vhost(settings.urls, settings.vhosts)
+    window_ms = settings.cancel_window_ms
+    url = settings.one_vhost_urls
     if args.action == "rules":
         with blocking_channel(url, "delay-gateway pending rules", settings.tls) as channel:
             return show_rules(args, cancelling.read(channel.connection, names, window_ms), now)

@@ -13,7 +13,6 @@ from gateway.broker.tools.publish import Publisher, parse_headers
 from gateway.clock import wall_ms
 from gateway.core import limits
 from gateway.settings import Settings, UsageError, argument, integer
-from gateway.urls import one_vhost
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,7 +40,7 @@ def main(settings: Settings, delay: Optional[int], at: Optional[int], routing_ke
         print(f"delay-gateway publish: note: --delay {delay} is 0 or less: the message is due now",
               file=sys.stderr)
     payload = sys.stdin.buffer.read() if body == "-" else body.encode()
-    with blocking_channel(one_vhost(settings.urls, settings.vhosts), "delay-gateway publish",
+    with blocking_channel(settings.one_vhost_urls, "delay-gateway publish",
                           settings.tls) as channel:
         publisher = Publisher(channel, chain)
         for _ in range(count):

@@ -6,7 +6,6 @@ from types import SimpleNamespace
 from typing import Optional
 
 from topology import build
-from topology.model import cancel_window_ms
 from topology.render import DESCRIPTIONS, FORMATS, render
 
 from gateway.settings import Settings, UsageError
@@ -27,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(settings: Settings, format: str, vhost: str, cluster_name: Optional[str],
          cluster_namespace: Optional[str], connection_secret: Optional[str]) -> int:
     chain = settings.chain
-    topology = build(chain, cancel_window_ms(chain, settings.cancel_retention))  # (what declare's retention_ms is)
+    topology = build(chain, settings.cancel_window_ms)
     options = SimpleNamespace(vhost=vhost, cluster_name=cluster_name, cluster_namespace=cluster_namespace,
                               connection_secret=connection_secret)
     try:

@@ -32,9 +32,7 @@ import structlog
 from pika.exceptions import AMQPError, ChannelClosedByBroker
 
 from topology.broker.inventory import close_stream_reader
-from topology.model import cancel_window_ms
 from topology.names import Names
-from topology.settings import ChainSettings
 
 from gateway.broker.plumbing import lazy_properties, wire_connection
 from gateway.broker.plumbing.amqp import Trouble, classify, parameters
@@ -57,11 +55,6 @@ PRUNE_EVERY_S = 1.0
 TALLY_EVERY_S = 5.0
 MISSING_RETRY_S = 0.3
 MISSING_S = 3.0
-
-
-def retention_ms(chain: ChainSettings, setting_s: float = 0.0) -> int:
-    """The retention window (topology.model.cancel_window_ms)."""
-    return cancel_window_ms(chain, setting_s)
 
 
 def handle_of(entry: Entry) -> bytes:
@@ -375,7 +368,7 @@ def read(connection, names: Names, window_ms: int, idle_s: float = 0.3) -> Recor
 
 def start(settings: Settings, metrics: Metrics, stop: threading.Event) -> Follower:
     """Follow the cancellations in a daemon thread until `stop` is set."""
-    store = Store(retention_ms(settings.chain, settings.cancel_retention))
+    store = Store(settings.cancel_window_ms)
     follower = Follower(settings, store, metrics, stop)
     launch.daemon("cancellations", follower.run)
     return follower

@@ -100,8 +100,8 @@ class Preparation:
         settings = self.settings
         if not self._checked:
             with blocking_channel(url, "delay-gateway declare", settings.tls) as channel:
-                declare_noting(channel, build(settings.chain, cancelling.retention_ms(
-                    settings.chain, settings.cancel_retention)), declare if settings.declare else verify)
+                declare_noting(channel, build(settings.chain, settings.cancel_window_ms),
+                               declare if settings.declare else verify)
             self._log.info("topology_declared" if settings.declare else "topology_found",
                            prefix=settings.chain.prefix, generation=settings.chain.generation,
                            max_level=settings.chain.max_level)

@@ -8,6 +8,7 @@ from pika.exceptions import AMQPError
 from topology.broker.inventory import Look, Prober, look_at_generation, read_registry
 from topology.names import Names
 from topology.registry import ChainKey, Registry, fold
+from topology.model import cancel_window_ms
 from topology.retirement import Observed
 from topology.settings import QUEUE_TYPES
 
@@ -89,7 +90,7 @@ def read_report(connection, settings: Settings, own: ChainKey, now_ms: int,
         except (OSError, ValueError) as exc:
             source = f"--metrics-url failed: {exc}"
     r = report(prefix, own, settings.lead_ms, registry, chains, observed, held, source, now_ms, carried)
-    window_ms = cancelling.retention_ms(own.settings(prefix), settings.cancel_retention)
+    window_ms = cancel_window_ms(own.settings(prefix), settings.cancel_retention)
     records = cancelling.read(connection, Names(prefix), window_ms)
     held_ids = {mid for mid, _ in records.ids}
     if index_counts and not r.missing:

@@ -15,7 +15,6 @@ from gateway.commands.status.reads import arrival_stamp, read_report
 from gateway.commands.status.render import as_json, text
 from gateway.commands.status.report import Report
 from gateway.settings import Settings, argument, number
-from gateway.urls import one_vhost
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,7 +61,7 @@ def command(settings: Settings, report_now: Callable[..., Report], watch: bool, 
 
 def _reports(settings: Settings, report_now: Callable[..., Report], watch: bool, interval: float, in_json: bool,
              stop: threading.Event) -> int:
-    with blocking_channel(one_vhost(settings.urls, settings.vhosts), "delay-gateway status",
+    with blocking_channel(settings.one_vhost_urls, "delay-gateway status",
                           settings.tls) as channel:
         connection = channel.connection
         stamping = arrival_stamp(connection, settings.chain.prefix)
