@@ -11,7 +11,7 @@ import importlib
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from gateway import logs
 from gateway.exits import EXIT_REFUSED, ExitCodeError
@@ -28,7 +28,6 @@ class Command:
     only: Optional[Tuple[str, ...]] = None  # just these options of its groups: the others it ignores
     # verbs of its own (`parked list`), in `action`: "module:NAME" of a {verb: (help, add arguments)}
     actions: Optional[str] = None
-    settings: bool = True  # False: `run` takes the parsed command line itself (the Spark commands)
 
     def takes(self, option: Option) -> bool:
         return option.group in self.groups and (self.only is None or option.name in self.only)
@@ -126,11 +125,7 @@ def main(argv: Optional[Sequence[str]] = None, environ=None) -> int:
     logs.configure(getattr(args, "log_level", "info"), getattr(args, "log_format", "auto"))
     command = COMMANDS[args.command]
     try:
-        if not command.settings:
-            return load(command.run)(args)
-        # The settings, built once; the command's own arguments (and its verb) beside them.
-        own = {k: v for k, v in vars(args).items() if k != "command" and k not in BY_NAME}
-        return load(command.run)(settings_from(args), **own)
+        return load(command.run)(settings_from(args), **own_arguments(args))
     except UsageError as exc:
         logs.last_line(f"delay-gateway {args.command}: error: {exc}")
         return 2
@@ -144,6 +139,11 @@ def main(argv: Optional[Sequence[str]] = None, environ=None) -> int:
             raise
         logs.last_line(f"delay-gateway {args.command}: {exc}")
         return code
+
+
+def own_arguments(args: argparse.Namespace) -> Dict[str, Any]:
+    """A command's own arguments (and its verb), handed beside the Settings built once."""
+    return {k: v for k, v in vars(args).items() if k != "command" and k not in BY_NAME}
 
 
 def refused(exc: Exception) -> Optional[int]:
@@ -195,20 +195,17 @@ COMMANDS = {
                                 BROKER_AND_PREFIX),
     "demo": Command("start the gateway, publish a few delayed messages and watch them arrive",
                     BROKER + ("chain",), "gateway.commands.demo:main", "gateway.commands.demo:add_arguments"),
-    # The Spark commands' modules need PySpark (an optional extra) or matplotlib; they read
-    # their settings from the command line themselves.
+    # The Spark commands' modules import PySpark (an optional extra) only when a job runs.
     "schedule": Command("publish every row of a table (CSV, JSON lines, Parquet) as a delayed message, on Spark",
                         BROKER + ("chain",), "gateway.spark.schedule:run", "gateway.spark.schedule:add_arguments",
-                        BROKER_AND_PREFIX, settings=False),
+                        BROKER_AND_PREFIX),
     "cancel-table": Command("cancel the message of every id in a table (CSV, JSON lines, Parquet), on Spark: "
                             "the counterpart of schedule", BROKER + ("chain",), "gateway.spark.cancel:run",
-                            "gateway.spark.cancel:add_arguments", settings=False),
+                            "gateway.spark.cancel:add_arguments"),
     "record": Command("record deliveries at pick-up as JSON lines (for `report`)", BROKER + ("chain",),
-                      "gateway.spark.record:run", "gateway.spark.record:add_arguments", BROKER_AND_PREFIX,
-                      settings=False),
+                      "gateway.spark.record:run", "gateway.spark.record:add_arguments", BROKER_AND_PREFIX),
     "report": Command("delivery analytics from `record`'s output, on Spark: lateness, duplicates, throughput",
-                      ("log",), "gateway.spark.report:run", "gateway.spark.report:add_arguments", settings=False),
+                      ("log",), "gateway.spark.report:run", "gateway.spark.report:add_arguments"),
     "example-orders": Command("write an example orders table to try `schedule` with (review reminders)",
-                              ("log",), "gateway.spark.example:run", "gateway.spark.example:add_arguments",
-                              settings=False),
+                              ("log",), "gateway.spark.example:run", "gateway.spark.example:add_arguments"),
 }

@@ -2,13 +2,16 @@
 with `ast`, the imports inside its functions too, against the rules of docs/development.md
 (Layout); and every "module:name" the command table names resolves."""
 
+import argparse
 import ast
+import inspect
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 import pytest
 
-from gateway.cli import COMMANDS, load
+from gateway.cli import COMMANDS, load, own_arguments, parser
+from gateway.settings import settings_from
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -140,3 +143,25 @@ def test_every_reference_of_the_command_table_resolves(verb, field, reference):
         assert all(isinstance(text, str) and callable(add) for text, add in found.values()), reference
     else:
         assert callable(found), reference
+
+
+LINES = [(name, verb) for name, command in COMMANDS.items()
+         for verb in (list(load(command.actions)) if command.actions else [None])]
+
+
+@pytest.mark.parametrize("name, verb", LINES, ids=[" ".join(filter(None, line)) for line in LINES])
+def test_every_command_takes_the_settings_and_what_its_parser_gives(name, verb):
+    """What cli.main hands a command (the Settings, its own arguments as keywords) binds to its
+    `run`, for every command and verb: a renamed option or parameter fails here, not in use."""
+    words = [name] + ([verb] if verb else [])
+    p = parser({}, " ".join(words))
+    sub = subparsers(p)[name]
+    if verb:
+        sub = subparsers(sub)[verb]
+    positionals = [a for a in sub._actions if not a.option_strings and not isinstance(a, argparse._SubParsersAction)]
+    args = p.parse_args(words + ["1"] * len(positionals))  # (a value each: what it means is not the point)
+    inspect.signature(load(COMMANDS[name].run)).bind(settings_from(args), **own_arguments(args))
+
+
+def subparsers(p: argparse.ArgumentParser) -> Dict[str, argparse.ArgumentParser]:
+    return next(a for a in p._actions if isinstance(a, argparse._SubParsersAction)).choices

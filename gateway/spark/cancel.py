@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Tuple
 
 import structlog
 
-from gateway.settings import UsageError, argument, integer
+from gateway.settings import Settings, UsageError, argument, integer
 from gateway.spark import rows, table_job
 from gateway.spark.publisher import Target
 from gateway.spark.table_job import CORRUPT, DETAIL, LINE, REASON, quoted, read_input, write_json, write_rows
@@ -50,8 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a Spark setting (repeatable)")
 
 
-def run(args: argparse.Namespace) -> int:
-    started = table_job.start(args, "cancel-table", lambda names: names.cancel)
+def run(settings: Settings, **own: Any) -> int:
+    """`delay-gateway cancel-table`: `own` is its options."""
+    args = argparse.Namespace(**own)
+    started = table_job.start(settings, args, "cancel-table", lambda names: names.cancel)
     from gateway.spark import session
 
     spark, owned = started.spark, started.owned

@@ -14,7 +14,7 @@ import sys
 from typing import Dict, List
 
 from gateway.clock import wall_ms
-from gateway.settings import UsageError
+from gateway.settings import Settings, UsageError
 from gateway.times import iso_ms
 
 PRODUCTS = ("kettle", "lamp", "backpack", "headphones", "teapot", "umbrella", "notebook", "chair")
@@ -49,26 +49,27 @@ def orders(n: int, broken: int, after_ms: int, within_ms: int, now_ms: int, seed
     return out
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.rows < 1 or not 0 <= args.broken <= args.rows:
+def run(settings: Settings, out: str, rows: int, broken: int, after_s: int, within_s: int, seed: int) -> int:
+    """`delay-gateway example-orders` (of the settings, only the log's, set up before it runs)."""
+    if rows < 1 or not 0 <= broken <= rows:
         raise UsageError("--rows must be at least 1 and --broken between 0 and --rows")
-    if args.after_s < 0 or args.within_s < 0:
+    if after_s < 0 or within_s < 0:
         raise UsageError("--after-s and --within-s cannot be negative")
-    table = orders(args.rows, args.broken, args.after_s * 1000, args.within_s * 1000, wall_ms(), args.seed)
-    if args.out.endswith(".csv"):
-        with open(args.out, "w", newline="", encoding="utf-8") as f:
+    table = orders(rows, broken, after_s * 1000, within_s * 1000, wall_ms(), seed)
+    if out.endswith(".csv"):
+        with open(out, "w", newline="", encoding="utf-8") as f:
             writer = csv.DictWriter(f, fieldnames=list(table[0]))
             writer.writeheader()
             writer.writerows(table)
-    elif args.out.endswith((".jsonl", ".json", ".ndjson")):
-        with open(args.out, "w", encoding="utf-8") as f:
+    elif out.endswith((".jsonl", ".json", ".ndjson")):
+        with open(out, "w", encoding="utf-8") as f:
             for row in table:
                 f.write(json.dumps(row) + "\n")
     else:
-        raise UsageError(f"{args.out}: write .csv or .jsonl")
-    print(f"wrote {len(table)} orders ({args.broken} broken on purpose) to {args.out}; schedule their review "
+        raise UsageError(f"{out}: write .csv or .jsonl")
+    print(f"wrote {len(table)} orders ({broken} broken on purpose) to {out}; schedule their review "
           "reminders, 7 days after delivery, with:\n\n"
-          f"  delay-gateway schedule {args.out} --routing-key reminder.review --payload-row \\\n"
+          f"  delay-gateway schedule {out} --routing-key reminder.review --payload-row \\\n"
           "      --message-id-column order_id --due-expr \"to_timestamp(delivered_at) + INTERVAL 7 DAYS\"\n\n"
           "and watch them arrive with:  delay-gateway record --routing-key-pattern 'reminder.#'",
           file=sys.stderr)

@@ -27,8 +27,7 @@ import structlog
 from gateway import stopping
 from gateway.broker.plumbing.amqp import BrokerError, classify, connect
 from gateway.clock import wall_ms
-from gateway.settings import chain_from, tls_from
-from gateway.urls import urls_from
+from gateway.settings import Settings
 
 log = structlog.get_logger("record")
 
@@ -47,7 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "until SIGINT or SIGTERM)")
     p.add_argument("--idle-timeout", type=float, default=0, metavar="SECONDS",
                    help="stop after this long without a delivery (default 0: never)")
-    p.add_argument("--prefetch", type=int, default=1000, metavar="N", help="unacknowledged deliveries (default 1000)")
+    p.add_argument("--prefetch", dest="record_prefetch", type=int, default=1000, metavar="N",
+                   help="unacknowledged deliveries (default 1000)")
 
 
 def line(method, properties, arrived_ms: int) -> Dict[str, Any]:
@@ -137,20 +137,22 @@ class DeliveryRecorder:
         self.stopping.set()
 
 
-def run(args: argparse.Namespace) -> int:
-    chain = chain_from(args)
-    out = sys.stdout if args.out == "-" else open(args.out, "a", encoding="utf-8")
-    recorder = DeliveryRecorder(urls_from(args), chain.names.pick_up, out, args.routing_key_pattern, args.queue,
-                                chain.prefix, args.prefetch, tls_from(args))
+def run(settings: Settings, out: str, routing_key_pattern: str, queue: Optional[str], count: int,
+        idle_timeout: float, record_prefetch: int) -> int:
+    """`delay-gateway record` (its --prefetch is `record_prefetch`: not the gateway's setting)."""
+    chain, to = settings.chain, out
+    into = sys.stdout if to == "-" else open(to, "a", encoding="utf-8")
+    recorder = DeliveryRecorder(settings.one_vhost_urls, chain.names.pick_up, into, routing_key_pattern, queue,
+                                chain.prefix, record_prefetch, settings.tls)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stopping.setter(recorder.stopping))
     try:
-        count = recorder.run(args.count, args.idle_timeout)
+        recorded = recorder.run(count, idle_timeout)
     finally:
-        if out is not sys.stdout:
-            out.close()
-    print(f"recorded {count} deliveries" + (f" to {args.out}" if args.out != "-" else ""), file=sys.stderr)
-    if count and recorder.without_stamp == count:
+        if into is not sys.stdout:
+            into.close()
+    print(f"recorded {recorded} deliveries" + (f" to {to}" if to != "-" else ""), file=sys.stderr)
+    if recorded and recorder.without_stamp == recorded:
         print("note: no delivery carried x-gateway-due-at: run the gateway with --stamp-due-at for due times",
               file=sys.stderr)
     return 0

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import structlog
 
-from gateway.settings import UsageError
+from gateway.settings import Settings, UsageError
 from gateway.spark import INSTALL, require
 
 log = structlog.get_logger("report")
@@ -52,13 +52,15 @@ def bucket_of(delay_ms: Optional[int]) -> str:
     return UNKNOWN  # not reached
 
 
-def run(args: argparse.Namespace) -> int:
+def run(settings: Settings, records: str, out: Optional[str], top_keys: int, master: Optional[str],
+        spark_conf: Sequence[str]) -> int:
+    """`delay-gateway report` (of the settings, only the log's, set up before it runs)."""
     require()
     from gateway.spark import session
-    out = args.out or args.records.rstrip("/").replace("*", "_") + ".report"
-    spark, owned = session.start("delay-gateway report", args.master, session.conf_pairs(args.spark_conf))
+    out = out or records.rstrip("/").replace("*", "_") + ".report"
+    spark, owned = session.start("delay-gateway report", master, session.conf_pairs(spark_conf))
     try:
-        summary = analyse(spark, args.records, out, args.top_keys)
+        summary = analyse(spark, records, out, top_keys)
     finally:
         if owned:
             spark.stop()

@@ -19,7 +19,9 @@ The verb: its arguments, and its run in a Spark session. The job, on the driver
 import argparse
 import json
 
-from gateway.settings import UsageError, argument, integer
+from typing import Any
+
+from gateway.settings import Settings, UsageError, argument, integer
 from gateway.spark import table_job
 from gateway.spark.schedule_job import Job
 
@@ -77,8 +79,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # -- the command -------------------------------------------------------------------------------
-def run(args: argparse.Namespace) -> int:
-    started = table_job.start(args, "schedule", lambda names: names.check_in)
+def run(settings: Settings, **own: Any) -> int:
+    """`delay-gateway schedule`: `own` is its options, which the job reads as one namespace."""
+    args = argparse.Namespace(**own)
+    started = table_job.start(settings, args, "schedule", lambda names: names.check_in)
     from gateway.spark import session
 
     spark, owned = started.spark, started.owned

@@ -13,8 +13,7 @@ from typing import Any, Callable, Dict, Sequence
 
 from topology.names import Names
 
-from gateway.settings import UsageError, chain_from, tls_from
-from gateway.urls import urls_from
+from gateway.settings import Settings, UsageError
 from gateway.spark import require
 from gateway.spark.publisher import Target
 
@@ -39,14 +38,14 @@ class Started:
     target: Target
 
 
-def start(args, job: str, exchange_of: Callable[[Names], str]) -> Started:
+def start(settings: Settings, args, job: str, exchange_of: Callable[[Names], str]) -> Started:
     """Usage errors, then the broker (the exchange `exchange_of` names), then Spark: what
     fails fast fails before Spark starts (that takes tens of seconds)."""
     require()
     from gateway.spark import session
 
-    exchange = exchange_of(chain_from(args).names)
-    urls, tls = urls_from(args), tls_from(args)
+    exchange = exchange_of(settings.chain.names)
+    urls, tls = settings.one_vhost_urls, settings.tls
     confs = session.conf_pairs(args.spark_conf)
     fmt = input_format(args)
     check_exchange(urls, tls, exchange, job)
