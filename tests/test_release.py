@@ -20,6 +20,7 @@ import sys
 import time
 import tomllib
 import urllib.request
+import zipfile
 from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
@@ -224,6 +225,10 @@ def test_the_wheel_installs_its_version_and_runs_from_its_own_files(installed, t
     where = subprocess.run([str(installed.bin / "python"), "-c", code], cwd=tmp_path, env=outside_env(),
                            capture_output=True, text=True, timeout=60, check=True)
     assert where.stdout.count(str(installed.bin.parent)) == 3, where.stdout  # the wheel's code, its own pika
+    info = f"rabbitmq_delay_gateway-{v}.dist-info"
+    with zipfile.ZipFile(installed.wheel) as wheel:  # the licence the metadata names, in the wheel
+        assert wheel.read(f"{info}/licenses/LICENSE") == (Path(ROOT) / "LICENSE").read_bytes()
+        assert "License-Expression: Apache-2.0" in wheel.read(f"{info}/METADATA").decode()
 
 
 def readyz(port: int) -> Optional[int]:
