@@ -5,6 +5,7 @@ with `ast`, the imports inside its functions too, against the rules of docs/deve
 import argparse
 import ast
 import inspect
+import sys
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Set, Tuple
 
@@ -152,7 +153,8 @@ LINES = [(name, verb) for name, command in COMMANDS.items()
 @pytest.mark.parametrize("name, verb", LINES, ids=[" ".join(filter(None, line)) for line in LINES])
 def test_every_command_takes_the_settings_and_what_its_parser_gives(name, verb):
     """What cli.main hands a command (the Settings, its own arguments as keywords) binds to its
-    `run`, for every command and verb: a renamed option or parameter fails here, not in use."""
+    `run`, and to the `Options` its module types them with, for every command and verb: a
+    renamed option, parameter or field fails here, not in use."""
     words = [name] + ([verb] if verb else [])
     p = parser({}, " ".join(words))
     sub = subparsers(p)[name]
@@ -160,7 +162,11 @@ def test_every_command_takes_the_settings_and_what_its_parser_gives(name, verb):
         sub = subparsers(sub)[verb]
     positionals = [a for a in sub._actions if not a.option_strings and not isinstance(a, argparse._SubParsersAction)]
     args = p.parse_args(words + ["1"] * len(positionals))  # (a value each: what it means is not the point)
-    inspect.signature(load(COMMANDS[name].run)).bind(settings_from(args), **own_arguments(args))
+    run = load(COMMANDS[name].run)
+    inspect.signature(run).bind(settings_from(args), **own_arguments(args))
+    options = getattr(sys.modules[run.__module__], "Options", None)  # (a verb's own arguments, typed)
+    if options is not None:
+        options(**own_arguments(args))
 
 
 def subparsers(p: argparse.ArgumentParser) -> Dict[str, argparse.ArgumentParser]:

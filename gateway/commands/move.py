@@ -142,12 +142,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the outcome as JSON")
 
 
+@dataclass(frozen=True)
+class Options:
+    """move-from-plugin's own arguments (add_arguments above), typed."""
+
+    rabbitmqctl: str
+    exchange: List[str]
+    dry_run: bool
+    batch: int
+    leave_due_within_ms: int
+    json: bool
+
+
 def main(settings: Settings, **own: Any) -> int:
     """`delay-gateway move-from-plugin`: `own` is its options."""
-    return command(argparse.Namespace(**own), settings.one_vhost_urls, settings.tls, settings.chain)
+    return command(Options(**own), settings.one_vhost_urls, settings.tls, settings.chain)
 
 
-def command(args: argparse.Namespace, urls: Sequence[str], tls: Tls, chain: ChainSettings) -> int:
+def command(args: Options, urls: Sequence[str], tls: Tls, chain: ChainSettings) -> int:
     try:
         ctl = shlex.split(args.rabbitmqctl)
     except ValueError as exc:
@@ -214,7 +226,7 @@ def check_topology(urls: Sequence[str], tls: Tls, chain: ChainSettings) -> None:
 
 
 def move(tables: PluginTables, probe: Probe, urls: Sequence[str], tls: Tls, chain: ChainSettings, vhost: str,
-         args: argparse.Namespace, expected: int) -> Tuple[int, float]:
+         args: Options, expected: int) -> Tuple[int, float]:
     """Every movable entry, batch by batch; (moved, seconds). Progress on stderr."""
     start, moved = time.monotonic(), 0
     read = cancels.Sequencer()

@@ -32,7 +32,7 @@ import re
 import sys
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 from pika.exceptions import AMQPError
 
@@ -229,30 +229,28 @@ ACTIONS = {
 }
 
 
-def main(settings: Settings, **own: Any) -> int:
-    """`delay-gateway parked ACTION`: `own` is the action and its options."""
-    return command(argparse.Namespace(**own), lambda: blocking_channel(
-        settings.one_vhost_urls, "delay-gateway parked", settings.tls), settings.chain)
-
-
-def command(args, open_channel, chain) -> int:
-    names = chain.names
+def main(settings: Settings, action: str, reason: Optional[str], routing_key: Optional[str], limit: Optional[int],
+         json: bool = False, dry_run: bool = False) -> int:
+    """`delay-gateway parked ACTION` with its options (`json`: list's; `dry_run`: replay's)."""
+    names = settings.chain.names
     try:
-        with open_channel() as channel:
-            if args.action == "list":
-                found = [m for m in fetch(channel, names.parked, args.limit)
-                         if selected(m, args.reason, args.routing_key)]
-                print_report(report(found), args.json)
+        with blocking_channel(settings.one_vhost_urls, "delay-gateway parked", settings.tls) as channel:
+            if action == "list":
+                found = [m for m in fetch(channel, names.parked, limit) if selected(m, reason, routing_key)]
+                print_report(report(found), json)
                 return 0
-            replayed, kept = replay(channel, names, args.reason, args.routing_key, args.limit, args.dry_run)
+            replayed, kept = replay(channel, names, reason, routing_key, limit, dry_run)
     except AMQPError as exc:
-        print(f"delay-gateway parked {args.action}: {exc!r}; unacknowledged messages stay parked",
-              file=sys.stderr)
+        print(f"delay-gateway parked {action}: {exc!r}; unacknowledged messages stay parked", file=sys.stderr)
         return 1
-    verb = "would replay" if args.dry_run else "replayed"
+    print_replayed(replayed, kept, dry_run)
+    return 0
+
+
+def print_replayed(replayed: List[Parked], kept: List[Parked], dry_run: bool) -> None:
+    verb = "would replay" if dry_run else "replayed"
     print(json.dumps({verb.replace(" ", "_"): len(replayed), "left_parked": len(kept),
                       "message_ids": [m.user.text("message_id") for m in replayed]}))
-    return 0
 
 
 def print_report(r: dict, as_json: bool) -> None:

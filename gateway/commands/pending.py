@@ -18,7 +18,8 @@ import re
 import sys
 import time
 import uuid
-from typing import IO, Any, Callable, Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import IO, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import pika
 
@@ -76,7 +77,31 @@ def header(text: str) -> Tuple[str, str]:
     return name, value
 
 
-def selection(args: argparse.Namespace, now_ms: int) -> Selection:
+@dataclass(frozen=True)
+class Options:
+    """pending's verb and its own arguments (the ACTIONS' options above), typed: each verb
+    gives some of them, the others keep these defaults."""
+
+    action: str
+    id: Sequence[str] = ()
+    key: Optional[str] = None
+    due_after: Optional[str] = None
+    due_before: Optional[str] = None
+    header: Sequence[Tuple[str, str]] = ()
+    retries: bool = False
+    limit: int = LIST_LIMIT
+    json: bool = False
+    csv: bool = False
+    all: bool = False
+    expect: Optional[int] = None
+    name: Optional[str] = None
+    yes: bool = False
+    wait: float = 10.0
+    rule: str = ""
+    out: str = ""
+
+
+def selection(args: Options, now_ms: int) -> Selection:
     """The filters of a command line."""
     at = when(now_ms)
     try:
@@ -210,10 +235,10 @@ def table(listed: List[Listed], now_ms: int) -> List[str]:
 # -- the command -------------------------------------------------------------------------------
 def main(settings: Settings, **own: Any) -> int:
     """`delay-gateway pending ACTION`: `own` is the action and its options."""
-    return command(argparse.Namespace(**own), settings)
+    return command(Options(**own), settings)
 
 
-def command(args: argparse.Namespace, settings: Settings) -> int:
+def command(args: Options, settings: Settings) -> int:
     chain = settings.chain
     names = chain.names
     now = wall_ms()
@@ -310,7 +335,7 @@ def notes(found: index_streams.Found) -> List[str]:
     return found.notes()
 
 
-def show_list(args: argparse.Namespace, view: listing.View, found: index_streams.Found, now_ms: int) -> None:
+def show_list(args: Options, view: listing.View, found: index_streams.Found, now_ms: int) -> None:
     listed = view.listed()
     shown = f"{len(listed)} shown" if len(listed) < view.total else "all shown"
     summary = f"{view.total} waiting message(s) match; {shown} (soonest due first)"
@@ -333,7 +358,7 @@ def show_list(args: argparse.Namespace, view: listing.View, found: index_streams
         print(f"note: {note}", file=sys.stderr)
 
 
-def show_count(args: argparse.Namespace, view: listing.View, found: index_streams.Found, now_ms: int) -> None:
+def show_count(args: Options, view: listing.View, found: index_streams.Found, now_ms: int) -> None:
     ranges = {label: n for (label, _), n in zip(view.counts.ranges, view.counts.counts, strict=True)}
     if args.json:
         print(json.dumps({"total": view.total, "ranges": ranges, "exact": found.exact, "at_ms": now_ms,
@@ -347,7 +372,7 @@ def show_count(args: argparse.Namespace, view: listing.View, found: index_stream
 
 
 # -- group cancels -----------------------------------------------------------------------------
-def checked_cancel(args: argparse.Namespace, select: Selection) -> bool:
+def checked_cancel(args: Options, select: Selection) -> bool:
     """Whether the cancel means every message (--all); refuses what is ambiguous."""
     if args.all and not select.empty:
         raise UsageError("--all with a filter: give the filters, or --all alone")
@@ -371,7 +396,7 @@ def rule_headers(select: Selection, everything: bool, name: bytes) -> Table:
     return Table([wire.longstr(rules.NAME, name)] + rules.filter_fields(select, everything))
 
 
-def cancel_selected(args: argparse.Namespace, channel, names, select: Selection, everything: bool,
+def cancel_selected(args: Options, channel, names, select: Selection, everything: bool,
                     view: listing.View, found: index_streams.Found, window_ms: int, now_ms: int) -> int:
     """Say how many match and show some; with --yes, publish one rule and say what became of it."""
     print(f"{view.total} waiting message(s) match" + (", for example:" if view.total else ""))
@@ -448,7 +473,7 @@ def wait_for_rule(connection, names, window_ms: int, name: bytes, expected: int,
         time.sleep(0.5)
 
 
-def withdraw(args: argparse.Namespace, channel, names, window_ms: int, name: bytes) -> int:
+def withdraw(args: Options, channel, names, window_ms: int, name: bytes) -> int:
     before = cancelling.read(channel.connection, names, window_ms)
     live = [r for r in before.rules.live if r.name == name]
     channel.confirm_delivery()
@@ -479,7 +504,7 @@ def withdraw(args: argparse.Namespace, channel, names, window_ms: int, name: byt
     return 0
 
 
-def show_rules(args: argparse.Namespace, recorded: cancelling.Recorded, now_ms: int) -> int:
+def show_rules(args: Options, recorded: cancelling.Recorded, now_ms: int) -> int:
     live = sorted(recorded.rules.live, key=lambda r: r.at.read_us)
     if args.json:
         for r in live:

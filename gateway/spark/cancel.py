@@ -16,6 +16,7 @@ import functools
 import json
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any, Dict, List, Tuple
 
 import structlog
@@ -23,12 +24,20 @@ import structlog
 from gateway.settings import Settings, UsageError, argument, integer
 from gateway.spark import rows, table_job
 from gateway.spark.publisher import Target
-from gateway.spark.table_job import CORRUPT, DETAIL, LINE, REASON, quoted, read_input, write_json, write_rows
+from gateway.spark.table_job import CORRUPT, DETAIL, LINE, REASON, TableOptions, quoted, read_input, write_json
+from gateway.spark.table_job import write_rows
 
 log = structlog.get_logger("cancel-table")
 
 ID_MISSING = "message_id_missing"
 REASONS = (rows.UNPARSEABLE, ID_MISSING, rows.ID_TOO_LONG)
+
+
+@dataclass(frozen=True)
+class Options(TableOptions):
+    """cancel-table's own arguments (add_arguments below), typed."""
+
+    message_id_column: str
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(settings: Settings, **own: Any) -> int:
     """`delay-gateway cancel-table`: `own` is its options."""
-    args = argparse.Namespace(**own)
+    args = Options(**own)
     started = table_job.start(settings, args, "cancel-table", lambda names: names.cancel)
     from gateway.spark import session
 
@@ -72,7 +81,7 @@ def run(settings: Settings, **own: Any) -> int:
     return 0 if summary["complete"] else 1
 
 
-def cancel_table(spark, args: argparse.Namespace, fmt: str, target: Target) -> Dict[str, Any]:
+def cancel_table(spark, args: Options, fmt: str, target: Target) -> Dict[str, Any]:
     from pyspark.sql import Observation
     from pyspark.sql import functions as F
     started = time.monotonic()

@@ -18,12 +18,11 @@ The verb: its arguments, and its run in a Spark session. The job, on the driver
 
 import argparse
 import json
-
 from typing import Any
 
 from gateway.settings import Settings, UsageError, argument, integer
 from gateway.spark import table_job
-from gateway.spark.schedule_job import Job
+from gateway.spark.schedule_job import Job, Options
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -80,8 +79,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 # -- the command -------------------------------------------------------------------------------
 def run(settings: Settings, **own: Any) -> int:
-    """`delay-gateway schedule`: `own` is its options, which the job reads as one namespace."""
-    args = argparse.Namespace(**own)
+    """`delay-gateway schedule`: `own` is its options."""
+    args = Options(**own)
     started = table_job.start(settings, args, "schedule", lambda names: names.check_in)
     from gateway.spark import session
 

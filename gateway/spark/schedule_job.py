@@ -9,7 +9,8 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Dict, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
 
 import structlog
 
@@ -21,13 +22,35 @@ from gateway.spark.columns import checked_rows, column_mapping
 from gateway.spark.errors_output import write_errors
 from gateway.spark.publisher import Target
 from gateway.spark.schedule_task import publish_partition
-from gateway.spark.table_job import input_format, read_input, write_json
+from gateway.spark.table_job import TableOptions, input_format, read_input, write_json
 from gateway.spark.tally import ProgressLine, Tally
 
 log = structlog.get_logger("schedule")
 
 
-def default_paths(args) -> Tuple[str, str, str]:
+@dataclass(frozen=True)
+class Options(TableOptions):
+    """schedule's own arguments (gateway/spark/schedule.py add_arguments), typed."""
+
+    state: Optional[str]
+    restart: bool
+    routing_key_column: Optional[str]
+    routing_key: Optional[str]
+    payload_column: Optional[str]
+    payload_row: bool
+    delay_column: Optional[str]
+    deliver_at_column: Optional[str]
+    due_expr: Optional[str]
+    message_id_column: Optional[str]
+    headers_column: Optional[str]
+    content_type: Optional[str]
+    max_overdue_ms: int
+    max_payload_bytes: int
+    max_rate: int
+    progress_interval: float
+
+
+def default_paths(args: Options) -> Tuple[str, str, str]:
     """Where the errors output, the summary and the resume record go (beside INPUT, unless given)."""
     base = args.input.rstrip("/")
     if "://" in base and not base.startswith("file://"):
@@ -42,7 +65,7 @@ def default_paths(args) -> Tuple[str, str, str]:
 class Job:
     """One run of `schedule` on a Spark session: `run` returns the summary."""
 
-    def __init__(self, spark, args, target: Target) -> None:
+    def __init__(self, spark, args: Options, target: Target) -> None:
         self.spark, self.args, self.target = spark, args, target
         self.errors_path, self.summary_path, self.state_dir = default_paths(args)
         self.format = input_format(args)

@@ -9,7 +9,7 @@ check is there before Spark starts.
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from topology.names import Names
 
@@ -27,6 +27,20 @@ CSV = {"header": True, "escape": '"'}
 
 
 # -- the start of a run ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TableOptions:
+    """The arguments every table job takes (schedule's and cancel-table's add_arguments)."""
+
+    input: str
+    format: Optional[str]
+    errors: Optional[str]
+    summary: Optional[str]
+    confirm_window: int
+    rows_per_partition: int
+    master: Optional[str]
+    spark_conf: List[str]
+
+
 @dataclass
 class Started:
     """A table job ready to work: its Spark session (`owned`: this run stops it), the input's
@@ -38,7 +52,7 @@ class Started:
     target: Target
 
 
-def start(settings: Settings, args, job: str, exchange_of: Callable[[Names], str]) -> Started:
+def start(settings: Settings, args: TableOptions, job: str, exchange_of: Callable[[Names], str]) -> Started:
     """Usage errors, then the broker (the exchange `exchange_of` names), then Spark: what
     fails fast fails before Spark starts (that takes tens of seconds)."""
     require()
@@ -62,7 +76,7 @@ def check_exchange(urls: Sequence[str], tls, exchange: str, job: str) -> None:
 
 
 # -- inputs ------------------------------------------------------------------------------------
-def input_format(args) -> str:
+def input_format(args: TableOptions) -> str:
     """INPUT's format: --format, else its extension (or the one extension of a directory's files)."""
     if args.format:
         return args.format
