@@ -190,30 +190,30 @@ def test_reschedule_cancel_then_publish_the_same_id_arrives_once_at_the_new_time
     assert arrived >= sent + 2500
 
 
-def test_ten_thousand_scheduled_five_thousand_cancelled(chain, run_gateway):
-    c = chain(max_level=9)  # 51.2 s: no meditation laps, the gateway's work is the cancels
+def test_four_thousand_scheduled_two_thousand_cancelled(chain, run_gateway):
+    c = chain(max_level=8)  # 25.6 s: no meditation laps, the gateway's work is the cancels
     gateway = run_gateway(c, "--lead-ms", "300")
     receiver = Receiver(c)
-    ids = [f"b{n}" for n in range(10_000)]
+    ids = [f"b{n}" for n in range(4_000)]
     with connect() as conn:  # one channel keeps the order; confirmed at the end, all at once
         ch = conn.channel()
         for n, mid in enumerate(ids):
             ch.basic_publish(c.names.check_in, "k", b"", pika.BasicProperties(
-                message_id=mid, headers={"x-delay": 40_000 + n % 1000}, delivery_mode=2))
+                message_id=mid, headers={"x-delay": 20_000 + n % 1000}, delivery_mode=2))
         for mid in ids[::2]:
             ch.basic_publish(c.names.cancel, "", b"", pika.BasicProperties(message_id=mid))
         ch.confirm_delivery()  # returns once everything before it was routed
-    publish_sentinel(c, 40_999, 300)  # behind them all in check-in
-    # Due 40 to 41 s after check-in reads them (3.10), or after the broker took them (4.x,
-    # with the arrival stamp): on a busy 2-core machine check-in needed more than 10 s for the
-    # 10,000 and then the 5,000 cancels behind them, and in one whole-suite run more than 25 s
+    publish_sentinel(c, 20_999, 300)  # behind them all in check-in
+    # Due 20 to 21 s after check-in reads them (3.10), or after the broker took them (4.x,
+    # with the arrival stamp): on a busy 2-core machine check-in needed more than 10 s for
+    # 10,000 and then 5,000 cancels behind them, and in one whole-suite run more than 25 s
     # (a backlog delays cancels as it delays messages, and then a cancel can come after its
-    # message's due time; alone the check-in takes 2 s here).
-    got = until_sentinel(receiver, 75)
+    # message's due time); for these 6,000 the same backlog is some 10 s.
+    got = until_sentinel(receiver, 55)
     through = sorted(set(got) & set(ids[::2]))
     assert not through, f"{len(through)} cancelled messages were delivered, e.g. {through[:5]}"
-    assert set(got) == set(ids[1::2]), f"{5000 - len(got)} lost"
-    assert gateway.metric("delay_gateway_cancels_total") == 5000
+    assert set(got) == set(ids[1::2]), f"{2000 - len(got)} lost"
+    assert gateway.metric("delay_gateway_cancels_total") == 2000
 
 
 def test_a_replayed_parked_bad_cancel_goes_back_where_it_was_sent_and_is_never_delivered(chain, run_gateway):

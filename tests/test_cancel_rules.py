@@ -78,23 +78,23 @@ def test_a_rule_published_while_no_gateway_runs_cancels_exactly_its_group(make_c
         far = [(f"orders.42.far.{n}", f"42-far-{n}", t0 + 200 * DAY_MS) for n in range(20)] + \
               [(f"orders.421.far.{n}", f"421-far-{n}", t0 + 200 * DAY_MS) for n in range(5)]
         publish(chain, far)
-        moved = [(f"orders.42.moved.{n}", f"42-moved-{n}", t0 + 30_000) for n in range(10)] + \
-                [(f"orders.421.moved.{n}", f"421-moved-{n}", t0 + 30_000) for n in range(5)]
+        moved = [(f"orders.42.moved.{n}", f"42-moved-{n}", t0 + 16_000) for n in range(10)] + \
+                [(f"orders.421.moved.{n}", f"421-moved-{n}", t0 + 16_000) for n in range(5)]
         move_from_plugin(chain, moved)
         wait_until(lambda: first.metric("delay_gateway_held_messages") >= len(moved)
                    and first.metric("delay_gateway_batched_messages_total", queue=chain.names.check_in) >= len(far),
                    30, 0.1, "the far ones sent round meditation and the moved ones held")
         first.kill()  # no gateway runs from here
-        group = [(f"orders.42.{n}", f"42-{n}" if n < 90 else None, t0 + 20_000) for n in range(100)]
-        near = [(f"orders.421.{n}", f"421-{n}", t0 + 20_000) for n in range(100)]
+        group = [(f"orders.42.{n}", f"42-{n}" if n < 90 else None, t0 + 12_000) for n in range(100)]
+        near = [(f"orders.421.{n}", f"421-{n}", t0 + 12_000) for n in range(100)]
         publish(chain, [m for pair in zip(group, near, strict=True) for m in pair])
         queued = cli(chain, "pending", "cancel", "--key", "orders.42.#", "--yes", "--wait", "0.5",
                      "--name", "customer-42")
         assert queued.returncode == 0 and "queued: no gateway recorded rule customer-42" in queued.stdout, \
             queued.stdout + queued.stderr
         assert "message(s) wait in check-in, not read by a gateway yet" in queued.stdout  # said, not hidden
-        after = [(f"orders.42.after.{n}", f"42-after-{n}", t0 + 20_000) for n in range(10)]  # a reschedule
-        sentinel = [("orders.zz.sentinel", SENTINEL, t0 + 36_000)]  # due after everything else
+        after = [(f"orders.42.after.{n}", f"42-after-{n}", t0 + 12_000) for n in range(10)]  # a reschedule
+        sentinel = [("orders.zz.sentinel", SENTINEL, t0 + 20_000)]  # due after everything else
         publish(chain, after + sentinel)
 
         second = GatewayProcess(chain, *args, url=proxy.url)
@@ -106,13 +106,13 @@ def test_a_rule_published_while_no_gateway_runs_cancels_exactly_its_group(make_c
             gateways.append(GatewayProcess(chain, *args, url=proxy.url))
         else:
             assert proxy.cut() >= 1
-        receiver.until_sentinel(max(0, t0 + 36_000 - now_ms()) / 1000 + 30)  # (not kept among the messages)
+        receiver.until_sentinel(max(0, t0 + 20_000 - now_ms()) / 1000 + 30)  # (not kept among the messages)
         got = receiver.messages
         arrived: Dict[str, int] = {}
         for m in got:
             key = m.routing_key
             arrived[key] = arrived.get(key, 0) + 1
-            due = t0 + 30_000 if ".moved." in key else t0 + 20_000
+            due = t0 + 16_000 if ".moved." in key else t0 + 12_000
             assert m.at_ms >= due, f"{key} early by {due - m.at_ms} ms"
         cancelled = [k for k in arrived if k.startswith("orders.42.") and ".after." not in k]
         expected = {k for k, _, _ in near + after} | {k for k, _, _ in moved if k.startswith("orders.421.")}
@@ -120,9 +120,11 @@ def test_a_rule_published_while_no_gateway_runs_cancels_exactly_its_group(make_c
         assert expected <= set(arrived), f"lost: {sorted(expected - set(arrived))[:10]}"
         # the far ones of the group are dropped at the end of their lap; the bystanders wait on
         wait_until(lambda: not listed(chain, "--key", "orders.42.far.#"), 30, 0.5, "the far ones of 42 removed")
-        # (a copy the fault made is in the broker twice, each listed: never more often than delivered)
+        # (a message a fault copied is in the broker twice, each copy listed, as each would be
+        # delivered: the first gateway's kill and this test's fault can each copy the far ones
+        # of a lap under way, so each is there at most three times)
         waiting = [r["message_id"] for r in listed(chain, "--key", "orders.421.far.#")]
-        assert set(waiting) == {mid for _, mid, _ in far[20:]} and len(waiting) <= 10, waiting
+        assert set(waiting) == {mid for _, mid, _ in far[20:]} and len(waiting) <= 3 * 5, waiting
         [rule] = [json.loads(line) for line in cli(chain, "pending", "rules", "--json").stdout.splitlines()]
         assert rule["rule"] == "customer-42" and rule["filter"] == "--key orders.42.#"
         dropped = sum(g.metric("delay_gateway_cancelled_total") for g in gateways[-1:])
