@@ -192,6 +192,21 @@ def test_a_withdrawal_ends_the_rules_of_its_name_recorded_before_it_and_the_wind
     assert held.prune(NOW + 61_000) == 2 and not len(held) and held.newest_read_us == NOW * 1000 + 3
 
 
+def test_a_rule_recorded_again_after_a_crash_is_one_rule_the_later_record():
+    """A gateway killed between a rule's record and its acknowledgement: the next reads and
+    records it again. `pending rules` shows it once, and what it cancels is the later fence's."""
+    held = rules.Rules(window_ms=60_000)
+    first = rules.Rule(b"customer-42", Selection(key="orders.42.#"), cancels.Time(NOW * 1000))
+    again = rules.Rule(b"customer-42", Selection(key="orders.42.#"), cancels.Time(NOW * 1000 + 500))
+    other = rules.Rule(b"customer-42", Selection(key="orders.43.#"), cancels.Time(NOW * 1000 + 600))
+    held.add(first, NOW)
+    held.add(again, NOW)
+    held.add(first, NOW)  # (a reader that meets the records again: the later one stays)
+    assert held.live == (again,)
+    held.add(other, NOW)  # the same name for another filter: a rule of its own
+    assert held.live == (again, other)
+
+
 # -- check-in records a rule like a cancel by id ----------------------------------------------
 class Quiet:
     def forwarded(self, action) -> None: ...

@@ -368,7 +368,15 @@ class Rules:
             self.withdrawn += len(self._rules) - len(kept)
             self._rules = kept
         else:
-            self._rules.append(item)
+            # The same rule recorded again: a gateway died between its record and its
+            # acknowledgement, and the next one read it again. One rule, the later record: what
+            # was read between the two was read again after it (a record is a fence:
+            # deliveries.py), so the later fence holds what the earlier one did.
+            same = [r for r in self._rules if (r.name, r.select, r.everything) == (item.name, item.select,
+                                                                                   item.everything)]
+            if any(r.at.read_us >= item.at.read_us for r in same):
+                return True
+            self._rules = [r for r in self._rules if r not in same] + [item]
         self._index()
         return True
 
