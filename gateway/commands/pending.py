@@ -79,7 +79,7 @@ def header(text: str) -> Tuple[str, str]:
 
 @dataclass(frozen=True)
 class Options:
-    """pending's verb and its own arguments (the ACTIONS' options above), typed: each verb
+    """pending's verb and its own arguments (the ACTIONS' options below), typed: each verb
     gives some of them, the others keep these defaults."""
 
     action: str

@@ -140,8 +140,8 @@ class DeliveryRecorder:
 def run(settings: Settings, out: str, routing_key_pattern: str, queue: Optional[str], count: int,
         idle_timeout: float, record_prefetch: int) -> int:
     """`delay-gateway record` (its --prefetch is `record_prefetch`: not the gateway's setting)."""
-    chain, to = settings.chain, out
-    into = sys.stdout if to == "-" else open(to, "a", encoding="utf-8")
+    chain = settings.chain
+    into = sys.stdout if out == "-" else open(out, "a", encoding="utf-8")
     recorder = DeliveryRecorder(settings.one_vhost_urls, chain.names.pick_up, into, routing_key_pattern, queue,
                                 chain.prefix, record_prefetch, settings.tls)
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -151,7 +151,7 @@ def run(settings: Settings, out: str, routing_key_pattern: str, queue: Optional[
     finally:
         if into is not sys.stdout:
             into.close()
-    print(f"recorded {recorded} deliveries" + (f" to {to}" if to != "-" else ""), file=sys.stderr)
+    print(f"recorded {recorded} deliveries" + (f" to {out}" if out != "-" else ""), file=sys.stderr)
     if recorded and recorder.without_stamp == recorded:
         print("note: no delivery carried x-gateway-due-at: run the gateway with --stamp-due-at for due times",
               file=sys.stderr)
