@@ -155,15 +155,23 @@ def close_stream_reader(channel) -> None:
         channel.connection.process_data_events(time_limit=0.05)
 
 
-def read_registry(connection, names: Names, idle_s: float = REGISTRY_IDLE_S) -> Optional[List[Record]]:
-    """Every record, oldest first; None if the registry stream does not exist."""
+def stream_channel(connection, stream: str):
+    """A new channel to read `stream` on, or None when the stream does not exist (404)."""
     channel = connection.channel()
     try:
-        channel.queue_declare(names.registry, passive=True)
+        channel.queue_declare(stream, passive=True)
     except ChannelClosedByBroker as exc:
         if exc.reply_code == 404:
             return None
         raise
+    return channel
+
+
+def read_registry(connection, names: Names, idle_s: float = REGISTRY_IDLE_S) -> Optional[List[Record]]:
+    """Every record, oldest first; None if the registry stream does not exist."""
+    channel = stream_channel(connection, names.registry)
+    if channel is None:
+        return None
     bodies: List[bytes] = []
 
     def on_message(ch, method, properties, body) -> None:

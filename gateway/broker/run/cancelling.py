@@ -31,7 +31,7 @@ from typing import Dict, List, Optional, Tuple
 import structlog
 from pika.exceptions import AMQPError, ChannelClosedByBroker
 
-from topology.broker.inventory import close_stream_reader
+from topology.broker.inventory import close_stream_reader, stream_channel
 from topology.names import Names
 
 from gateway.broker.plumbing import lazy_properties, wire_connection
@@ -327,14 +327,10 @@ class Recorded:
 def read(connection, names: Names, window_ms: int, idle_s: float = 0.3) -> Recorded:
     """The records of the window, read until the stream is quiet for idle_s (for commands; a
     gateway follows the stream with `Follower`). Missing stream: nothing."""
-    channel = connection.channel()
     out = Recorded(rules=Rules(window_ms))
-    try:
-        channel.queue_declare(names.cancellations, passive=True)
-    except ChannelClosedByBroker as exc:
-        if exc.reply_code == 404:
-            return out
-        raise
+    channel = stream_channel(connection, names.cancellations)
+    if channel is None:
+        return out
     now = wall_ms()
     cutoff_us = (now - window_ms) * 1000
     tallied: List[Tuple[bytes, bytes, int]] = []
