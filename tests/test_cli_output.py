@@ -49,8 +49,12 @@ def test_explain_sums_up_the_laps_in_one_line(capsys):
     held = int(lines[-1].split("hold ")[1].split(" ms")[0])
     assert 2861 * CHAIN.meditation_ms + levels + held == 3_000_000_000_000 and 0 <= held <= 1050
     # a delay on a one-unit chain laps trillions of times: still a few lines, at once
+    assert main(["explain", "3000000000000", "--max-level", "1", "--resolution-ms", "1", "--hold-within-ms", "0"],
+                environ={}) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 5  # laps, a level, its hop, the distributor
     assert main(["explain", "3000000000000", "--max-level", "1", "--resolution-ms", "1"], environ={}) == 0
-    assert len(capsys.readouterr().out.splitlines()) == 5
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and "straight from returning" in lines[-1]  # laps, then the distributor's hold
 
 
 @pytest.mark.parametrize("delay", ["-5", "0"])

@@ -3,7 +3,8 @@ becomes (messages to publish now or later, or to send on in a carrier).
 
 check-in:    a publisher's message: read its due time once, and send it on to the level of
              the chain, meditation, or the distributor (in a carrier with others going the
-             same way: carrier.py).
+             same way: carrier.py); one due within `hold_within_ms` straight to the
+             distributor (the shorter path).
 returning:   back from meditation (the gateway's format; only the broker can put messages
              there): send each message on by its due time, as check-in would.
 distributor: hold each message until due, then publish the publisher's routing key,
@@ -156,13 +157,18 @@ def carry(exchange: str, routing_key: bytes, way: Way, batch: List[Entry]) -> Fo
 
 class CheckIn:
     def __init__(self, chain: ChainSettings, lead_ms: int, wait_ms: int = 0,
-                 cancelled: Optional[Cancelled] = None, sequence: Optional[cancels.Sequencer] = None) -> None:
+                 cancelled: Optional[Cancelled] = None, sequence: Optional[cancels.Sequencer] = None,
+                 hold_within_ms: int = 0) -> None:
         # A message may wait up to wait_ms for others going the same way: the chain leaves
         # that much more to the distributor, so waiting never makes it late (one going to
         # the distributor directly may wait only until its lead: `enqueue`).
         self.chain, self.lead_ms = chain, lead_ms + wait_ms
         self.hand_over_ms = lead_ms  # the distributor's lead: what a message direct to it may not wait into
         self.route = Routes(chain, self.lead_ms)
+        # The shorter path: a message due within this long goes straight to the distributor,
+        # which holds it until due, rather than through the chain's queues (one queue write
+        # instead of one a level, at low rates one per message).
+        self.hold_within_ms = hold_within_ms
         self.cancelled = cancelled
         # read times: one sequence per process, started above every cancel held
         self.sequence = sequence if sequence is not None else cancels.Sequencer()
@@ -185,7 +191,10 @@ class CheckIn:
         return [self.enqueue(entry, now)]
 
     def enqueue(self, e: Entry, now: int) -> Enqueue:
-        exchange, key, way = self.route(e.due_ms - now)
+        if e.due_ms - now <= self.hold_within_ms:
+            exchange, key, way = self.chain.names.distributor, b"", Way.DISTRIBUTOR
+        else:
+            exchange, key, way = self.route(e.due_ms - now)
         if way is Way.DISTRIBUTOR:
             return Enqueue(exchange, key, way, e, e.due_ms - self.hand_over_ms)
         return Enqueue(exchange, key, way, e)
@@ -223,8 +232,8 @@ class Retry(CheckIn):
 
     def __init__(self, chain: ChainSettings, lead_ms: int, policies: Sequence[retries.Policy],
                  rng: random.Random, wait_ms: int = 0, cancelled: Optional[Cancelled] = None,
-                 sequence: Optional[cancels.Sequencer] = None, queues: str = "*") -> None:
-        super().__init__(chain, lead_ms, wait_ms, cancelled, sequence)
+                 sequence: Optional[cancels.Sequencer] = None, queues: str = "*", hold_within_ms: int = 0) -> None:
+        super().__init__(chain, lead_ms, wait_ms, cancelled, sequence, hold_within_ms)
         self.policies, self.rng, self.queues = policies, rng, queues
 
     def __call__(self, d: Delivery, now: int) -> List[Action]:

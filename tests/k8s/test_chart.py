@@ -164,6 +164,7 @@ def test_the_schema_allows_exactly_the_chains_rabbitmq_can_hold():
     ({"prefix": ""}, "prefix"),
     ({"leadMs": -1}, "leadMs"),
     ({"prefetch": 70000}, "prefetch"),
+    ({"holdWithinMs": 60001}, "holdWithinMs"),
     ({"logLevel": "verbose"}, "logLevel"),
 ])
 def test_the_schema_rejects_bad_values(values, why):
@@ -179,9 +180,9 @@ def test_settings_are_the_gateways_options_and_its_parser_reads_them(tmp_path):
     the value of that name; each container's environment and arguments, given to the
     gateway's own parser, give back the values."""
     values = {"prefix": "px", "maxLevel": 7, "resolutionMs": 250, "queueType": "classic", "zeroBits": "exchange",
-              "leadMs": 120, "prefetch": 5, "distributorPrefetch": 600, "stampDueAt": True, "metricsPort": 9100,
-              "logLevel": "debug", "logFormat": "console", "retire": False, "retireAfterSeconds": 30,
-              "pendingIndex": False,
+              "leadMs": 120, "prefetch": 5, "distributorPrefetch": 600, "holdWithinMs": 3000, "stampDueAt": True,
+              "metricsPort": 9100, "logLevel": "debug", "logFormat": "console", "retire": False,
+              "retireAfterSeconds": 30, "pendingIndex": False,
               "carrierMessages": 50, "carrierWaitMs": 7, "carrierBytes": 65536, "confirmTimeoutSeconds": 9,
               "retryBaseMs": 250, "retryFactor": 2.5, "retryCapMs": 60000, "retryAttempts": 4, "retryJitter": 0.5,
               "retryPolicies": [{"queue": "q.*", "attempts": 1}], "retryQueues": "q.*,jobs",

@@ -1,0 +1,63 @@
+"""A lone message's shorter path (pure): a message due within `hold_within_ms` goes from
+check-in (or back from meditation, or a retry) straight to the distributor, which holds it
+until due, instead of through the chain's queues; anything due later takes the chain as
+before. Against brokers, at its worst moments: tests/test_shorter_path_e2e.py."""
+
+import random
+
+from topology import ChainSettings
+
+from gateway.core import carrier, handlers, retries
+from gateway.core.actions import Enqueue
+from gateway.core.carrier import Entry
+from gateway.core.inputs import Delivery
+from gateway.core.routes import Way
+from gateway.core.wire import Properties, Table, long, longstr
+
+NOW = 1_800_000_000_000
+CHAIN = ChainSettings(prefix="short", max_level=6, resolution_ms=1000)
+NAMES = CHAIN.names
+
+
+def message(delay_ms: int) -> Delivery:
+    return Delivery(NAMES.check_in, b"orders.1", Properties.build(
+        message_id=b"m1", headers=Table([long("x-delay", delay_ms)])), b"body")
+
+
+def test_a_message_due_within_the_hold_goes_straight_to_the_distributor():
+    check_in = handlers.CheckIn(CHAIN, 50, wait_ms=200, hold_within_ms=10_000)
+    for delay in (0, 1, 2_000, 9_999, 10_000):
+        [sent] = check_in(message(delay), NOW)
+        assert isinstance(sent, Enqueue) and (sent.exchange, sent.way) == (NAMES.distributor, Way.DISTRIBUTOR), delay
+        assert sent.send_by_ms == NOW + delay - 50  # it waits for company at most until the distributor's lead
+    for delay in (10_001, 40_000):
+        [sent] = check_in(message(delay), NOW)
+        assert isinstance(sent, Enqueue) and sent.way is Way.CHAIN, delay
+
+
+def test_without_the_hold_only_what_is_due_within_about_a_unit_skips_the_chain():
+    check_in = handlers.CheckIn(CHAIN, 50, wait_ms=200, hold_within_ms=0)
+    ways = {delay: check_in(message(delay), NOW)[0].way for delay in (0, 500, 5_000, 9_000)}
+    assert ways == {0: Way.DISTRIBUTOR, 500: Way.DISTRIBUTOR, 5_000: Way.CHAIN, 9_000: Way.CHAIN}
+
+
+def test_a_retry_and_a_return_from_meditation_take_the_shorter_path_too():
+    policy = retries.Policy(base_ms=2_000, factor=1, cap_ms=2_000, attempts=3, jitter=0)
+    retry = handlers.Retry(CHAIN, 50, (policy,), random.Random(1), hold_within_ms=10_000)
+    failed = Delivery(NAMES.retry, b"jobs", Properties.build(headers=Table([longstr(retries.QUEUE, b"jobs")])),
+                      b"job")
+    [sent] = retry(failed, NOW)
+    assert isinstance(sent, Enqueue) and sent.way is Way.DISTRIBUTOR and sent.entry.exchange == ""
+    returning = handlers.Returning(CHAIN, 50, hold_within_ms=10_000)
+    back = [Entry(b"k", Properties.build(), b"x", NOW + due, NOW * 1000 + due) for due in (3_000, 30_000)]
+    sent_on = returning(Delivery(NAMES.returning, b"", carrier.properties(back), carrier.pack(back)), NOW)
+    assert [a.way for a in sent_on] == [Way.DISTRIBUTOR, Way.CHAIN]
+
+
+def test_the_distributor_holds_what_came_straight_for_up_to_a_minute():
+    """What the shorter path sends may be due up to 60 s later (the setting's bound): the
+    distributor holds it rather than sending it back into the chain."""
+    distributor = handlers.Distributor(CHAIN, 50)
+    e = Entry(b"k", Properties.build(), b"x", NOW + 60_000, NOW * 1000)
+    [release] = distributor(Delivery(NAMES.distributor, b"", handlers.next_hop(e), e.body), NOW)
+    assert release.way is Way.DELIVERED and release.not_before_ms == NOW + 60_000
