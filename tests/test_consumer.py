@@ -135,7 +135,8 @@ def test_a_message_the_broker_refuses_is_found_and_parked_without_touching_the_o
     assert parked.exchange == NAMES.parked and "message too large" in Inside(parked.props).error
     third.confirm(parked.seq)
     conn.advance(5)
-    assert conn.consuming().acks == [(3, True)] and conn.consuming().nacks == []
+    # (a's at once, with nothing else awaiting a confirm: or all three together)
+    assert conn.consuming().acks in ([(3, True)], [(1, True), (3, True)]) and conn.consuming().nacks == []
 
 
 def test_stopping_hands_held_messages_back_to_the_distributor_queue():

@@ -11,7 +11,7 @@ from typing import Dict, List, Optional
 from hypothesis import given, settings, strategies as st
 
 from topology import ChainSettings
-from topology.index_bands import band, bands, span_ms
+from topology.index_bands import DONE, band, bands, span_ms
 
 from gateway.core import cancels, carrier, handlers, index_records
 from gateway.core.inputs import Delivery
@@ -290,8 +290,7 @@ def test_an_entry_the_broker_will_not_take_is_dropped_and_the_message_acknowledg
             flow.confirmed(carried.seq, False, True, NOW + 1)
             out = flow.publishing_closed("NOT_FOUND - no queue", NOW + 1)
         assert not out.publish and not out.reject  # nothing parked, nothing given up
-        out = flow.tick(NOW + 10)
-        assert out.ack == [(1, True)], (refusal, out)
+        assert out.ack + flow.tick(NOW + 10).ack == [(1, True)], (refusal, out)
 
 
 def distributor_flow(judge=None) -> Flow:
@@ -303,46 +302,55 @@ def distributor_flow(judge=None) -> Flow:
 
 
 def test_a_delivery_is_acknowledged_only_once_the_key_saying_its_message_left_is_confirmed():
-    """The distributor delivers a message; its done key waits DONE_FLUSH_MS for company and
-    speaks for the delivery: no acknowledgement before the broker confirmed it, so a process
-    killed in between hands the delivery back (delivered again, with its key then) instead of
-    leaving a delivered message listed."""
+    """The distributor delivers a message; its done key speaks for the delivery: no
+    acknowledgement before the broker confirmed it, so a process killed in between hands the
+    delivery back (delivered again, with its key then) instead of leaving a delivered message
+    listed. Alone (nothing else due soon), its key goes out with it: no wait for company."""
     flow = distributor_flow()
     e = entry(due=NOW + 100)
     flow.delivered(1, Delivery(NAMES.distributor, b"", handlers.next_hop(e), e.body), NOW)
-    [delivered] = flow.tick(NOW + 100).publish
+    [delivered, done] = flow.tick(NOW + 100).publish
     assert delivered.payload.forward.way is Way.DELIVERED
-    out = flow.confirmed(delivered.seq, False, True, NOW + 101)
-    assert out.ack == [] and not flow.tick(NOW + 110).ack  # confirmed at pick-up, its key not yet written
-    assert flow.next_wake() == NOW + 100 + index_records.DONE_FLUSH_MS
-    out = flow.tick(NOW + 100 + index_records.DONE_FLUSH_MS)
-    [done] = out.publish
     assert done.side and done.tags == (1,) and index_records.done_keys(done.payload.forward.body) == \
         [index_records.key_of(e.accepted_us, index_records.checksum(e))]
-    assert not flow.tick(NOW + 400).ack
-    flow.confirmed(done.seq, False, True, NOW + 401)
-    assert flow.tick(NOW + 500).ack == [(1, True)]
+    out = flow.confirmed(delivered.seq, False, True, NOW + 101)
+    assert out.ack == [] and not flow.tick(NOW + 110).ack  # confirmed at pick-up, its key not yet
+    assert flow.confirmed(done.seq, False, True, NOW + 111).ack == [(1, True)]  # nothing else awaited
+
+
+def test_done_keys_wait_for_company_that_is_due():
+    """Another held message due within DONE_FLUSH_MS: the first key waits for it, and both
+    go out in one record, with the second release."""
+    flow = distributor_flow()
+    batch = [entry(key=f"k{n}".encode(), due=NOW + 100 + n * 100, read_us=NOW * 1000 + n) for n in range(2)]
+    flow.delivered(1, Delivery(NAMES.distributor, b"", carrier.properties(batch), carrier.pack(batch)), NOW)
+    [first] = flow.tick(NOW + 100).publish
+    assert first.payload.forward.way is Way.DELIVERED
+    flow.confirmed(first.seq, False, True, NOW + 101)
+    [second, done] = flow.tick(NOW + 200).publish
+    assert second.payload.forward.way is Way.DELIVERED and done.tags == (1,)
+    assert sorted(index_records.done_keys(done.payload.forward.body)) == sorted(
+        index_records.key_of(e.accepted_us, index_records.checksum(e)) for e in batch)
 
 
 def test_a_carrier_is_acknowledged_once_every_message_in_it_left_and_its_keys_are_confirmed():
     flow = distributor_flow()
     batch = [entry(key=f"k{n}".encode(), due=NOW + 100 + n * 300, read_us=NOW * 1000 + n) for n in range(3)]
     flow.delivered(1, Delivery(NAMES.distributor, b"", carrier.properties(batch), carrier.pack(batch)), NOW)
-    now, keys = NOW, []
-    while True:
+    now, keys, acks = NOW, [], []
+    while not acks:
         at = flow.next_wake()
         if at is None:
             break
         now = max(now, at)
         out = flow.tick(now)
-        assert not out.ack or not flow.ledger, out
+        acks += out.ack
         for pub in out.publish:
             if pub.payload.forward.way is Way.INDEX:
                 keys += index_records.done_keys(pub.payload.forward.body)
-            flow.confirmed(pub.seq, False, True, now)
-        if out.ack:
-            break
-    assert out.ack == [(1, True)]
+            acks += flow.confirmed(pub.seq, False, True, now).ack
+        assert not acks or not flow.ledger, acks  # acknowledged only once all of it left
+    assert acks == [(1, True)]
     assert sorted(keys) == sorted(index_records.key_of(e.accepted_us, index_records.checksum(e)) for e in batch)
 
 
@@ -351,29 +359,30 @@ def test_a_cancelled_message_dropped_at_release_is_noted_gone():
     flow = distributor_flow(judge=lambda e, where: e.user.get("message_id") in cancelled and where == "release")
     e = entry(due=NOW + 100)
     flow.delivered(1, Delivery(NAMES.distributor, b"", handlers.next_hop(e), e.body), NOW)
-    assert not flow.tick(NOW + 100).publish  # released, and dropped: not delivered
-    out = flow.tick(NOW + 100 + index_records.DONE_FLUSH_MS)
-    [done] = out.publish  # only the key saying it is gone
+    out = flow.tick(NOW + 100)
+    [done] = out.publish  # released, and dropped: not delivered, only the key saying it is gone
     gone = index_records.key_of(e.accepted_us, index_records.checksum(e))
     assert index_records.done_keys(done.payload.forward.body) == [gone]
     assert not out.ack
-    flow.confirmed(done.seq, False, True, NOW + 400)
-    assert flow.tick(NOW + 500).ack == [(1, True)]
+    assert flow.confirmed(done.seq, False, True, NOW + 400).ack == [(1, True)]
 
 
 def test_keys_outlive_a_lost_channel_but_speak_for_no_new_delivery():
     """The consuming channel is lost after a delivery: its key is still written (the message
     was delivered), and a new delivery that reuses the tag is not settled by it."""
     flow = distributor_flow()
-    e = entry(due=NOW + 100)
+    e, company = entry(due=NOW + 100), entry(key=b"k2", due=NOW + 300, read_us=NOW * 1000 + 2)
     flow.delivered(1, Delivery(NAMES.distributor, b"", handlers.next_hop(e), e.body), NOW)
-    [delivered] = flow.tick(NOW + 100).publish
+    flow.delivered(2, Delivery(NAMES.distributor, b"", handlers.next_hop(company), company.body), NOW)
+    [delivered] = flow.tick(NOW + 100).publish  # its key waits for the company due at +300
     flow.confirmed(delivered.seq, False, True, NOW + 101)
     flow.consuming_lost()
     flow.publishing_opened(NOW + 150)  # (a consumer that carried on: none does, the connection closes)
     later = entry(due=NOW + 10_000, read_us=NOW * 1000 + 1)
-    flow.delivered(1, Delivery(NAMES.distributor, b"", handlers.next_hop(later), later.body), NOW + 200)
-    [done] = flow.tick(NOW + 100 + index_records.DONE_FLUSH_MS).publish
+    out = flow.delivered(1, Delivery(NAMES.distributor, b"", handlers.next_hop(later), later.body), NOW + 200)
+    out.publish += flow.tick(NOW + 100 + index_records.DONE_FLUSH_MS).publish
+    [done] = [p for p in out.publish if p.payload.forward.way is Way.INDEX and p.payload.forward.routing_key
+              == DONE.encode()]
     assert done.tags == () and index_records.done_keys(done.payload.forward.body) == \
         [index_records.key_of(e.accepted_us, index_records.checksum(e))]
 

@@ -79,6 +79,7 @@ class Flow:
         self._draining = False
         self._retries: List[Tuple[int, Sent]] = []  # (when, a refused publication)
         self._refusal = "?"  # why the broker last closed the publishing channel
+        self._done_sent_ms = 0  # when the last record of done keys went out
 
     @property
     def held(self) -> int:
@@ -268,9 +269,10 @@ class Flow:
         self._ack_soon(now, out)
 
     def _ack_soon(self, now: int, out: Effects) -> None:
-        """Deliveries are done: acknowledge them now (a full batch, or a fence waits for them)
-        or within ACK_FLUSH_MS."""
-        if self.ledger.done_count >= ACK_BATCH or (self._fenced and self.ledger.done_count):
+        """Deliveries are done: acknowledge them now (a full batch, a fence waits for them, or
+        no publish awaits its confirm, so none could join them soon) or within ACK_FLUSH_MS."""
+        done = self.ledger.done_count
+        if done >= ACK_BATCH or done and (self._fenced or not self.ledger.unconfirmed):
             self._flush(out)
         elif self._flush_at is None and self.ledger.done_count:
             self._flush_at = now + ACK_FLUSH_MS
@@ -311,12 +313,21 @@ class Flow:
             return
         for key, tags, body in self._recorder.take_entries():
             self._side_record(key, tags, body, now, out)
-        taken = self._recorder.take_done(now, self._draining)
+        taken = self._recorder.take_done(now, self._draining or self._done_alone(now))
         if taken is not None:
+            self._done_sent_ms = now
             owed, body = taken
             live = Counter(t for t in owed if t in self.ledger)
             self._side_record(DONE, list(live), body, now, out)
             self.ledger.pay(live)
+
+    def _done_alone(self, now: int) -> bool:
+        """Whether done keys would wait for company in vain: the last ones went out a while
+        ago, and nothing held is due within the wait (a trickle: each message's key goes out
+        with its release, one wake-up instead of three)."""
+        due = self.ledger.next_due()
+        return now - self._done_sent_ms >= index_records.DONE_FLUSH_MS and (
+            due is None or due > now + index_records.DONE_FLUSH_MS)
 
     def _side_record(self, key: str, tags: List[int], body: bytes, now: int, out: Effects) -> None:
         live = tuple(t for t in dict.fromkeys(tags) if t in self.ledger)

@@ -11,9 +11,10 @@ entry). Then, in the `done` stream:
 - a *done* key when it leaves (delivered, sent back to its queue, parked, or cancelled);
 - every few seconds each gateway's *beat*: its roles, how many consumers it runs of each
   kind, whether it writes entries, and the earliest due time its distributor holds.
-Done keys go out within DONE_FLUSH_MS, and the deliveries they speak of are acknowledged
-only once the broker confirmed them (like the entries): a crash hands the delivery back, to
-be sent on and written down again, so no key is lost with a process.
+Done keys go out within DONE_FLUSH_MS (at once where none would join them: flow.Flow), and
+the deliveries they speak of are acknowledged only once the broker confirmed them (like the
+entries): a crash hands the delivery back, to be sent on and written down again, so no key
+is lost with a process.
 
 Entries go to one of several streams by how long the message waits there (topology/index_bands.py:
 band b holds waits up to 4^b s). A message is identified by its read time and a checksum of
