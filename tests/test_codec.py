@@ -94,8 +94,23 @@ def test_pika_still_reads_and_writes_where_the_cork_steps_in():
         f"pika {pika.__version__}: BaseConnection._adapter_emit_data no longer hands data to its transport; "
         f"wire_connection.WireConnection takes it there while corked; pinned {PINNED}.")
     source = inspect.getsource(io._AsyncPlaintextTransport) + inspect.getsource(io._AsyncTransportBase)
-    for name in ("self._sock", "def get_write_buffer_size", "_STATE_ACTIVE", "self._state"):
+    for name in ("self._sock", "def get_write_buffer_size", "_STATE_ACTIVE", "self._state",
+                 "recv(self._sock, self._MAX_RECV_BYTES)"):
         assert name in source, f"pika {pika.__version__}: the plaintext transport has no {name}; pinned {PINNED}."
+    assert "self._transport = transport" in inspect.getsource(BaseConnection._proto_connection_made), (
+        f"pika {pika.__version__}: BaseConnection._proto_connection_made no longer takes the transport; "
+        f"wire_connection.WireConnection sets its read size there; pinned {PINNED}.")
+
+
+def test_a_wire_connection_reads_what_its_socket_holds_at_once_and_other_connections_as_before():
+    from pika.adapters.utils import io_services_utils as io
+
+    transport = io._AsyncPlaintextTransport.__new__(io._AsyncPlaintextTransport)
+    connection = wire_connection.WireConnection.__new__(wire_connection.WireConnection)
+    connection._on_stream_connected = lambda: None  # (no connecting: only meeting its transport)
+    connection._proto_connection_made(transport)
+    assert connection._transport is transport and transport._MAX_RECV_BYTES == wire_connection.READ_BYTES
+    assert io._AsyncPlaintextTransport._MAX_RECV_BYTES == 4096  # pika's own, for every other connection
 
 
 class Transport:

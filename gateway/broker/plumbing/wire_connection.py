@@ -10,13 +10,18 @@ A `WireConnection` also writes less often: pika hands the transport each frame o
 and sends one buffer per system call, on the poll after the one that made it (a publish is
 three sends, an ack one, each a TCP segment the broker reads on its own). Inside its `cork`
 (every batch of frames read, and each of the gateway's own events) the frames wait, and
-go out at the end in one `send` at once, the way the broker's own writer batches.
+go out at the end in one `send` at once, the way the broker's own writer batches. And it
+reads more at once: pika's transport takes 4 KiB a `recv` (three 1 KB deliveries, each
+read a cork of its own); a WireConnection's takes up to READ_BYTES, what a busy socket
+holds at a wake-up, so that one read and one write serve them all.
 
 This leans on pika internals, pinned in pyproject.toml and checked by tests/test_codec.py:
 `Connection._read_frame` (where a connection decodes a frame), `frame.decode_frame` and
 `frame.Header` (the frame it builds), BlockingConnection's `_impl_class` (the
 SelectConnection class it drives), `_on_data_available` and `_adapter_emit_data` (frames in
-and out) and the plaintext transport's socket and buffer (`_sock`, `get_write_buffer_size`).
+and out), `_proto_connection_made` (where it meets its transport) and the plaintext
+transport's socket, buffer and read size (`_sock`, `get_write_buffer_size`,
+`_MAX_RECV_BYTES`).
 """
 
 import contextlib
@@ -75,6 +80,7 @@ class Cork:
 
 
 WAIT_FOR_WHOLE_DELIVERY = 262_144  # bytes: a delivery up to this size is read whole
+READ_BYTES = 131_072  # what one recv takes (pika reads at most 100 KiB a wake-up before its timers)
 _METHOD_HEAD = struct.Struct(">HH")  # class id, method id
 _TAG_AND_BITS = struct.Struct(">QB")  # delivery tag, then a bit field (redelivered; multiple)
 _BODY_SIZE = struct.Struct(">Q")
@@ -108,6 +114,11 @@ class WireConnection(pika.SelectConnection):
         self.cork = Cork(self)  # (before pika's __init__, which may already write)
         self.confirm_callbacks: Dict[int, Tuple[Any, Any]] = {}  # channel number -> (channel, callback)
         super().__init__(*args, **kwargs)
+
+    def _proto_connection_made(self, transport: Any) -> None:
+        if getattr(transport, "_MAX_RECV_BYTES", None) is not None:
+            transport._MAX_RECV_BYTES = READ_BYTES  # (this transport only: pika's others read as they did)
+        super()._proto_connection_made(transport)
 
     def _read_frame(self) -> Tuple[int, Any]:
         return decode_frame(self._frame_buffer)
