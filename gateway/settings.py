@@ -171,14 +171,18 @@ OPTIONS: Tuple[Option, ...] = (
     Option("prefetch", 1000, integer(1, 65535), "unacked messages per check-in and parking consumer", "run",
            "prefetch", metavar="N"),
     Option("distributor_prefetch", 10000, integer(1, 65535),
-           "deliveries (messages, or carriers of them) the distributor may hold; keep it above what reaches it in "
-           "--hold-within-ms plus one unit at your peak",
+           "deliveries (messages, or carriers of them) the distributor may hold; keep it above what reaches it "
+           "within one unit at your peak, plus --hold-messages per check-in consumer",
            "run",
            "distributorPrefetch", metavar="N"),
     Option("hold_within_ms", 10_000, integer(0, 60_000),
            "a message due within this long goes from check-in straight to the distributor, which holds it until due, "
            "instead of down the chain (0: only what is due within the lead and one unit)", "lead", "holdWithinMs",
            metavar="MS"),
+    Option("hold_messages", 1000, integer(1, 1_000_000),
+           "the shorter path holds about this many per consumer at most: at higher rates it takes only what is due "
+           "sooner",
+           "lead", "holdMessages", metavar="N"),
     Option("lead_ms", 50, integer(0), "how much earlier than due the chain hands a message to the distributor, "
            "to absorb hop latency", "lead", "leadMs", metavar="MS"),
     Option("carrier_messages", 1000, integer(1, 100_000),
@@ -335,6 +339,7 @@ class Settings:
     prefetch: int = default("prefetch")
     distributor_prefetch: int = default("distributor_prefetch")
     hold_within_ms: int = default("hold_within_ms")
+    hold_messages: int = default("hold_messages")
     lead_ms: int = default("lead_ms")
     carrier_messages: int = default("carrier_messages")
     carrier_wait_ms: int = default("carrier_wait_ms")

@@ -1,7 +1,8 @@
 """A lone message's shorter path (pure): a message due within `hold_within_ms` goes from
 check-in (or back from meditation, or a retry) straight to the distributor, which holds it
 until due, instead of through the chain's queues; anything due later takes the chain as
-before. Against brokers, at its worst moments: tests/test_shorter_path_e2e.py."""
+before, and so does more as the rate rises (about `hold_messages` held at once). Against
+brokers, at its worst moments: tests/test_shorter_path_e2e.py."""
 
 import random
 
@@ -12,6 +13,7 @@ from gateway.core.actions import Enqueue
 from gateway.core.carrier import Entry
 from gateway.core.inputs import Delivery
 from gateway.core.routes import Way
+from gateway.core.shorter_path import ShorterPath
 from gateway.core.wire import Properties, Table, long, longstr
 
 NOW = 1_800_000_000_000
@@ -61,3 +63,15 @@ def test_the_distributor_holds_what_came_straight_for_up_to_a_minute():
     e = Entry(b"k", Properties.build(), b"x", NOW + 60_000, NOW * 1000)
     [release] = distributor(Delivery(NAMES.distributor, b"", handlers.next_hop(e), e.body), NOW)
     assert release.way is Way.DELIVERED and release.not_before_ms == NOW + 60_000
+
+
+def test_as_the_rate_rises_only_what_is_due_sooner_takes_it():
+    path = ShorterPath(10_000, 1000)
+    at_ten = [path.takes(9_000, NOW + n * 100) for n in range(30)]  # 10 a second
+    assert all(at_ten)
+    # 1,000 a second for a second: from then on, only what is due within a second
+    busy = NOW + 3_000
+    [path.takes(500, busy + n) for n in range(1000)]
+    assert not path.takes(2_000, busy + 1_000) and path.takes(900, busy + 1_001)
+    assert path.takes(9_000, busy + 5_000)  # quiet again: the whole hold
+    assert not ShorterPath(0, 1000).takes(0, NOW)  # off

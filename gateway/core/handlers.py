@@ -3,8 +3,8 @@ becomes (messages to publish now or later, or to send on in a carrier).
 
 check-in:    a publisher's message: read its due time once, and send it on to the level of
              the chain, meditation, or the distributor (in a carrier with others going the
-             same way: carrier.py); one due within `hold_within_ms` straight to the
-             distributor (the shorter path).
+             same way: carrier.py); one due soon straight to the distributor (the
+             shorter path: shorter_path.py).
 returning:   back from meditation (the gateway's format; only the broker can put messages
              there): send each message on by its due time, as check-in would.
 distributor: hold each message until due, then publish the publisher's routing key,
@@ -31,6 +31,7 @@ from gateway.core import cancels, carrier, envelope, retries, rules
 from gateway.core.actions import Action, Drop, Enqueue, Forward
 from gateway.core.inputs import Delivery
 from gateway.core.routes import Way
+from gateway.core.shorter_path import ShorterPath
 from gateway.core.carrier import Damaged, Entry
 from gateway.core.envelope import Inside, Unreadable
 from gateway.core.wire import Properties
@@ -158,17 +159,17 @@ def carry(exchange: str, routing_key: bytes, way: Way, batch: List[Entry]) -> Fo
 class CheckIn:
     def __init__(self, chain: ChainSettings, lead_ms: int, wait_ms: int = 0,
                  cancelled: Optional[Cancelled] = None, sequence: Optional[cancels.Sequencer] = None,
-                 hold_within_ms: int = 0) -> None:
+                 hold_within_ms: int = 0, hold_messages: int = 1000) -> None:
         # A message may wait up to wait_ms for others going the same way: the chain leaves
         # that much more to the distributor, so waiting never makes it late (one going to
         # the distributor directly may wait only until its lead: `enqueue`).
         self.chain, self.lead_ms = chain, lead_ms + wait_ms
         self.hand_over_ms = lead_ms  # the distributor's lead: what a message direct to it may not wait into
         self.route = Routes(chain, self.lead_ms)
-        # The shorter path: a message due within this long goes straight to the distributor,
-        # which holds it until due, rather than through the chain's queues (one queue write
-        # instead of one a level, at low rates one per message).
-        self.hold_within_ms = hold_within_ms
+        # The shorter path: a message due within hold_within_ms (less at higher rates) goes
+        # straight to the distributor, which holds it until due, rather than through the
+        # chain's queues (one queue write instead of one a level: shorter_path.py).
+        self.shorter = ShorterPath(hold_within_ms, hold_messages)
         self.cancelled = cancelled
         # read times: one sequence per process, started above every cancel held
         self.sequence = sequence if sequence is not None else cancels.Sequencer()
@@ -191,7 +192,7 @@ class CheckIn:
         return [self.enqueue(entry, now)]
 
     def enqueue(self, e: Entry, now: int) -> Enqueue:
-        if e.due_ms - now <= self.hold_within_ms:
+        if self.shorter.takes(e.due_ms - now, now):
             exchange, key, way = self.chain.names.distributor, b"", Way.DISTRIBUTOR
         else:
             exchange, key, way = self.route(e.due_ms - now)
@@ -232,8 +233,9 @@ class Retry(CheckIn):
 
     def __init__(self, chain: ChainSettings, lead_ms: int, policies: Sequence[retries.Policy],
                  rng: random.Random, wait_ms: int = 0, cancelled: Optional[Cancelled] = None,
-                 sequence: Optional[cancels.Sequencer] = None, queues: str = "*", hold_within_ms: int = 0) -> None:
-        super().__init__(chain, lead_ms, wait_ms, cancelled, sequence, hold_within_ms)
+                 sequence: Optional[cancels.Sequencer] = None, queues: str = "*", hold_within_ms: int = 0,
+                 hold_messages: int = 1000) -> None:
+        super().__init__(chain, lead_ms, wait_ms, cancelled, sequence, hold_within_ms, hold_messages)
         self.policies, self.rng, self.queues = policies, rng, queues
 
     def __call__(self, d: Delivery, now: int) -> List[Action]:

@@ -93,16 +93,17 @@ class Session:
         gate = s.role == "all" and self.judge is not None
         if s.role in ("all", "check-in"):
             check_in = self.check_in = CheckIn(chain, s.lead_ms, s.carrier_wait_ms, self.judge, self.sequence,
-                                               s.hold_within_ms)
+                                               s.hold_within_ms, s.hold_messages)
             if gate:
                 check_in.recorded = {}
             pipe(names.check_in, cancelling.recording(check_in, self.metrics), s.prefetch, batched=True,
                  on_caught_up=self._caught_up if gate else None)
             for queue in returning:
                 pipe(queue, Returning(chain, s.lead_ms, s.carrier_wait_ms, self.judge,
-                                      hold_within_ms=s.hold_within_ms), s.prefetch, batched=True)
+                                      hold_within_ms=s.hold_within_ms, hold_messages=s.hold_messages),
+                     s.prefetch, batched=True)
             retry = Retry(chain, s.lead_ms, s.retry_rules(), random.Random(), s.carrier_wait_ms, self.judge,
-                          self.sequence, s.retry_queues, s.hold_within_ms)
+                          self.sequence, s.retry_queues, s.hold_within_ms, s.hold_messages)
             pipe(names.retry, counting_retries(retry, self.metrics), s.prefetch, batched=True)
         if s.role in ("all", "distributor"):
             for queue in distributors:
