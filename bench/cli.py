@@ -18,6 +18,7 @@ from .clients import blocking
 from .context import Context
 from .scenarios import GROUPS, SCENARIOS
 from .systems import HEADERS, unique_prefix
+from tests.launcher import GatewayProcess
 
 DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"  # the gateway's default (docs/operating.md)
 SCENARIO_HELP = (f"{', '.join(SCENARIOS)}; or a group: "
@@ -96,6 +97,9 @@ def parser(environ) -> argparse.ArgumentParser:
     p.add_argument("--max-level", type=_positive(int), default=20)
     p.add_argument("--resolution-ms", type=_positive(int), default=1000)
     p.add_argument("--gateway-args", default="", help="extra options for every `run` process, quoted")
+    p.add_argument("--gateway-python", metavar="PYTHON",
+                   help="run every gateway process with this interpreter (e.g. pypy3, with the gateway's "
+                        "dependencies), from this clone; default: the benchmark's own")
     p.add_argument("--replicas", type=_positive(int), default=1,
                    help="gateway processes side by side (of each role with --split-roles), competing for its queues")
     p.add_argument("--split-roles", action="store_true",
@@ -196,6 +200,8 @@ def main(argv: Optional[Sequence[str]] = None, environ=None) -> int:
             print("python -m bench: --compare-kombu needs kombu 5.5 or later (scripts/bootstrap test installs it)",
                   file=sys.stderr)
             return 2
+    if args.gateway_python:
+        GatewayProcess.python = args.gateway_python
     url = args.url.split(",")[0]
     where = f"{urlsplit(url).hostname}:{urlsplit(url).port or 5672}"
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731

@@ -105,6 +105,8 @@ class GatewayProcess:
     `die_with_parent`, the process is stopped when the one that started it dies (the thread
     that started it, strictly: start it from a thread that lives as long)."""
 
+    python = sys.executable  # the interpreter (the benchmark's --gateway-python sets another for a run)
+
     def __init__(self, chain: ChainSettings, *extra: str, url: Optional[str] = None,
                  env: Optional[Dict[str, str]] = None, die_with_parent: bool = False,
                  cwd: Optional[str] = None) -> None:
@@ -119,7 +121,7 @@ class GatewayProcess:
             full_env["DELAY_GATEWAY_URL"] = url
         full_env.setdefault("PYTHONUNBUFFERED", "1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "run", *chain_args(chain), "--log-format", "json",
+            [self.python, "-m", "gateway", "run", *chain_args(chain), "--log-format", "json",
              *([] if given else ["--metrics-port", str(self.port)]), *extra],
             cwd=cwd or ROOT, env=full_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
             preexec_fn=_die_with_parent if die_with_parent else None)
