@@ -6,7 +6,7 @@ Callbacks that pika would run later from its ioloop (channel opened, basic.qos-o
 wait in a queue until `settle()`.
 
 It keeps what the consumer sent: every publish (with its sequence number on its channel
-and the channel it went on), every ack and nack, and (`frames`) the order of acks,
+and the channel it went on), every ack and nack, and (`frames`) the order of acks, nacks,
 publishes and basic.qos.
 """
 
@@ -137,6 +137,7 @@ class FakeChannel:
         if not self.is_open:
             raise ChannelWrongStateError("Channel is closed.")
         self.nacks.append((delivery_tag, requeue))
+        self.connection.frames.append(("nack", delivery_tag, requeue))
 
     # -- what the test does, as the broker ----------------------------------------------
     def deliver(self, body: bytes, props: Optional[Properties] = None, routing_key: str = "k",
@@ -176,7 +177,7 @@ class FakeConnection:
     is_open: bool = True
     channels: List[FakeChannel] = field(default_factory=list)
     published: List[Published] = field(default_factory=list)
-    frames: List[tuple] = field(default_factory=list)  # what went out, in order: qos, publish, ack
+    frames: List[tuple] = field(default_factory=list)  # what went out, in order: qos, publish, ack, nack
     backlog: int = 0  # what a queue holds, as queue.declare-ok says
 
     def __post_init__(self) -> None:

@@ -232,7 +232,7 @@ class Driver(RuleBasedStateMachine):
         self.unconfirmed: Dict[int, Published] = {}  # seq -> sent on the publishing channel
         self.returned: Set[int] = set()
         self.seen = 0  # publishes looked at
-        self.acks_seen = self.nacks_seen = 0
+        self.frames_seen = 0  # of the connection's frames: acks and nacks in the order sent
         self.consuming = self.conn.consuming()
 
     def step(self) -> None:
@@ -242,19 +242,19 @@ class Driver(RuleBasedStateMachine):
             assert pub.channel.is_open, "published on a closed channel"
             self.unconfirmed[pub.seq] = pub
         self.seen = len(self.conn.published)
-        for tag, multiple in self.consuming.acks[self.acks_seen:]:
-            covered = [t for t in self.outstanding if t <= tag] if multiple else [tag]
+        for kind, tag, flag in [f for f in self.conn.frames[self.frames_seen:] if f[0] in ("ack", "nack")]:
+            if kind == "nack":
+                assert not flag  # (never requeued)
+                self.end(tag, "rejected")
+                continue
+            covered = [t for t in self.outstanding if t <= tag] if flag else [tag]
             assert covered and all(t in self.outstanding for t in covered), f"ack of {tag}: not outstanding"
             for t in covered:  # a multiple ack never covers one that is not done
                 body = self.outstanding[t]
                 missing = expected(body) - self.safe
                 assert not missing, f"{body!r} acknowledged with {sorted(missing)} not safely published"
                 self.end(t, "acked")
-        self.acks_seen = len(self.consuming.acks)
-        for tag, requeue in self.consuming.nacks[self.nacks_seen:]:
-            assert not requeue
-            self.end(tag, "rejected")
-        self.nacks_seen = len(self.consuming.nacks)
+        self.frames_seen = len(self.conn.frames)
         if self.stopped_done and self.conn.is_open:
             # nothing done is left unacknowledged (what is left, its publishes refused and
             # not yet retried, the broker redelivers), and nothing is held

@@ -247,10 +247,12 @@ class Pipe:
         if actions.publish and self._publish is not None:
             self._send(self._publish, actions)
         if self._consume is not None and self._consume.is_open:
-            for tag, multiple in actions.ack:
-                self._consume.basic_ack(tag, multiple=multiple)
+            # Rejections first: a `multiple` ack after them covers only what is done (the core
+            # no longer counts a delivery it gave up; sent before, the ack would cover it).
             for tag in actions.reject:
                 self._consume.basic_nack(tag, requeue=False)
+            for tag, multiple in actions.ack:
+                self._consume.basic_ack(tag, multiple=multiple)
             if actions.sync:  # the same prefetch again: only the answer matters
                 self._consume.basic_qos(prefetch_count=self._prefetch, callback=self._on_synced)
         if actions.reconnect and self._connection.is_open:
