@@ -101,7 +101,8 @@ def roll(kubelet: Kubelet, old_pods: list, deployment: dict, docs: list) -> list
                                                  "test_live_change.py's, on every version; 20 s")
 def test_helm_upgrade_changes_the_chain_without_losing_or_delaying_a_message(broker, tmp_path, old, new):
     prefix = unique_prefix()
-    common = {"prefix": prefix, "checkIn": {"replicas": 2}, "distributor": {"replicas": 2},
+    # (holdWithinMs 0: the messages wait in the chain being changed, not on the shorter path)
+    common = {"prefix": prefix, "checkIn": {"replicas": 2}, "distributor": {"replicas": 2}, "holdWithinMs": 0,
               "test": {"delayMs": 500, "timeoutSeconds": 30}}
     old_values, new_values = {**common, **old}, {**common, **new}
     old_docs, new_docs = render(old_values), render(new_values)
