@@ -274,7 +274,7 @@ class Flow:
         done = self.ledger.done_count
         if done >= ACK_BATCH or done and (self._fenced or not self.ledger.unconfirmed):
             self._flush(out)
-        elif self._flush_at is None and self.ledger.done_count:
+        elif self._flush_at is None and done:
             self._flush_at = now + ACK_FLUSH_MS
 
     def _flush_batch(self, batch: Batch, now: int, out: Effects) -> None:
