@@ -100,11 +100,12 @@ def test_bad_settings_say_what_is_wrong(bad, message):
 def test_the_cancel_objects_are_part_of_the_topology():
     t = build(ChainSettings(prefix="d", max_level=5, resolution_ms=100), cancel_window=7_200_000)
     assert (t.exchange("d.cancel").type, dict(t.exchange("d.cancel").arguments)) == ("fanout", {})
+    assert (t.exchange("d.rules").type, dict(t.exchange("d.rules").arguments)) == ("fanout", {})
     stream = t.queue("d.cancellations")
     assert dict(stream.arguments) == {"x-queue-type": "stream", "x-max-age": "7200s",
                                       "x-stream-max-segment-size-bytes": 8_000_000}
     assert stream.declared_once and not t.in_chain(stream.name)
-    assert {(b.source, b.destination) for b in t.bindings} >= {("d.cancel", "d.check-in"),
+    assert {(b.source, b.destination) for b in t.bindings} >= {("d.cancel", "d.check-in"), ("d.rules", "d.check-in"),
                                                                 ("d.cancellations", "d.cancellations")}
     # the default window: 2^max_level units plus a day
     assert build(ChainSettings(prefix="d", max_level=5, resolution_ms=100)).queue("d.cancellations") \
@@ -114,11 +115,11 @@ def test_the_cancel_objects_are_part_of_the_topology():
 def test_definitions_list_every_object():
     t = build(ChainSettings(prefix="d", max_level=5))
     doc = json.loads(render(t, vhost="v"))
-    # with the registry's, the cancel, retry and waiting ones
-    assert len(doc["exchanges"]) == len(t.exchanges) == 8 + 3 + 5 + 1
+    # with the registry's, the cancel, rules, retry and waiting ones
+    assert len(doc["exchanges"]) == len(t.exchanges) == 8 + 4 + 5 + 1
     # the registry, gateways, cancellations, retry; the waiting streams (bands 0-3 for laps of 31 s, done)
     assert len(doc["queues"]) == len(t.queues) == 8 + 2 + 2 * 5 + 5
-    assert len(doc["bindings"]) == len(t.bindings) == 7 + 3 + 2 * 5 + 5
+    assert len(doc["bindings"]) == len(t.bindings) == 7 + 4 + 2 * 5 + 5
     assert [e["internal"] for e in doc["exchanges"]].count(True) == 1
     assert {o["vhost"] for kind in doc.values() for o in kind} == {"v"}
 

@@ -194,7 +194,10 @@ def build(settings: ChainSettings, cancel_window: Optional[int] = None) -> Topol
         # Cancels: publishers send them to `cancel` (no arguments, like check-in), which is
         # bound to the check-in queue so that a cancel queues behind the messages published
         # before it; check-in records them in the `cancellations` stream every gateway follows.
+        # Group cancels (rules) have an exchange of their own, bound the same way: a right of
+        # their own (docs/security.md).
         Exchange(n.cancel, "fanout"),
+        Exchange(n.rules, "fanout"),
         Exchange(n.cancellations, "fanout"),
         # Failed messages to retry later: the dead-letter exchange of the users' queues
         # (docs/retries.md); no arguments, so a plain declare of it succeeds.
@@ -228,6 +231,7 @@ def build(settings: ChainSettings, cancel_window: Optional[int] = None) -> Topol
         Binding(n.registry, n.registry),
         Binding(settings.meditation, settings.meditation),
         Binding(n.cancel, n.check_in),
+        Binding(n.rules, n.check_in),
         Binding(n.retry, n.retry),
         Binding(n.cancellations, n.cancellations),
     ]

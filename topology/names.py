@@ -91,6 +91,13 @@ class Names:
         return self._("cancel")
 
     @property
+    def rules(self) -> str:
+        """Exchange (fanout, no arguments) where group cancels (rules) and their withdrawals
+        are sent; bound to the check-in queue like `cancel`. Apart from `cancel`, so that the
+        right to cancel one id (write on `cancel`) does not grant cancelling groups."""
+        return self._("rules")
+
+    @property
     def cancellations(self) -> str:
         """Exchange and stream of recorded cancels, which every gateway follows."""
         return self._("cancellations")
