@@ -27,8 +27,8 @@ from gateway.broker.run import cancelling
 from gateway.broker.run import index_streams
 from gateway.broker.plumbing.amqp import blocking_channel
 from gateway.clock import wall_ms
-from gateway.core import listing, rules, wire
-from gateway.core.selection import Selection
+from gateway.core import cancels, listing, rules, wire
+from gateway.core.selection import Selection, checked_pattern, selects_every_key
 from gateway.core.index_records import Listed
 from gateway.core.wire import Table
 from gateway.times import due_in, iso_ms, plain_ms
@@ -95,6 +95,7 @@ class Options:
     all: bool = False
     expect: Optional[int] = None
     name: Optional[str] = None
+    replace: bool = False
     yes: bool = False
     wait: float = 10.0
     rule: str = ""
@@ -110,7 +111,11 @@ def selection(args: Options, now_ms: int) -> Selection:
     except ValueError as exc:
         raise UsageError(f"--due-after/--due-before: {exc}") from None
     ids = tuple(i.encode("utf-8", "surrogateescape") for i in args.id)
-    return Selection(ids, args.key, after, before, tuple(args.header), args.retries)
+    try:
+        key = checked_pattern(args.key) if args.key is not None else None
+    except ValueError as exc:
+        raise UsageError(f"--key: {exc}") from None
+    return Selection(ids, key, after, before, tuple(args.header), args.retries)
 
 
 def _filters(p: argparse.ArgumentParser) -> None:
@@ -147,7 +152,10 @@ def cancel_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expect", type=argument(integer(0)), metavar="N",
                    help="refuse (exit 2, nothing cancelled) unless exactly N waiting messages match")
     p.add_argument("--name", metavar="NAME", help="the rule's name, for `pending rules` and `pending withdraw` "
-                                                  "(default: pending- and 12 random letters)")
+                                                  "(default: pending- and 12 random letters); a name a live rule "
+                                                  "has is refused without --replace")
+    p.add_argument("--replace", action="store_true",
+                   help="the live rules of --name are withdrawn as this one is recorded (it replaces them)")
     p.add_argument("--yes", action="store_true", help="cancel them (without it: say how many, and show some)")
     p.add_argument("--wait", type=float, default=10.0, metavar="SECONDS",
                    help="how long to wait for a gateway to record the rule, and to report what it removed "
@@ -272,7 +280,7 @@ def command(args: Options, settings: Settings) -> int:
             if exporting is not None:
                 exporting.close()
         if args.action == "cancel":
-            return cancel_selected(args, channel, names, select, everything, view, found, window_ms, now)
+            return cancel_selected(args, channel, names, select, everything, view, found, recorded, window_ms, now)
     if args.action == "list":
         show_list(args, view, found, now)
     elif args.action == "count":
@@ -376,6 +384,14 @@ def checked_cancel(args: Options, select: Selection) -> bool:
     """Whether the cancel means every message (--all); refuses what is ambiguous."""
     if args.all and not select.empty:
         raise UsageError("--all with a filter: give the filters, or --all alone")
+    if select.key is not None and selects_every_key(select.key):
+        raise UsageError(f"--key {select.key!r} selects every routing key: say --all to mean every message")
+    for i in select.ids:
+        if i.startswith(b"@") and cancels.handle_read_us(i) is None:
+            raise UsageError(f"--id {i.decode('utf-8', 'replace')!r} is not a handle ('@' and 20 letters and "
+                             "digits, as `pending list` shows one): a handle names one message")
+    if args.replace and args.name is None:
+        raise UsageError("--replace names no rule: give --name NAME")
     if select.empty and not args.all and args.yes:
         raise UsageError("no filter: this would cancel every waiting message; add --all to mean it, or give "
                          "--key, --id, --header, --due-after, --due-before or --retries")
@@ -396,14 +412,19 @@ def rule_headers(select: Selection, everything: bool, name: bytes) -> Table:
     return Table([wire.longstr(rules.NAME, name)] + rules.filter_fields(select, everything))
 
 
-def cancel_selected(args: Options, channel, names, select: Selection, everything: bool,
-                    view: listing.View, found: index_streams.Found, window_ms: int, now_ms: int) -> int:
+def cancel_selected(args: Options, channel, names, select: Selection, everything: bool, view: listing.View,
+                    found: index_streams.Found, recorded: cancelling.Recorded, window_ms: int, now_ms: int) -> int:
     """Say how many match and show some; with --yes, publish one rule and say what became of it."""
     print(f"{view.total} waiting message(s) match" + (", for example:" if view.total else ""))
     if view.total:
         print("\n".join(table(view.listed(), now_ms)))
     for note in notes(found):
         print(f"note: {note}")
+    if args.expect is not None and not found.exact:
+        print(f"delay-gateway pending cancel: error: the listing is not exact ({'; '.join(found.reasons())}), so "
+              f"--expect {args.expect} cannot be checked: nothing cancelled; try again once it is, or drop --expect",
+              file=sys.stderr)
+        return 2
     if args.expect is not None and args.expect != view.total:
         print(f"delay-gateway pending cancel: error: {view.total} waiting message(s) match, not {args.expect} "
               "(--expect): nothing cancelled", file=sys.stderr)
@@ -416,20 +437,29 @@ def cancel_selected(args: Options, channel, names, select: Selection, everything
                   "filters select that was published before the cancel (listed or not)")
         return 0
     name = (args.name or f"pending-{uuid.uuid4().hex[:12]}").encode("utf-8")
+    shown = name.decode("utf-8", "replace")
+    before = recorded.rules.recorded.get(name, -1)
+    if any(r.name == name for r in recorded.rules.live) and not args.replace:
+        print(f"delay-gateway pending cancel: error: a live rule is named {shown} (delay-gateway pending rules): "
+              "give another --name, or --replace to withdraw it as this one is recorded; nothing cancelled",
+              file=sys.stderr)
+        return 2
     channel.confirm_delivery()
     try:
-        channel.basic_publish(names.cancel, "", b"", pika.BasicProperties(
+        if args.replace:  # (in one queue, in this order: the withdrawal ends what was recorded before it)
+            channel.basic_publish(names.rules, "", b"", pika.BasicProperties(
+                headers={rules.WITHDRAW: shown}, delivery_mode=2), mandatory=True)
+        channel.basic_publish(names.rules, "", b"", pika.BasicProperties(
             headers=_pika_headers(rule_headers(select, everything, name)), delivery_mode=2), mandatory=True)
     except pika.exceptions.UnroutableError:
-        print(f"delay-gateway pending cancel: {names.cancel} is bound to no queue: declare the topology "
+        print(f"delay-gateway pending cancel: {names.rules} is bound to no queue: declare the topology "
               "(delay-gateway declare) or start the gateway", file=sys.stderr)
         return 3
-    shown = name.decode("utf-8", "replace")
     print(f"rule {shown}: {select.describe() if not everything else '--all'}, published; "
           f"{view.total} waiting message(s) listed match it")
     published = time.monotonic()
     deadline = published + args.wait
-    rule, removed, seen = wait_for_rule(channel.connection, names, window_ms, name, view.total, deadline)
+    rule, removed, seen = wait_for_rule(channel.connection, names, window_ms, name, before, view.total, deadline)
     recorded_after_s = seen - published
     if rule is None:
         print(f"queued: no gateway recorded rule {shown} within {args.wait:g} s (none running, or a backlog in "
@@ -455,17 +485,17 @@ def _pika_headers(table: Table) -> Dict[str, Any]:
     return out
 
 
-def wait_for_rule(connection, names, window_ms: int, name: bytes, expected: int,
+def wait_for_rule(connection, names, window_ms: int, name: bytes, before_us: int, expected: int,
                   deadline: float) -> Tuple[Optional[rules.Rule], int, float]:
-    """The rule once a gateway recorded it (None if none did by `deadline`), what the gateways
-    reported removing by it once they report all `expected` (or by `deadline`), and when it
-    was first seen recorded (time.monotonic())."""
+    """The rule once a gateway recorded it (a rule of its name recorded after `before_us`; None
+    if none was by `deadline`), what the gateways reported removing by it once they report
+    all `expected` (or by `deadline`), and when it was first seen recorded (time.monotonic())."""
     found: Optional[rules.Rule] = None
     seen = 0.0
     while True:
         recorded = cancelling.read(connection, names, window_ms)
         if found is None:
-            found = next((r for r in recorded.rules.live if r.name == name), None)
+            found = next((r for r in recorded.rules.live if r.name == name and r.at.read_us > before_us), None)
             seen = time.monotonic()
         removed = recorded.tallies.get(name, 0)
         if (found is not None and removed >= expected) or time.monotonic() >= deadline:
@@ -478,10 +508,10 @@ def withdraw(args: Options, channel, names, window_ms: int, name: bytes) -> int:
     live = [r for r in before.rules.live if r.name == name]
     channel.confirm_delivery()
     try:
-        channel.basic_publish(names.cancel, "", b"", pika.BasicProperties(
+        channel.basic_publish(names.rules, "", b"", pika.BasicProperties(
             headers={rules.WITHDRAW: name.decode("utf-8")}, delivery_mode=2), mandatory=True)
     except pika.exceptions.UnroutableError:
-        print(f"delay-gateway pending withdraw: {names.cancel} is bound to no queue: declare the topology "
+        print(f"delay-gateway pending withdraw: {names.rules} is bound to no queue: declare the topology "
               "(delay-gateway declare) or start the gateway", file=sys.stderr)
         return 3
     shown = name.decode("utf-8", "replace")

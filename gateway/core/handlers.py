@@ -90,9 +90,12 @@ def park_delivery(names: Names, d: Delivery, reason: str) -> List[Forward]:
 
 def parker(names: Names, queue: str) -> Callable[[Delivery, str], List[Forward]]:
     """How a consumer of this queue parks a whole delivery it cannot handle: as the
-    publisher sent it at check-in; each of its messages (in the gateway's format) elsewhere."""
+    publisher sent it at check-in (a cancel or a rule marked as one: replayed, it goes back to
+    where it was sent, never to check-in); each of its messages (in the gateway's format)
+    elsewhere."""
     if queue in (names.check_in, names.retry):
-        return lambda d, reason: [park(names, d.props, d.routing_key, d.body, reason)]
+        return lambda d, reason: [park(names, d.props, d.routing_key, d.body, reason,
+                                       exchange=d.exchange if d.exchange in (names.cancel, names.rules) else None)]
     return lambda d, reason: park_delivery(names, d, reason)
 
 
@@ -159,7 +162,8 @@ def carry(exchange: str, routing_key: bytes, way: Way, batch: List[Entry]) -> Fo
 class CheckIn:
     def __init__(self, chain: ChainSettings, lead_ms: int, wait_ms: int = 0,
                  cancelled: Optional[Cancelled] = None, sequence: Optional[cancels.Sequencer] = None,
-                 hold_within_ms: int = 0, hold_messages: int = 1000) -> None:
+                 hold_within_ms: int = 0, hold_messages: int = 1000, held_rules: Optional[rules.Rules] = None
+                 ) -> None:
         # A message may wait up to wait_ms for others going the same way: the chain leaves
         # that much more to the distributor, so waiting never makes it late (one going to
         # the distributor directly may wait only until its lead: `enqueue`).
@@ -171,6 +175,7 @@ class CheckIn:
         # chain's queues (one queue write instead of one a level: shorter_path.py).
         self.shorter = ShorterPath(hold_within_ms, hold_messages)
         self.cancelled = cancelled
+        self.rules = held_rules  # the live rules (a rule beyond rules.MAX_LIVE is refused)
         # read times: one sequence per process, started above every cancel held
         self.sequence = sequence if sequence is not None else cancels.Sequencer()
         # The cancels this consumer recorded (("id", message id) or ("rule", name) -> read time)
@@ -180,7 +185,7 @@ class CheckIn:
 
     def __call__(self, d: Delivery, now: int) -> List[Action]:
         user = envelope.for_pick_up(d.props)
-        if d.exchange == self.chain.names.cancel:
+        if d.exchange in (self.chain.names.cancel, self.chain.names.rules):
             return self.record(d, user, now)
         try:
             due = envelope.due_at(user.headers, now)
@@ -205,25 +210,36 @@ class CheckIn:
         withdrawal of one. Append it to the cancellations stream once every delivery before it
         is acknowledged (a fence: flow.Flow); it is acknowledged once the broker confirmed the
         record."""
+        names = self.chain.names
+        body = b""
         try:
-            if rules.is_rule(user.headers):
+            if d.exchange == names.rules:
                 asked = rules.requested(user.headers)
-                at = cancels.Time(self.sequence(now), envelope.broker_stamp(user.headers, now))
+                if isinstance(asked, rules.Request) and self.rules is not None and self.rules.full:
+                    raise cancels.BadCancel(f"{len(self.rules)} rules are live, at most {rules.MAX_LIVE}: withdraw "
+                                            "some (delay-gateway pending withdraw), or cancel by id")
+                read_us = self.sequence(now)
+                at = cancels.Time(read_us, envelope.broker_stamp(user.headers, read_us // 1000))
                 if isinstance(asked, rules.Withdrawing):
                     name, props = asked.name, rules.withdrawal_record(rules.Withdrawal(asked.name, at))
                 else:
-                    name = asked.name or rules.default_name(at.read_us)
-                    props = rules.record(rules.Rule(name, asked.select, at, asked.everything))
+                    name = asked.name or rules.default_name(asked.select, asked.everything)
+                    props, body = rules.record(rules.Rule(name, asked.select, at, asked.everything))
                 recorded = ("rule", name)
             else:
+                if rules.is_rule(user.headers):
+                    raise cancels.BadCancel(f"a group cancel (x-cancel-* headers) goes to {names.rules!r}, not "
+                                            f"{names.cancel!r}: publishing there is a right of its own "
+                                            "(docs/security.md); nothing was cancelled")
                 message_id = cancels.checked_id(user.get("message_id"))
-                at = cancels.Time(self.sequence(now), envelope.broker_stamp(user.headers, now))
+                read_us = self.sequence(now)
+                at = cancels.Time(read_us, envelope.broker_stamp(user.headers, read_us // 1000))
                 props, recorded = cancels.record(message_id, at), ("id", message_id)
-        except cancels.BadCancel as exc:  # (replayed, it goes back to the cancel exchange: parked again)
-            return [park(self.chain.names, user, d.routing_key, d.body, str(exc), exchange=d.exchange)]
+        except cancels.BadCancel as exc:  # (replayed, it goes back to the exchange it was sent to: parked again)
+            return [park(names, user, d.routing_key, d.body, str(exc), exchange=d.exchange)]
         if self.recorded is not None:
             self.recorded[recorded] = at.read_us
-        return [Forward(self.chain.names.cancellations, b"", props, b"", Way.CANCEL, mandatory=True, fence=True)]
+        return [Forward(names.cancellations, b"", props, body, Way.CANCEL, mandatory=True, fence=True)]
 
 
 class Retry(CheckIn):
@@ -339,7 +355,7 @@ class Parking:
         if d.routing_key in (b"check-in", b"retry"):  # as its publisher sent it
             sent_to = (death or {}).get("exchange")
             return [park(self.names, envelope.for_pick_up(d.props), _first_key(death, d), d.body, reason,
-                         exchange=self.names.cancel if sent_to == self.names.cancel else None)]
+                         exchange=sent_to if sent_to in (self.names.cancel, self.names.rules) else None)]
         return list(park_delivery(self.names, d, reason))
 
 

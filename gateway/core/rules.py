@@ -1,37 +1,40 @@
 """Group cancels as rules (pure): one record that cancels every message its filter selects
 (selection.Selection) that was taken in before it, wherever the message is.
 
-A rule is published like a cancel by id (cancels.py), to `<prefix>.cancel`, which is bound to
-the check-in queue: it queues behind every message published before it. Instead of a
-message id it carries the filter in headers, the public vocabulary below; the check-in
-consumer turns it into a *record* in the cancellations stream (the same headers, normalised,
-with the rule's name and its times: read time and arrival stamp), under the same fence as a
-cancel by id. Every gateway follows the stream into `Rules` and judges each message it reads,
-holds, sends round meditation, retries or releases against the live rules exactly as against
-the cancels by id: a rule cancels a message iff its filter selects it and the rule came after
-it (cancels.after). So a group cancel is one publish however many messages it matches, works
-while every gateway is down (it waits in check-in behind the messages it concerns), and
-covers messages no index has seen.
+A rule is published to `<prefix>.rules` (a right apart from cancelling one id, which is
+`<prefix>.cancel`: docs/security.md), which is bound to the check-in queue: it queues behind
+every message published before it. It carries the filter in headers, the public vocabulary
+below; the check-in consumer turns it into a *record* in the cancellations stream (its name
+and times in headers, the filter, normalised, in the body: `FILTER_MAGIC`), under the same
+fence as a cancel by id. Every gateway follows the stream into `Rules` and judges each
+message it reads, holds, sends round meditation, retries or releases against the live rules
+exactly as against the cancels by id: a rule cancels a message iff its filter selects it and
+the rule came after it (cancels.after). So a group cancel is one publish however many
+messages it matches, works while every gateway is down (it waits in check-in behind the
+messages it concerns), and covers messages no index has seen.
 
-The vocabulary on `<prefix>.cancel` (any AMQP client; a header of this family makes the
-message a rule, and its `message_id` is then ignored):
+The vocabulary on `<prefix>.rules` (any AMQP client):
 
     x-cancel-key          an AMQP topic pattern on the routing key the message arrives with
+                          (a retry's: the name of the queue it goes back to)
     x-cancel-id           a message id, or a prefix ending in '*', or a handle ('@...'); text
                           or an array of them
     x-cancel-due-after    due at or after (epoch ms)
     x-cancel-due-before   due at or before (epoch ms)
     x-cancel-header       a table: header name -> value (compared as text)
     x-cancel-retries      true: only retries
-    x-cancel-all          true: no filter at all (every message), required when none is given
+    x-cancel-all          true: every message; required when no filter is given or the filter
+                          selects every message (`#`)
     x-cancel-rule         the rule's name (optional; what `pending rules` shows and `pending
-                          withdraw` names; default: one made from its read time)
+                          withdraw` names; default: one made from the filter)
     x-cancel-withdraw     (alone, or with x-cancel-rule) withdraw the rules of this name
                           recorded before it: from then on they cancel nothing more
 
-A header of the family that is not one of these, or a value that cannot be read, parks the
-rule with the reason (a typo must never widen a rule). A rule with no filter and without
-x-cancel-all is parked too.
+Every value is checked and bounded; a header of the family that is not one of these, or a
+value that cannot be read exactly, refuses the rule with the reason (it is parked: a typo
+must never widen a rule). A record read back without the filter it was written with is
+refused too, never applied wider: the filter travels in the record's body, which every
+broker keeps whole (RabbitMQ 3.10's streams drop array and table header values).
 
 Gateways add, in the same stream, *tallies*: how many messages each gateway process removed
 by each rule so far (cumulative, so a lost record costs nothing but a late count).
@@ -39,14 +42,15 @@ by each rule so far (cumulative, so a lost record costs nothing but a late count
 
 import base64
 import datetime
-import struct
-from dataclasses import dataclass, field
+import hashlib
+from collections import deque
+from dataclasses import dataclass
 from decimal import Decimal
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, Callable, Deque, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 from gateway.core import cancels, wire
 from gateway.core.cancels import BadCancel, Time
-from gateway.core.selection import Selection, literal_words
+from gateway.core.selection import Selection, checked_pattern, literal_words, selects_every_key
 from gateway.core.wire import Properties, Table
 
 FAMILY = "x-cancel-"
@@ -61,17 +65,27 @@ NAME = "x-cancel-rule"
 WITHDRAW = "x-cancel-withdraw"
 VOCABULARY = (KEY, ID, DUE_AFTER, DUE_BEFORE, HEADER, RETRIES, ALL, NAME, WITHDRAW)
 
-# On the records in the cancellations stream (beside the vocabulary, normalised, and the
-# times of cancels.RECORD_AT / RECORD_ARRIVED):
-RECORD_RULE = "x-gateway-rule"  # a rule: its name
+# On the records in the cancellations stream (beside the times of cancels.RECORD_AT /
+# RECORD_ARRIVED):
+RECORD_RULE = "x-gateway-rule"  # a rule: its name; its filter is the record's body
 RECORD_WITHDRAWN = "x-gateway-rule-withdrawn"  # a withdrawal: the name withdrawn
 RECORD_TALLY = "x-gateway-rule-tally"  # a tally: the rule's name ...
 TALLY_GATEWAY = "x-gateway-tally-gateway"  # ... the gateway process (16 bytes) ...
 TALLY_REMOVED = "x-gateway-tally-removed"  # ... and how many it removed by it so far
+# A rule record's body: this, then the filter in the vocabulary as an AMQP field table
+# (with its 32-bit length). Until 2026-11-28 the filter was in the record's headers, which
+# RabbitMQ 3.10's streams keep only where they are scalars (`_first_format`).
+FILTER_MAGIC = b"DGR1"
 
 MAX_NAME_BYTES = 255
 MAX_IDS = 1000  # a rule travels in one header frame: for more ids, cancel by id
+MAX_HEADERS = 32
+MAX_VALUE_BYTES = 1024  # of a header value a rule compares
 MAX_RECORD_BYTES = 64_000
+MAX_EPOCH_MS = 2**63 - 1
+# Live rules a gateway holds at most: check-in refuses a rule beyond them (withdraw some, or
+# cancel by id). Each costs memory and, for a message it may select, one comparison.
+MAX_LIVE = 10_000
 
 
 @dataclass(frozen=True)
@@ -111,26 +125,49 @@ class Withdrawal:
     at: Time
 
 
+@dataclass(frozen=True)
+class Refused:
+    """A rule record that cannot be read exactly (a filter lost, or one this version does not
+    know): it cancels nothing, but it was recorded (what waits for it to be recorded goes on)."""
+
+    name: bytes
+    at: Time
+    why: str
+
+
 def is_rule(headers: Table) -> bool:
-    """Whether a message published to `<prefix>.cancel` is a rule (or a withdrawal)."""
+    """Whether a message carries the rules' vocabulary (on `<prefix>.cancel`: refused there)."""
     return any(e.name.startswith(FAMILY.encode()) for e in headers.entries)
 
 
-def default_name(read_us: int) -> bytes:
-    """A rule's name when its publisher gave none: 'rule-' and its read time, in letters."""
-    return b"rule-" + base64.b32encode(struct.pack(">q", read_us)).rstrip(b"=").lower()
+def default_name(select: Selection, everything: bool) -> bytes:
+    """A rule's name when its publisher gave none: 'rule-' and a digest of its filter, the same
+    whenever the rule is read again (after a crash, check-in reads it again: one rule)."""
+    digest = hashlib.blake2b(_filter_table(select, everything).encode(), digest_size=10).digest()
+    return b"rule-" + base64.b32encode(digest).rstrip(b"=").lower()
 
 
 # -- reading the vocabulary -------------------------------------------------------------------
 def requested(headers: Table) -> Union[Request, Withdrawing]:
-    """The rule (or withdrawal) a cancel's headers ask for. Raises BadCancel."""
+    """The rule (or withdrawal) a cancel's headers ask for. Raises BadCancel, and only that."""
+    try:
+        return _requested(headers)
+    except BadCancel:
+        raise
+    except Exception as exc:  # (every value is checked; this is the net under the checks)
+        raise BadCancel(f"the rule cannot be read: {exc!r}"[:200]) from None
+
+
+def _requested(headers: Table) -> Union[Request, Withdrawing]:
     given: Dict[str, Any] = {}
     for e in headers.entries:
         if not e.name.startswith(FAMILY.encode()):
             continue
         header = e.name.decode("utf-8", "replace")
         if header not in VOCABULARY:
-            raise BadCancel(f"unknown rule header {header!r}: a rule takes {', '.join(VOCABULARY)}")
+            raise BadCancel(f"unknown rule header {header!r}: a rule takes {', '.join(VOCABULARY)}"[:300])
+        if header in given:
+            raise BadCancel(f"{header} given twice")
         given[header] = e.value
     name = _name(given[NAME], NAME) if NAME in given else None
     if WITHDRAW in given:
@@ -140,15 +177,19 @@ def requested(headers: Table) -> Union[Request, Withdrawing]:
             raise BadCancel(f"{WITHDRAW} takes no filter ({', '.join(sorted(given))} given): withdraw first, "
                             "then publish the new rule")
         if name is not None and name != withdrawn:
-            raise BadCancel(f"{WITHDRAW} names {withdrawn!r} but {NAME} names {name!r}")
+            raise BadCancel(f"{WITHDRAW} names {withdrawn!r} but {NAME} names {name!r}"[:300])
         return Withdrawing(withdrawn)
     ids = _ids(given[ID]) if ID in given else ()
-    key = _text(given[KEY], KEY) if KEY in given else None
+    key = _pattern(given[KEY]) if KEY in given else None
     after = _epoch_ms(given[DUE_AFTER], DUE_AFTER) if DUE_AFTER in given else None
     before = _epoch_ms(given[DUE_BEFORE], DUE_BEFORE) if DUE_BEFORE in given else None
     values = _headers(given[HEADER]) if HEADER in given else ()
     retries = _flag(given[RETRIES], RETRIES) if RETRIES in given else False
     everything = _flag(given[ALL], ALL) if ALL in given else False
+    if key is not None and selects_every_key(key):
+        if not everything:
+            raise BadCancel(f"{KEY} {key!r} selects every routing key: give {ALL}: true to mean every message")
+        key = None
     select = Selection(ids, key, after, before, values, retries)
     if select.empty and not everything:
         raise BadCancel(f"a rule without a filter would cancel every message: give {KEY}, {ID}, {DUE_AFTER}, "
@@ -169,6 +210,13 @@ def _text(value: Any, header: str) -> str:
     raise BadCancel(f"{header} must be text, not {type(value).__name__}")
 
 
+def _pattern(value: Any) -> str:
+    try:
+        return checked_pattern(_text(value, KEY))
+    except ValueError as exc:
+        raise BadCancel(f"{KEY}: {exc}") from None
+
+
 def _name(value: Any, header: str) -> bytes:
     raw = value.encode("utf-8") if isinstance(value, str) else value if isinstance(value, bytes) else None
     if raw is None:
@@ -187,30 +235,43 @@ def _ids(value: Any) -> Tuple[bytes, ...]:
         raw = _name(item, ID)
         if raw == b"*":
             raise BadCancel(f"{ID} '*' selects every message: use {ALL}: true to mean it")
+        if raw.startswith(b"@") and cancels.handle_read_us(raw) is None:
+            # every message has a handle: '@*' would select them all, and a handle names one
+            raise BadCancel(f"{ID} {raw.decode('utf-8', 'replace')!r} is not a handle ('@' and 20 letters and "
+                            "digits, as `pending list` shows one): a handle names one message, never a group"[:300])
         out.append(raw)
     return tuple(out)
 
 
 def _epoch_ms(value: Any, header: str) -> int:
+    found: Optional[int] = None
     if isinstance(value, datetime.datetime):
-        return int(value.timestamp()) * 1000
-    if isinstance(value, (bytes, str)):
-        text = value.decode("ascii", "replace") if isinstance(value, bytes) else value
-        if text.strip().isdigit():
-            return int(text.strip())
-    elif isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    raise BadCancel(f"{header} must be a time in epoch milliseconds, not {value!r}"[:200])
+        found = int(value.timestamp()) * 1000
+    elif isinstance(value, (bytes, str)):
+        text = (value.decode("ascii", "replace") if isinstance(value, bytes) else value).strip()
+        if 0 < len(text) <= 19 and text.isascii() and text.isdigit():
+            found = int(text)
+    elif isinstance(value, int) and not isinstance(value, bool):
+        found = value
+    if found is None or not 0 <= found <= MAX_EPOCH_MS:
+        raise BadCancel(f"{header} must be a time in epoch milliseconds (0 to {MAX_EPOCH_MS}), "
+                        f"not {value!r}"[:200])
+    return found
 
 
 def _headers(value: Any) -> Tuple[Tuple[str, str], ...]:
     if not isinstance(value, dict) or not value:
         raise BadCancel(f"{HEADER} must be a table of header names and values")
+    if len(value) > MAX_HEADERS:
+        raise BadCancel(f"{HEADER} takes at most {MAX_HEADERS} headers, not {len(value)}")
     out = []
     for name, v in value.items():
         if not isinstance(name, str) or not name:
             raise BadCancel(f"{HEADER}: a header name must be UTF-8 text")
-        out.append((name, _as_text(v, name)))
+        text = _as_text(v, name)
+        if len(text.encode("utf-8")) > MAX_VALUE_BYTES:
+            raise BadCancel(f"{HEADER}: the value of {name!r} is over {MAX_VALUE_BYTES} bytes"[:200])
+        out.append((name, text))
     return tuple(sorted(out))
 
 
@@ -222,7 +283,7 @@ def _as_text(value: Any, name: str) -> str:
         return str(value)
     if isinstance(value, bytes):
         return value.decode("utf-8", "replace")
-    raise BadCancel(f"{HEADER}: the value of {name!r} must be text or a number")
+    raise BadCancel(f"{HEADER}: the value of {name!r} must be text or a number"[:200])
 
 
 def _flag(value: Any, header: str) -> bool:
@@ -265,13 +326,17 @@ def filter_fields(select: Selection, everything: bool) -> List[wire.TableField]:
     return out
 
 
-def record(rule: Rule) -> Properties:
-    """A rule's record in the cancellations stream (its body is empty)."""
-    props = Properties.build(delivery_mode=2, headers=Table(
-        [wire.longstr(RECORD_RULE, rule.name)] + filter_fields(rule.select, rule.everything) + _times(rule.at)))
-    if len(props.raw) > MAX_RECORD_BYTES:
-        raise BadCancel(f"the rule takes {len(props.raw)} bytes: at most {MAX_RECORD_BYTES} (fewer ids?)")
-    return props
+def _filter_table(select: Selection, everything: bool) -> Table:
+    return Table(filter_fields(select, everything))
+
+
+def record(rule: Rule) -> Tuple[Properties, bytes]:
+    """A rule's record in the cancellations stream: its properties and its body (the filter)."""
+    props = Properties.build(delivery_mode=2, headers=Table([wire.longstr(RECORD_RULE, rule.name)] + _times(rule.at)))
+    body = FILTER_MAGIC + _filter_table(rule.select, rule.everything).encode()
+    if len(props.raw) + len(body) > MAX_RECORD_BYTES:
+        raise BadCancel(f"the rule takes {len(props.raw) + len(body)} bytes: at most {MAX_RECORD_BYTES} (fewer ids?)")
+    return props, body
 
 
 def withdrawal_record(w: Withdrawal) -> Properties:
@@ -298,9 +363,10 @@ def _integer(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def read_record(headers: Table) -> Optional[Union[Rule, Withdrawal]]:
+def read_record(headers: Table, body: bytes = b"") -> Optional[Union[Rule, Withdrawal, Refused]]:
     """The rule or withdrawal a record holds; None if it holds neither (a cancel by id, a
-    tally, a mark) or cannot be read (then it cancels nothing: never more than it says)."""
+    tally, a mark). A rule record that cannot be read exactly is `Refused`: it cancels nothing
+    (never more than it says)."""
     at = _time(headers)
     if at is None:
         return None
@@ -310,13 +376,31 @@ def read_record(headers: Table) -> Optional[Union[Rule, Withdrawal]]:
     name = _bytes(headers.get(RECORD_RULE))
     if not name:
         return None
+    if body.startswith(FILTER_MAGIC):
+        content = body[len(FILTER_MAGIC):]
+        if len(content) < 4 or int.from_bytes(content[:4], "big") != len(content) - 4:
+            return Refused(name, at, "its filter is cut short")
+        given = Table.parse(content[4:])
+        if given.tail:
+            return Refused(name, at, "its filter cannot be parsed")
+    elif body:
+        return Refused(name, at, "its filter is in a format this version does not know (a later version's?)")
+    else:
+        given = _first_format(headers)
     try:
-        asked = requested(Table([e for e in headers.entries if e.name.startswith(FAMILY.encode())]))
-    except BadCancel:
-        return None
+        asked = requested(given)
+    except BadCancel as exc:
+        return Refused(name, at, str(exc))
     if not isinstance(asked, Request):
-        return None
+        return Refused(name, at, "it holds a withdrawal's header")
     return Rule(name, asked.select, at, asked.everything)
+
+
+def _first_format(headers: Table) -> Table:
+    """The filter of a record written before FILTER_MAGIC (until 2026-11-28), in its headers.
+    RabbitMQ 3.10's streams dropped its array and table values (`x-cancel-id`, `x-cancel-header`),
+    and nothing says which were there: read as they are (a record without a filter is refused)."""
+    return Table([e for e in headers.entries if e.name.startswith(FAMILY.encode())])
 
 
 def read_tally(headers: Table) -> Optional[Tuple[bytes, bytes, int]]:
@@ -328,56 +412,91 @@ def read_tally(headers: Table) -> Optional[Tuple[bytes, bytes, int]]:
 
 
 # -- the rules a gateway holds ----------------------------------------------------------------
-@dataclass
-class _Node:
-    rules: List[Rule] = field(default_factory=list)
-    below: Dict[bytes, "_Node"] = field(default_factory=dict)
+Bucket = Tuple[Rule, ...]  # replaced whole on a change, never changed in place
+_Identity = Tuple[bytes, Selection, bool]  # one rule: recorded again after a crash, it is the same
+
+
+def _identity(rule: Rule) -> _Identity:
+    return rule.name, rule.select, rule.everything
 
 
 class Rules:
-    """The live rules of the retention window (the one of cancels.Store), indexed so that a
-    message is compared with the few rules that can select it: by exact id, by the read time a
-    handle names, by the literal words a key pattern starts with; the rest (patterns starting
-    with a wildcard, id prefixes without a key, due or header filters alone) with every message.
-    One thread adds (the stream's follower), others look up."""
+    """The live rules of the retention window (the one of cancels.Store), each in one index
+    (`_anchor`) by what every message it selects must have, so that a message is compared
+    only with the rules that may select it: an exact id, the read time a handle names, an id
+    prefix, a literal word of its key pattern, the key's word count (a pattern of wildcards
+    only), a header value, being a retry; what is left (due times alone, everything) is
+    compared with every message. Adding, withdrawing and forgetting cost a rule's index, not
+    the number of rules. One thread changes it (the stream's follower), others look up: each
+    index's buckets are tuples replaced whole, so a lookup sees one consistent bucket."""
 
     def __init__(self, window_ms: int) -> None:
         self.window_us = window_ms * 1000
-        self._rules: List[Rule] = []  # as recorded
-        # name -> the newest read time of a rule or withdrawal of that name (what catch-up asks)
+        self._live: Dict[_Identity, Rule] = {}  # as recorded
+        self._by_name: Dict[bytes, Set[_Identity]] = {}
+        self._order: Deque[Tuple[int, _Identity]] = deque()  # as added: (read time, identity)
+        # name -> the newest read time of a record of that name (what catch-up asks)
         self.recorded: Dict[bytes, int] = {}
         self.newest_read_us = 0
         self.withdrawn = 0
-        self._index()
+        self.refused: List[Refused] = []  # the latest few, for the log
+        # the indexes: anchor kind -> anchor -> bucket
+        self._ids: Dict[bytes, Bucket] = {}
+        self._handles: Dict[int, Bucket] = {}
+        self._prefixes: Dict[bytes, Bucket] = {}
+        self._prefix_lengths: Dict[int, int] = {}  # length -> how many prefixes of it
+        self._words: Dict[bytes, Bucket] = {}
+        self._shapes: Dict[Tuple[int, bool], Bucket] = {}  # (words, with '#') -> bucket
+        self._headers: Dict[Tuple[str, str], Bucket] = {}
+        self._header_names: Dict[str, int] = {}
+        self._retries: Bucket = ()
+        self._rest: Bucket = ()  # due times alone, or everything
+        # for a reader of the index (listing.Cancels): the literal prefixes of key patterns
+        # of rules without exact ids, and how many rules may select any key
+        self._key_prefixes: Dict[bytes, int] = {}
+        self._open = 0
 
     def __len__(self) -> int:
-        return len(self._rules)
+        return len(self._live)
 
     @property
     def live(self) -> Tuple[Rule, ...]:
-        return tuple(self._rules)
+        return tuple(self._live.values())
 
-    def add(self, item: Union[Rule, Withdrawal], now_ms: int) -> bool:
-        """Hold a rule, or apply a withdrawal; False if it is already outside the window."""
+    @property
+    def full(self) -> bool:
+        """Whether as many rules are live as a gateway holds (check-in refuses more)."""
+        return len(self._live) >= MAX_LIVE
+
+    def add(self, item: Union[Rule, Withdrawal, Refused], now_ms: int) -> bool:
+        """Hold a rule, apply a withdrawal, or note a refused record; False if it is already
+        outside the window."""
         if item.at.read_us < now_ms * 1000 - self.window_us:
             return False
         self.recorded[item.name] = max(item.at.read_us, self.recorded.get(item.name, -1))
         self.newest_read_us = max(self.newest_read_us, item.at.read_us)
-        if isinstance(item, Withdrawal):
-            kept = [r for r in self._rules if not (r.name == item.name and r.at.read_us <= item.at.read_us)]
-            self.withdrawn += len(self._rules) - len(kept)
-            self._rules = kept
+        if isinstance(item, Refused):
+            self.refused = self.refused[-9:] + [item]
+        elif isinstance(item, Withdrawal):
+            for identity in list(self._by_name.get(item.name, ())):
+                if self._live[identity].at.read_us <= item.at.read_us:
+                    self._remove(identity)
+                    self.withdrawn += 1
         else:
             # The same rule recorded again: a gateway died between its record and its
             # acknowledgement, and the next one read it again. One rule, the later record: what
             # was read between the two was read again after it (a record is a fence:
             # deliveries.py), so the later fence holds what the earlier one did.
-            same = [r for r in self._rules if (r.name, r.select, r.everything) == (item.name, item.select,
-                                                                                   item.everything)]
-            if any(r.at.read_us >= item.at.read_us for r in same):
-                return True
-            self._rules = [r for r in self._rules if r not in same] + [item]
-        self._index()
+            identity = _identity(item)
+            held = self._live.get(identity)
+            if held is not None:
+                if held.at.read_us >= item.at.read_us:
+                    return True
+                self._remove(identity)
+            self._live[identity] = item
+            self._by_name.setdefault(item.name, set()).add(identity)
+            self._order.append((item.at.read_us, identity))
+            self._index(item, +1)
         return True
 
     def holds(self, name: bytes, read_us: int) -> bool:
@@ -387,97 +506,158 @@ class Rules:
     def prune(self, now_ms: int) -> int:
         """Forget what is older than the window; how many rules were forgotten."""
         cutoff = now_ms * 1000 - self.window_us
-        kept = [r for r in self._rules if r.at.read_us >= cutoff]
-        gone = len(self._rules) - len(kept)
-        self.recorded = {n: t for n, t in self.recorded.items() if t >= cutoff}
-        if gone:
-            self._rules = kept
-            self._index()
+        gone = 0
+        while self._order and self._order[0][0] < cutoff:
+            at, identity = self._order.popleft()
+            held = self._live.get(identity)
+            if held is not None and held.at.read_us == at:
+                self._remove(identity)
+                gone += 1
+        if any(t < cutoff for t in self.recorded.values()):
+            self.recorded = {n: t for n, t in self.recorded.items() if t >= cutoff}
         return gone
 
-    def _index(self) -> None:
-        """Rebuilt whole on each change (rules are few; a lookup must see one consistent index:
-        the attributes are replaced, never changed in place)."""
-        by_id: Dict[bytes, List[Rule]] = {}
-        by_handle: Dict[int, List[Rule]] = {}
-        root, general = _Node(), []
-        for rule in self._rules:
-            ids = rule.select.ids
-            if ids and not any(i.endswith(b"*") for i in ids):
-                for i in ids:
-                    named = cancels.handle_read_us(i)
-                    if named is not None:
-                        by_handle.setdefault(named, []).append(rule)
-                    else:
-                        by_id.setdefault(i, []).append(rule)
-                continue
-            words = literal_words(rule.select.key) if rule.select.key is not None else []
-            if words:
-                node = root
-                for w in words:
-                    node = node.below.setdefault(w, _Node())
-                node.rules.append(rule)
+    def _remove(self, identity: _Identity) -> None:
+        rule = self._live.pop(identity)
+        names = self._by_name[rule.name]
+        names.discard(identity)
+        if not names:
+            del self._by_name[rule.name]
+        self._index(rule, -1)
+
+    # -- the indexes ---------------------------------------------------------------------------
+    def _index(self, rule: Rule, change: int) -> None:
+        """Put a rule in (+1) or take it out of (-1) the index of its anchor."""
+        select = rule.select
+        exact = bool(select.ids) and not any(i.endswith(b"*") for i in select.ids)
+        words = literal_words(select.key) if select.key is not None else []
+        if not exact:
+            if words and select.key is not None and not select.key.startswith(("*", "#")):
+                prefix = b".".join(words)
+                _count(self._key_prefixes, prefix, change)
             else:
-                general.append(rule)
-        self._by_id, self._by_handle, self._root, self._general = by_id, by_handle, root, general
+                self._open += change
+        if select.ids:
+            for i in select.ids:
+                if i.endswith(b"*"):
+                    _count(self._prefix_lengths, len(i) - 1, change)
+                    _put(self._prefixes, i[:-1], rule, change)
+                elif (named := cancels.handle_read_us(i)) is not None:
+                    _put(self._handles, named, rule, change)
+                else:
+                    _put(self._ids, i, rule, change)
+        elif select.key is not None:
+            pattern = select.key.encode("utf-8").split(b".") if select.key else []  # ("": no words)
+            literal = [w for w in pattern if w not in (b"*", b"#")]
+            if not literal:
+                _put(self._shapes, (pattern.count(b"*"), b"#" in pattern), rule, change)
+            else:
+                if change > 0:  # (the word whose bucket is smallest now; ties: the longest)
+                    word = min(literal, key=lambda w: (len(self._words.get(w, ())), -len(w)))
+                else:
+                    word = next(w for w in literal if rule in self._words.get(w, ()))
+                _put(self._words, word, rule, change)
+        elif select.headers:
+            name, value = select.headers[0]
+            _count(self._header_names, name, change)
+            _put(self._headers, (name, value.lower()), rule, change)
+        elif select.retries:
+            self._retries = _changed(self._retries, rule, change)
+        else:
+            self._rest = _changed(self._rest, rule, change)
 
-    # -- what a reader of the index asks, to skip what no rule can select (listing.Cancels) --------
-    MAX_PREFIXES = 256
-
-    def handle_times(self) -> List[int]:
-        """The read times the rules' handles name."""
-        return list(self._by_handle)
-
-    def by_id(self) -> bool:
-        """Whether some rule selects by exact message ids."""
-        return bool(self._by_id)
-
-    def names_id(self, message_id: bytes) -> bool:
-        return message_id in self._by_id
-
-    def key_prefixes(self) -> Optional[List[bytes]]:
-        """What the routing key of every message a rule of the key index can select starts
-        with; None when a rule may select any message (it has no such words), or there are too
-        many to be worth testing one by one."""
-        if self._general:
-            return None
-        out: List[bytes] = []
-        pending: List[Tuple[List[bytes], _Node]] = [([], self._root)]
-        while pending:
-            words, node = pending.pop()
-            if node.rules:
-                out.append(b".".join(words))
-                continue  # (what starts with these words starts with them, whatever follows)
-            pending += [(words + [w], below) for w, below in node.below.items()]
-        return out if len(out) <= self.MAX_PREFIXES else None
-
-    def candidates(self, message_id: Optional[bytes], routing_key: bytes, read_us: Optional[int]) -> List[Rule]:
+    def candidates(self, message_id: Optional[bytes], routing_key: bytes, read_us: Optional[int], retry: bool,
+                   headers: Callable[[], Table]) -> List[Rule]:
         """The rules that may select a message with these (each still to be matched in full)."""
-        out = list(self._general)
-        if message_id is not None and self._by_id:
-            out += self._by_id.get(message_id, ())
-        if read_us is not None and self._by_handle:
-            out += self._by_handle.get(read_us, ())
-        node: Optional[_Node] = self._root
-        if self._root.below:
-            for word in routing_key.split(b"."):
-                node = node.below.get(word) if node is not None else None
-                if node is None:
-                    break
-                out += node.rules
+        out: List[Rule] = list(self._rest)
+        if retry and self._retries:
+            out += self._retries
+        if message_id is not None:
+            if self._ids:
+                out += self._ids.get(message_id, ())
+            for length in list(self._prefix_lengths):
+                if length <= len(message_id):
+                    out += self._prefixes.get(message_id[:length], ())
+        if read_us is not None and self._handles:
+            out += self._handles.get(read_us, ())
+        if self._words or self._shapes:
+            words = routing_key.split(b".") if routing_key else []
+            if self._words:
+                for word in set(words):
+                    out += self._words.get(word, ())
+            for (count, open_ended), bucket in list(self._shapes.items()):
+                if count == len(words) or (open_ended and count <= len(words)):
+                    out += bucket
+        if self._headers:
+            out += self._by_header(headers())
+        return out
+
+    def _by_header(self, table: Table) -> List[Rule]:
+        out: List[Rule] = []
+        names = self._header_names
+        for e in table.entries:
+            name = e.name.decode("utf-8", "replace")
+            if name in names:
+                value = e.value
+                text = value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+                out += self._headers.get((name, text.lower()), ())
         return out
 
     def first(self, message_id: Optional[bytes], routing_key: bytes, due_ms: int, retry: bool,
               headers: Callable[[], Table], handle: Callable[[], bytes], read_us: Optional[int],
               taken_in: Optional[Time]) -> Optional[Rule]:
         """The first live rule that cancels this message (selects it, and came after it)."""
-        if not self._rules:
+        if not self._live:
             return None
-        for rule in self.candidates(message_id, routing_key, read_us):
+        for rule in self.candidates(message_id, routing_key, read_us, retry, headers):
             if rule.came_after(taken_in) and rule.select.matches(message_id, routing_key, due_ms, retry, headers,
                                                                  handle):
                 return rule
         return None
+
+    # -- what a reader of the index asks, to skip what no rule can select (listing.Cancels) --------
+    MAX_PREFIXES = 256
+
+    def handle_times(self) -> List[int]:
+        """The read times the rules' handles name."""
+        return list(self._handles)
+
+    def by_id(self) -> bool:
+        """Whether some rule selects by exact message ids."""
+        return bool(self._ids)
+
+    def names_id(self, message_id: bytes) -> bool:
+        return message_id in self._ids
+
+    def key_prefixes(self) -> Optional[List[bytes]]:
+        """What the routing key of every message a rule without exact ids can select starts
+        with; None when such a rule may select any key, or there are too many prefixes to be
+        worth testing one by one. (A prefix covers the longer ones it starts: kept all the same.)"""
+        if self._open or len(self._key_prefixes) > self.MAX_PREFIXES:
+            return None
+        return list(self._key_prefixes)
+
+
+def _count(counts: Dict[Any, int], key: Any, change: int) -> None:
+    left = counts.get(key, 0) + change
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)
+
+
+def _changed(bucket: Bucket, rule: Rule, change: int) -> Bucket:
+    if change > 0:
+        return bucket + (rule,)
+    return tuple(r for r in bucket if r is not rule)
+
+
+def _put(index: Dict[Any, Bucket], anchor: Any, rule: Rule, change: int) -> None:
+    bucket = _changed(index.get(anchor, ()), rule, change)
+    if bucket:
+        index[anchor] = bucket
+    else:
+        index.pop(anchor, None)
 
 
 def tallies(records: Iterable[Tuple[bytes, bytes, int]]) -> Dict[bytes, int]:

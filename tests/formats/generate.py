@@ -84,21 +84,21 @@ PUBLISHED: Dict[str, Tuple[str, bytes, bytes, bytes]] = {
         headers={"timestamp_in_ms": NOW - 100}, delivery_mode=2, message_id="stamped-1")),
     "cancel-no-id": ("delay.cancel", b"", b"", props_raw(delivery_mode=2)),
     # group cancels (rules): the public vocabulary of rules.py, as a client publishes it
-    "rule-key": ("delay.cancel", b"", b"", props_raw(headers={"x-cancel-key": "reminder.#"}, delivery_mode=2)),
-    "rule-ids": ("delay.cancel", b"", b"", props_raw(headers={
+    "rule-key": ("delay.rules", b"", b"", props_raw(headers={"x-cancel-key": "reminder.#"}, delivery_mode=2)),
+    "rule-ids": ("delay.rules", b"", b"", props_raw(headers={
         "x-cancel-id": ["order-42-review", "invoice-*", HANDLE], "x-cancel-rule": "by-ids"}, delivery_mode=2)),
-    "rule-due": ("delay.cancel", b"", b"", props_raw(headers={
+    "rule-due": ("delay.rules", b"", b"", props_raw(headers={
         "x-cancel-due-after": NOW + 60_000, "x-cancel-due-before": str(NOW + 100_000),
         "timestamp_in_ms": NOW - 100}, delivery_mode=2)),
-    "rule-headers": ("delay.cancel", b"", b"", props_raw(headers={
+    "rule-headers": ("delay.rules", b"", b"", props_raw(headers={
         "x-cancel-header": {"tenant": "acme", "priority": 3}, "x-cancel-key": "reminder.*",
         "x-cancel-rule": "acme-reminders"}, delivery_mode=2)),
-    "rule-retries": ("delay.cancel", b"", b"", props_raw(headers={"x-cancel-retries": True, "x-cancel-key": "orders"},
+    "rule-retries": ("delay.rules", b"", b"", props_raw(headers={"x-cancel-retries": True, "x-cancel-key": "orders"},
                                                           delivery_mode=2)),
-    "rule-all": ("delay.cancel", b"", b"", props_raw(headers={"x-cancel-all": True, "x-cancel-rule": "everything"},
+    "rule-all": ("delay.rules", b"", b"", props_raw(headers={"x-cancel-all": True, "x-cancel-rule": "everything"},
                                                       delivery_mode=2)),
-    "rule-withdraw": ("delay.cancel", b"", b"", props_raw(headers={"x-cancel-withdraw": "by-ids"}, delivery_mode=2)),
-    "rule-client": ("delay.cancel", b"", b"", props_raw(headers={
+    "rule-withdraw": ("delay.rules", b"", b"", props_raw(headers={"x-cancel-withdraw": "by-ids"}, delivery_mode=2)),
+    "rule-client": ("delay.rules", b"", b"", props_raw(headers={
         "x-cancel-key": "reminder.*", "x-cancel-id": "order-4*", "x-cancel-due-after": "1795310060000",
         "x-cancel-due-before": datetime(2026, 11, 22, 1, 15, tzinfo=timezone.utc),
         "x-cancel-header": {"tenant": b"acme"}, "x-cancel-retries": "false", "x-cancel-rule": "client-rule",
@@ -121,7 +121,8 @@ def published(name: str) -> Json:
 
 def delivery(name: str) -> Delivery:
     ex, rk, body, raw = PUBLISHED[name]
-    exchange = {"delay.check-in": NAMES.check_in, "delay.cancel": NAMES.cancel, "delay.retry": NAMES.retry}[ex]
+    exchange = {"delay.check-in": NAMES.check_in, "delay.cancel": NAMES.cancel, "delay.rules": NAMES.rules,
+                "delay.retry": NAMES.retry}[ex]
     return Delivery(exchange, rk, Properties.parse(raw), body)
 
 
@@ -321,9 +322,9 @@ def request_json(asked: Any) -> Json:
             "name": hx(asked.name)}
 
 
-def rule_record_json(headers: Any) -> Json:
+def rule_record_json(headers: Any, body: bytes) -> Json:
     """What a record of the cancellations stream holds, as rules.read_record / read_tally read it."""
-    found = rules.read_record(headers)
+    found = rules.read_record(headers, body)
     if isinstance(found, rules.Rule):
         return {"kind": "rule", "name": hx(found.name), "select": selection_json(found.select),
                 "everything": found.everything, "read_us": found.at.read_us, "arrived_ms": found.at.arrived_ms}
@@ -338,7 +339,7 @@ def rule_record_json(headers: Any) -> Json:
 def cancel_rule_samples() -> Json:
     out: Json = {}
     for variant, name, about in (
-            ("key", "rule-key", "handlers.CheckIn records a rule by routing key pattern (no name: one from its time)"),
+            ("key", "rule-key", "handlers.CheckIn records a rule by key pattern (no name: one from its filter)"),
             ("ids", "rule-ids", "handlers.CheckIn records a rule by ids: an id, a prefix and a handle"),
             ("due-range", "rule-due", "handlers.CheckIn records a rule by due range, the broker's stamp on it"),
             ("headers", "rule-headers", "handlers.CheckIn records a rule by header values and a key"),
@@ -349,7 +350,7 @@ def cancel_rule_samples() -> Json:
         assert isinstance(f, Forward) and f.way is Way.CANCEL, (name, f)
         asked = rules.requested(Properties.parse(PUBLISHED[name][3]).headers)
         out[variant] = {"produced_by": about, "inputs": inputs_of(name), "message": wire_of(f),
-                        "expected": {**rule_record_json(f.props.headers), "requested": request_json(asked)},
+                        "expected": {**rule_record_json(f.props.headers, f.body), "requested": request_json(asked)},
                         "route": f.way.value}
     gw = bytes(range(16))
     tally = rules.tally_record(b"by-ids", gw, 3)
@@ -358,7 +359,7 @@ def cancel_rule_samples() -> Json:
                     "inputs": {"rule": hx(b"by-ids"), "gateway": hx(gw), "removed": 3},
                     "message": {"exchange": NAMES.cancellations, "routing_key": "", "properties": hx(tally.raw),
                                 "body": ""},
-                    "expected": rule_record_json(tally.headers)}
+                    "expected": rule_record_json(tally.headers, b"")}
     ex, rk, body, raw = PUBLISHED["rule-client"]
     out["published"] = {
         "produced_by": "a client's rule as it waits in check-in (pika 1.4.4, the vocabulary of rules.py): every "

@@ -133,7 +133,7 @@ def recording(check_in: Handler, metrics: Metrics) -> Handler:
                     log.info("cancel_recorded", message_id=found[0].decode("utf-8", "backslashreplace"),
                              cancelled_us=found[1].read_us, arrived_ms=found[1].arrived_ms)
                     continue
-                rule = rules.read_record(action.props.headers)
+                rule = rules.read_record(action.props.headers, action.body)
                 if isinstance(rule, rules.Rule):
                     log.info("rule_recorded", rule=rule.name.decode("utf-8", "backslashreplace"),
                              select=rule.select.describe(), cancelled_us=rule.at.read_us,
@@ -246,6 +246,12 @@ class Follower:
         channel.close()
         self._published.update(changed)
 
+    def _forget_tallies(self) -> None:
+        """The tallies of rules no longer held (past the window): they report nothing more."""
+        for name in [n for n in self.tally if n not in self.rules.recorded]:
+            self.tally.pop(name, None)
+            self._published.pop(name, None)
+
     def _session(self, connection) -> None:
         channel = connection.channel()
         channel.queue_declare(self.names.cancellations, passive=True)
@@ -271,7 +277,8 @@ class Follower:
             if time.monotonic() - self._pruned > PRUNE_EVERY_S:
                 self._pruned = time.monotonic()
                 self.store.prune(wall_ms())
-                self.rules.prune(wall_ms())
+                if self.rules.prune(wall_ms()):
+                    self._forget_tallies()
                 self.metrics.cancellations_held.set(len(self.store))
                 self.metrics.rules_held.set(len(self.rules))
             if time.monotonic() - self._tallied > TALLY_EVERY_S:
@@ -288,8 +295,10 @@ class Follower:
         found = cancels.read_record(headers)
         if found is not None:
             self.store.add(found[0], found[1], wall_ms())
-        elif (rule := rules.read_record(headers)) is not None:
-            self.rules.add(rule, wall_ms())
+        elif (rule := rules.read_record(headers, body)) is not None:
+            if self.rules.add(rule, wall_ms()) and isinstance(rule, rules.Refused):
+                self.log.warning("rule_record_refused", rule=rule.name.decode("utf-8", "backslashreplace"),
+                                 recorded_us=rule.at.read_us, why=rule.why, cancels="nothing")
         elif self._mark is not None and cancels.read_mark(headers) == self._mark:
             self._mark = None
             self.ready.set()
@@ -344,7 +353,7 @@ def read(connection, names: Names, window_ms: int, idle_s: float = 0.3) -> Recor
         if record is not None:
             if record[1].read_us >= cutoff_us:
                 out.ids.append(record)
-        elif (rule := rules.read_record(headers)) is not None:
+        elif (rule := rules.read_record(headers, body)) is not None:
             out.rules.add(rule, now)
         elif (tally := rules.read_tally(headers)) is not None:
             tallied.append(tally)

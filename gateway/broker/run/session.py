@@ -93,7 +93,8 @@ class Session:
         gate = s.role == "all" and self.judge is not None
         if s.role in ("all", "check-in"):
             check_in = self.check_in = CheckIn(chain, s.lead_ms, s.carrier_wait_ms, self.judge, self.sequence,
-                                               s.hold_within_ms, s.hold_messages)
+                                               s.hold_within_ms, s.hold_messages,
+                                               self.judge.rules if self.judge is not None else None)
             if gate:
                 check_in.recorded = {}
             pipe(names.check_in, cancelling.recording(check_in, self.metrics), s.prefetch, batched=True,
