@@ -1,6 +1,7 @@
 """Retrying failed messages, the pure parts: policies, reading a rejected message, what the
 retry consumer and the distributor do with it, and where `parked replay` sends it."""
 
+import datetime
 import random
 
 import pytest
@@ -11,13 +12,15 @@ from topology import ChainSettings
 
 from gateway.broker.plumbing import lazy_properties
 from gateway.commands.parked import Parked, destination
-from gateway.core import carrier, envelope, handlers, retries
+from gateway.broker.run.cancelling import Judge
+from gateway.core import cancels, carrier, envelope, handlers, retries, rules
 from gateway.core.actions import Drop, Enqueue
 from gateway.core.inputs import Delivery
 from gateway.core.routes import Way
 from gateway.core.carrier import Entry
 from gateway.core.retries import BadPolicy, Policy, failure, policies, policy_for
 from gateway.core.wire import Properties, Table, long, longstr
+from gateway.metrics import Metrics
 from gateway.settings import Settings, UsageError
 
 CHAIN = ChainSettings(prefix="r", max_level=6, resolution_ms=100)
@@ -25,10 +28,16 @@ NAMES = CHAIN.names
 NOW = 1_800_000_000_000
 
 
-def rejected(queue: str = "orders", attempt=None, reason=None, death_reason="rejected", body=b"job") -> Delivery:
-    """A message as RabbitMQ dead-letters it from `queue` after a consumer rejected it."""
-    headers = {"x-death": [{"queue": queue, "reason": death_reason, "exchange": "", "count": 1}],
-               "x-first-death-queue": queue}
+def rejected(queue: str = "orders", attempt=None, reason=None, death_reason="rejected", body=b"job",
+             at_s=None, stamp=None) -> Delivery:
+    """A message as RabbitMQ dead-letters it from `queue` after a consumer rejected it (at `at_s`,
+    epoch seconds, when given; `stamp`: the arrival stamp of its first publish)."""
+    death = {"queue": queue, "reason": death_reason, "exchange": "", "count": 1}
+    if at_s is not None:
+        death["time"] = datetime.datetime.fromtimestamp(at_s, datetime.timezone.utc)
+    headers = {"x-death": [death], "x-first-death-queue": queue}
+    if stamp is not None:
+        headers["timestamp_in_ms"] = stamp
     if attempt is not None:
         headers[retries.ATTEMPT] = attempt
     if reason is not None:
@@ -151,6 +160,35 @@ def test_a_waiting_retry_can_be_cancelled():
     handler = handlers.Retry(CHAIN, 50, (Policy(),), random.Random(1), cancelled=judge)
     [gone] = handler(rejected("orders"), NOW)
     assert isinstance(gone, Drop) and dropped == ["retry"]
+
+
+def test_a_retry_is_taken_in_when_it_was_rejected_so_a_cancel_published_while_it_waited_unread_wins():
+    """Rejected while no gateway ran, read after a cancel for its id was recorded: its time is
+    the end of the second the broker's x-death says, before the cancel's; read at once, its
+    read time, as any message's. With the broker's stamps, its first publish's stamp decides."""
+    store = cancels.Store(86_400_000)
+    judge = Judge(store, rules.Rules(86_400_000), Metrics(), {})
+    handler = handlers.Retry(CHAIN, 50, (Policy(),), random.Random(1), cancelled=judge)
+    rejected_s = NOW // 1000 - 600  # ten minutes before the gateway read it
+    store.add(b"m1", cancels.Time((NOW - 5_000) * 1000), NOW)  # recorded after the rejection, before the read
+    [gone] = handler(rejected("orders", at_s=rejected_s), NOW)
+    assert isinstance(gone, Drop) and gone.entry.accepted_us == (rejected_s + 1) * 1_000_000 - 1
+    # a rejection after the cancel (a rescheduled message that failed): not cancelled
+    [kept] = handler(rejected("orders", at_s=NOW // 1000 - 1), NOW)
+    assert isinstance(kept, Enqueue) and kept.entry.accepted_us == NOW * 1000 - 1
+    # read at once: its read time (before the end of its second)
+    fresh = handlers.Retry(CHAIN, 50, (Policy(),), random.Random(1))
+    [sent] = fresh(rejected("orders", at_s=NOW // 1000), NOW + 300)
+    assert sent.entry.accepted_us == (NOW + 300) * 1000
+    # stamps: the cancel stamped after the message's first publish cancels it, whatever the read times
+    stamped = cancels.Store(86_400_000)
+    stamped.add(b"m1", cancels.Time((NOW - 9_000) * 1000, NOW - 100), NOW)
+    handler = handlers.Retry(CHAIN, 50, (Policy(),), random.Random(1),
+                             cancelled=Judge(stamped, rules.Rules(86_400_000), Metrics(), {}))
+    [gone] = handler(rejected("orders", at_s=NOW // 1000 - 1, stamp=NOW - 200), NOW)
+    assert isinstance(gone, Drop)
+    [kept] = handler(rejected("orders", at_s=NOW // 1000 - 1, stamp=NOW - 50), NOW)  # published after it
+    assert isinstance(kept, Enqueue)
 
 
 def test_a_first_rejection_goes_into_the_chain_back_to_its_queue_after_the_default_delay():

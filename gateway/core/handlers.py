@@ -273,8 +273,13 @@ class Retry(CheckIn):
                 f": {failed.reason}" if failed.reason else "")
             return [park_entry(names, Entry(failed.queue.encode(), user, d.body, now, None, ""), reason)]
         due = now + policy.delay_ms(failed.attempt, self.rng)
+        # taken in when it was rejected: a cancel published while it waited unread (no gateway
+        # running, a backlog) came after it (by the read times; by the arrival stamps of its
+        # first publish and the cancel where the broker stamps: cancelling.Judge)
+        read_us = self.sequence(now)
+        rejected = retries.rejected_by_us(d.props.headers)
         entry = Entry(failed.queue.encode(), retries.attempted(user, failed.attempt), d.body, due,
-                      self.sequence(now), "")
+                      read_us if rejected is None else min(read_us, rejected), "")
         if self.cancelled is not None and self.cancelled(entry, "retry"):
             return [Drop(entry)]
         return [self.enqueue(entry, now)]

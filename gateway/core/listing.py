@@ -151,8 +151,8 @@ class Cancels:
                 store.get(m.handle.encode("ascii")) is not None or store.get(
                     cancels.handle(m.read_us, first_checksum(m.routing_key)).encode("ascii")) is not None):
             return True  # by its handle, or the one the index's first layout gave it (a cancel of that time)
-        stamp = envelope.broker_stamp(m.properties.headers, self.now_ms) if not m.retry else None
-        taken_in = cancels.Time(m.read_us, stamp)
+        # (as cancelling.taken_in_at: the stamp judged against the read time; a retry's is its first publish's)
+        taken_in = cancels.Time(m.read_us, envelope.broker_stamp(m.properties.headers, m.read_us // 1000))
         found = store.get(m.message_id) if len(store) and m.message_id is not None else None
         if found is not None and found.cancels(taken_in):
             return True

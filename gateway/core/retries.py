@@ -13,6 +13,7 @@ default for the queues whose name matches their pattern (shell-style: `orders.*`
 first that matches.
 """
 
+import datetime
 import fnmatch
 import json
 import math
@@ -129,6 +130,18 @@ def failure(headers: Table) -> Failure:
                                                    "consumer: only a rejection is retried")
         return Failure(queue, attempt, reason)
     return Failure(_text(headers.get(QUEUE)), attempt, reason)
+
+
+def rejected_by_us(headers: Table) -> Optional[int]:
+    """When the broker dead-lettered this rejection at the latest (the end of the second its
+    `x-death` says, on the broker's clock), in µs; None if it does not say. A retry read long
+    after (an outage, a backlog) was taken in then, not when it was read: a cancel published
+    meanwhile came after it."""
+    death = envelope.last_death(headers)
+    when = death.get("time") if death is not None else None
+    if isinstance(when, datetime.datetime):
+        return (int(when.timestamp()) + 1) * 1_000_000 - 1
+    return None
 
 
 def _text(value: Any) -> Optional[str]:

@@ -73,6 +73,16 @@ def first_handle_of(entry: Entry) -> bytes:
     return cancels.handle(entry.accepted_us, index_records.first_checksum(entry.routing_key)).encode("ascii")
 
 
+def taken_in_at(entry: Entry) -> Optional[cancels.Time]:
+    """When a message was taken in, as cancels and rules are judged against it: its read time,
+    and the broker's arrival stamp of its publish (a retry's: of its first publish, which a
+    cancel published after it follows), judged plausible against the read time, not the
+    judging gateway's clock. None: before read times were kept."""
+    if entry.accepted_us is None:
+        return None
+    return cancels.Time(entry.accepted_us, envelope.broker_stamp(entry.user.headers, entry.accepted_us // 1000))
+
+
 class Judge:
     """handlers.Cancelled over the cancels by id (a Store) and the rules held: decides, and
     counts and logs each drop (and, per rule, in `tally`, which the follower publishes)."""
@@ -91,10 +101,7 @@ class Judge:
             return False
         message_id = entry.user.get("message_id")
         message_id = message_id if isinstance(message_id, bytes) and message_id else None
-        # (a retry is timed by when the gateway read the rejection: the stamp in its headers is
-        # its first publish's)
-        stamp = envelope.broker_stamp(entry.user.headers, wall_ms()) if entry.exchange is None else None
-        taken_in = None if entry.accepted_us is None else cancels.Time(entry.accepted_us, stamp)
+        taken_in = taken_in_at(entry)
         arrived = taken_in.arrived_ms if taken_in else None
         if len(self.store):
             if entry.accepted_us in self.store.handle_times and (
