@@ -685,7 +685,7 @@ def test_the_pick_up_stamp_reads_as_written(commit: str, sample: Json) -> None:
 ERAS = {
     "arrival-stamp": {"0a9c351", "1013189", "f602c79", "f5c00af"},
     "cancel-record": {"f602c79", "f5c00af", "345936a", "4a05290"},
-    "cancel-rule": {"8bc5274"},
+    "cancel-rule": {"8bc5274", "b938cba"},
     "carrier": {"d876567", "f602c79"},
     "envelope": {"0a9c351", "1013189", "f602c79"},
     "meditation": {"0a9c351", "1013189", "d876567", "f602c79"},
@@ -693,8 +693,8 @@ ERAS = {
     "parked": {"0a9c351", "a11db56", "1013189", "f602c79", "ae852a0", "7438e7c"},
     "pick-up-stamp": {"1013189"},
     "registry": {"1f5570f", "133e07a"},
-    "retry": {"ae852a0"},
-    "waiting": {"345936a", "4a05290", "133e07a", "e34319f"},
+    "retry": {"ae852a0", "7fb1d2d"},
+    "waiting": {"345936a", "4a05290", "133e07a", "e34319f", "7fb1d2d"},
 }
 
 
