@@ -214,17 +214,24 @@ def test_a_first_format_message_that_cannot_go_on_is_parked_readable(commit: str
 
 
 @pytest.mark.parametrize("commit, sample", cases({"moved": None}))
-def test_a_moved_message_is_older_than_any_cancel(commit: str, sample: Json) -> None:
-    """A message moved from the plugin was published before any cancel the gateway recorded:
-    with no read time (3d8ec38) or a negative one (b0f94ec), any cancel held for its id
-    cancels it."""
+def test_a_moved_message_is_fenced_by_when_it_was_published_to_the_plugin(commit: str, sample: Json) -> None:
+    """A message moved from the plugin with no read time (3d8ec38) or a negative one (b0f94ec)
+    counts as published before any cancel the gateway recorded: any cancel held for its id
+    cancels it. Since 2026-11-28 its read time is when the plugin took it in (its due time
+    less its x-delay): a cancel recorded before that (an hour before, here) does not cancel it,
+    one after does."""
     (moved,) = handlers.entries(delivery(sample["message"]))
-    assert moved.accepted_us is None or moved.accepted_us < 0
-    store = cancels.Store(86_400_000)
-    store.add(b"order-42-review", cancels.Time(NOW * 1000 - 3_600_000_000, None), NOW)
-    held = store.get(moved.user.get("message_id"))
-    assert held is not None
-    assert held.cancels(None if moved.accepted_us is None else cancels.Time(moved.accepted_us, None))
+    early, late = cancels.Store(86_400_000), cancels.Store(86_400_000)
+    early.add(b"order-42-review", cancels.Time(NOW * 1000 - 3_600_000_000, None), NOW)
+    late.add(b"order-42-review", cancels.Time(NOW * 1000 + 1, None), NOW + 1)
+    taken_in = None if moved.accepted_us is None else cancels.Time(moved.accepted_us, None)
+    held_early, held_late = early.get(moved.user.get("message_id")), late.get(moved.user.get("message_id"))
+    assert held_early is not None and held_late is not None and held_late.cancels(taken_in)
+    if moved.accepted_us is None or moved.accepted_us < 0:
+        assert held_early.cancels(taken_in)
+    else:
+        assert moved.accepted_us == (moved.due_ms - moved.user.headers.get("x-delay")) * 1000
+        assert not held_early.cancels(taken_in)
 
 
 # -- parked messages --------------------------------------------------------------------------------------------

@@ -45,10 +45,18 @@ def test_what_is_published_is_the_entry_in_the_gateways_format():
     assert (exchange, key, body) == ("delay.distributor", "", b"body")
     assert inside.due_ms == NOW + 60_000 and inside.routing_key == b"order.1"
     assert inside.user == props.replace(user_id=None)  # every other byte as the plugin held it
-    # Listed by a read time of its own, below every cancel's: any cancel held for its id
-    # applies (docs/migrating-from-the-plugin.md); each message its own, in the move's order.
-    assert inside.accepted_us == -NOW * 1000 and Inside(again).accepted_us == -NOW * 1000 - 1
-    assert cancels.after(cancels.Time(1), cancels.Time(inside.accepted_us))
+    # Taken in when the plugin took it in (its due time less its x-delay): a cancel recorded
+    # before that does not cancel it, one after does; each message its own read time.
+    published_us = (NOW + 60_000 - 5) * 1000
+    assert inside.accepted_us == published_us and Inside(again).accepted_us == published_us + 1
+    assert cancels.after(cancels.Time(published_us + 2), cancels.Time(inside.accepted_us))
+    assert not cancels.after(cancels.Time(published_us - 1), cancels.Time(inside.accepted_us))
+    # without an integer x-delay, when it was published cannot be known: before every cancel
+    for headers in (None, wire.Table([wire.longstr("x-delay", "5")]), wire.Table([wire.long("x-delay", -5)])):
+        blind = PluginMessage(NOW + 60_000, b"order.2", wire.Properties.build(headers=headers).raw, b"", "ref")
+        [held] = held_as_gateway([blind], read, NOW)
+        assert held.accepted_us is not None and held.accepted_us < 0
+        assert cancels.after(cancels.Time(1), cancels.Time(held.accepted_us))
 
 
 def table(**changes) -> MnesiaTable:
@@ -102,4 +110,4 @@ def test_the_moved_messages_entries_name_them_in_the_index_until_due():
     listed = [m for _, _, _, body in records for m in index_records.entries(body)]
     assert [(m.routing_key, m.due_ms, m.until_ms, m.read_us) for m in listed] == \
         [(e.routing_key, e.due_ms, e.due_ms, e.accepted_us) for e in held]
-    assert all(m.read_us < 0 for m in listed)  # (before any cancel)
+    assert all(m.read_us < 0 for m in listed)  # (no x-delay: before any cancel)

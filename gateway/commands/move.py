@@ -13,10 +13,12 @@ removed when the command stopped (at most --batch messages, each with its messag
 Entries due within --leave-due-within-ms are left for the plugin to deliver itself: moving
 them would race its timer (a message delivered by both).
 
-Each moved message carries a read time as check-in gives one (what the index of what waits
-and a handle name it by), but negative: the move's own, strictly increasing, negated. A
-message the plugin held was published before any cancel the gateway could have recorded,
-and a negative read time says so to every cancel (cancels.after), as the docs promise.
+Each moved message carries a read time as check-in gives one (what the index of what waits,
+a handle and every cancel judge it by): when it was published to the plugin, its due time
+less its `x-delay` (the plugin's own sum), so a cancel or rule recorded before that publish
+does not cancel it and one recorded after does (cancels.after). Where that cannot be known
+(no integer `x-delay`), a negative one, the move's own, strictly increasing, negated: before
+every cancel.
 
 Like a gateway that sends a message on to wait, the move writes each one's entry into the
 index of what waits, once the batch is confirmed and before it is removed from the plugin:
@@ -100,10 +102,24 @@ def count(waiting: Sequence[Waiting], now_ms: int, leave_ms: int, vhost: str, ex
 def held_as_gateway(entries: Sequence[PluginMessage], read: cancels.Sequencer, now_ms: int) -> List[Entry]:
     """Each of the plugin's messages as the gateway holds one: its due time, routing key and
     the publisher's properties as the plugin holds them (but `user_id`, which the broker
-    checks against the gateway's own login, and any dead-letter history), and its read time,
-    negative (the module doc)."""
-    return [Entry(e.routing_key, envelope.for_pick_up(Properties.parse(e.properties)), e.body, e.due_ms,
-                  -read(now_ms)) for e in entries]
+    checks against the gateway's own login, and any dead-letter history), and its read time:
+    when it was published to the plugin, or negative (the module doc)."""
+    out = []
+    for n, e in enumerate(entries):
+        user = envelope.for_pick_up(Properties.parse(e.properties))
+        published = published_ms(e.due_ms, user)
+        read_us = -read(now_ms) if published is None else published * 1000 + n % 1000
+        out.append(Entry(e.routing_key, user, e.body, e.due_ms, read_us))
+    return out
+
+
+def published_ms(due_ms: int, user: Properties) -> Optional[int]:
+    """When the plugin took a message in: its due time less its x-delay (an integer, as the
+    plugin reads it), on the plugin's node's clock; None where it does not say."""
+    delay = user.headers.get("x-delay")
+    if isinstance(delay, int) and not isinstance(delay, bool) and 0 <= delay <= due_ms:
+        return due_ms - delay
+    return None
 
 
 def outgoing(entries: Sequence[Entry], distributor: str) -> Iterator[Outgoing]:
