@@ -696,7 +696,7 @@ ERAS = {
     "carrier": {"d876567", "f602c79"},
     "envelope": {"0a9c351", "1013189", "f602c79"},
     "meditation": {"0a9c351", "1013189", "d876567", "f602c79"},
-    "moved": {"3d8ec38", "b0f94ec"},
+    "moved": {"3d8ec38", "b0f94ec", "b7a9ad3"},
     "parked": {"0a9c351", "a11db56", "1013189", "f602c79", "ae852a0", "7438e7c"},
     "pick-up-stamp": {"1013189"},
     "registry": {"1f5570f", "133e07a"},
