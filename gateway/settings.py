@@ -367,6 +367,10 @@ class Settings:
         if not self.urls:
             raise UsageError("at least one broker URL is needed")
         self.retry_rules()  # refused at start, in one line
+        try:
+            cancel_window_ms(self.chain, self.cancel_retention)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
 
     # -- values derived from the settings, the same for every command that needs them ----------
     @property

@@ -12,6 +12,9 @@ from topology import ChainSettings, build
 from topology.broker.declare import TopologyConflict, declare
 from topology.definitions import render
 from topology.encoding import level_pattern
+from topology.model import cancel_window_ms
+
+from gateway.settings import Settings, UsageError
 
 from .support import connect, drain, remove, unique_prefix, wait_until
 
@@ -110,6 +113,18 @@ def test_the_cancel_objects_are_part_of_the_topology():
     # the default window: 2^max_level units plus a day
     assert build(ChainSettings(prefix="d", max_level=5, resolution_ms=100)).queue("d.cancellations") \
         .arguments["x-max-age"] == f"{(32 * 100 + 86_400_000) // 1000 + 1}s"
+
+
+def test_a_cancel_retention_shorter_than_a_lap_is_refused_in_one_line():
+    """A cancel forgotten before its message passes a gateway again would not win: refused at
+    start (exit 2), with the shortest it may be."""
+    chain = ChainSettings(prefix="d", max_level=12, resolution_ms=1000)  # a lap of 4,096 s
+    assert cancel_window_ms(chain, 4096) == 4_096_000
+    with pytest.raises(ValueError, match=r"shorter than .* \(4096 s: 2\^max_level x resolution\)"):
+        cancel_window_ms(chain, 4095)
+    with pytest.raises(UsageError, match="--cancel-retention 60 s is shorter than"):
+        Settings(chain=chain, cancel_retention=60.0)
+    assert cancel_window_ms(chain) == 4_096_000 + 86_400_000
 
 
 def test_definitions_list_every_object():

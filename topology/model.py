@@ -46,10 +46,18 @@ CANCEL_SEGMENT_BYTES = 8_000_000
 
 
 def cancel_window_ms(settings: ChainSettings, setting_s: float = 0.0) -> int:
-    """The cancels' retention window: the setting (seconds), or the default above."""
+    """The cancels' retention window: the setting (seconds), or the default above. A setting
+    shorter than the longest a message goes without passing a gateway (a lap) raises
+    ValueError: a cancel would be forgotten before the message it concerns came by again."""
+    lap_ms = (1 << settings.max_level) * settings.resolution_ms
     if setting_s > 0:
+        if setting_s * 1000 < lap_ms:
+            raise ValueError(f"--cancel-retention {setting_s:g} s is shorter than the longest a message of this chain "
+                             f"goes without passing a gateway ({math.ceil(lap_ms / 1000)} s: 2^max_level x "
+                             "resolution): a cancel would be forgotten before the message it concerns comes by "
+                             "again; give at least that, or 0 for the default (that plus a day)")
         return int(setting_s * 1000)
-    return (1 << settings.max_level) * settings.resolution_ms + DAY_MS
+    return lap_ms + DAY_MS
 
 
 def _frozen(mapping: Optional[Mapping[str, Any]]) -> Mapping[str, Any]:
