@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Tuple
 
 import pika
 
-from gateway.broker.run import cancelling
+from gateway.broker.tools import cancellations
 from gateway.broker.plumbing.amqp import blocking_channel
 from gateway.core import cancels
 from gateway.settings import Settings, UsageError
@@ -69,7 +69,7 @@ def main(settings: Settings, ids: List[str], from_file: Optional[str], wait: flo
         return 2
     window_ms = settings.cancel_window_ms
     with blocking_channel(settings.one_vhost_urls, "delay-gateway cancel", settings.tls) as channel:
-        before = latest(cancelling.read(channel.connection, names, window_ms).ids)
+        before = latest(cancellations.read(channel.connection, names, window_ms).ids)
         channel.confirm_delivery()
         for mid in good:
             try:
@@ -104,7 +104,7 @@ def wait_recorded(connection, names, window_ms: int, ids: List[bytes], before: D
     """The new cancels' times, once the gateway recorded them (up to wait_s)."""
     deadline = time.monotonic() + wait_s
     while True:
-        found = {mid: at for mid, at in latest(cancelling.read(connection, names, window_ms).ids).items()
+        found = {mid: at for mid, at in latest(cancellations.read(connection, names, window_ms).ids).items()
                  if mid in ids and at != before.get(mid)}
         if len(found) == len(set(ids)) or time.monotonic() >= deadline:
             return found

@@ -23,7 +23,7 @@ from typing import IO, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import pika
 
-from gateway.broker.run import cancelling
+from gateway.broker.tools import cancellations
 from gateway.broker.run import index_streams
 from gateway.broker.plumbing.amqp import blocking_channel
 from gateway.clock import wall_ms
@@ -254,7 +254,7 @@ def command(args: Options, settings: Settings) -> int:
     url = settings.one_vhost_urls
     if args.action == "rules":
         with blocking_channel(url, "delay-gateway pending rules", settings.tls) as channel:
-            return show_rules(args, cancelling.read(channel.connection, names, window_ms), now)
+            return show_rules(args, cancellations.read(channel.connection, names, window_ms), now)
     if args.action == "withdraw":
         name = rule_name(args.rule, "RULE")
         with blocking_channel(url, "delay-gateway pending withdraw", settings.tls) as channel:
@@ -266,7 +266,7 @@ def command(args: Options, settings: Settings) -> int:
     keep = None if args.action in ("count", "export") else SAMPLE if args.action == "cancel" else args.limit
     progress = Progress() if sys.stderr.isatty() else None
     with blocking_channel(url, f"delay-gateway pending {args.action}", settings.tls) as channel:
-        recorded = cancelling.read(channel.connection, names, window_ms)
+        recorded = cancellations.read(channel.connection, names, window_ms)
         judge = listing.cancelled_by(recorded.store(window_ms, now), recorded.rules, now)
         try:
             view, found = index_streams.read(channel.connection, names, now, lambda at: listing.View(
@@ -413,7 +413,7 @@ def rule_headers(select: Selection, everything: bool, name: bytes) -> Table:
 
 
 def cancel_selected(args: Options, channel, names, select: Selection, everything: bool, view: listing.View,
-                    found: index_streams.Found, recorded: cancelling.Recorded, window_ms: int, now_ms: int) -> int:
+                    found: index_streams.Found, recorded: cancellations.Recorded, window_ms: int, now_ms: int) -> int:
     """Say how many match and show some; with --yes, publish one rule and say what became of it."""
     print(f"{view.total} waiting message(s) match" + (", for example:" if view.total else ""))
     if view.total:
@@ -493,7 +493,7 @@ def wait_for_rule(connection, names, window_ms: int, name: bytes, before_us: int
     found: Optional[rules.Rule] = None
     seen = 0.0
     while True:
-        recorded = cancelling.read(connection, names, window_ms)
+        recorded = cancellations.read(connection, names, window_ms)
         if found is None:
             found = next((r for r in recorded.rules.live if r.name == name and r.at.read_us > before_us), None)
             seen = time.monotonic()
@@ -504,7 +504,7 @@ def wait_for_rule(connection, names, window_ms: int, name: bytes, before_us: int
 
 
 def withdraw(args: Options, channel, names, window_ms: int, name: bytes) -> int:
-    before = cancelling.read(channel.connection, names, window_ms)
+    before = cancellations.read(channel.connection, names, window_ms)
     live = [r for r in before.rules.live if r.name == name]
     channel.confirm_delivery()
     try:
@@ -517,7 +517,7 @@ def withdraw(args: Options, channel, names, window_ms: int, name: bytes) -> int:
     shown = name.decode("utf-8", "replace")
     deadline = time.monotonic() + args.wait
     while True:
-        after = cancelling.read(channel.connection, names, window_ms)
+        after = cancellations.read(channel.connection, names, window_ms)
         done = after.rules.recorded.get(name, -1) > before.rules.recorded.get(name, -1)
         if done or time.monotonic() >= deadline:
             break
@@ -534,7 +534,7 @@ def withdraw(args: Options, channel, names, window_ms: int, name: bytes) -> int:
     return 0
 
 
-def show_rules(args: Options, recorded: cancelling.Recorded, now_ms: int) -> int:
+def show_rules(args: Options, recorded: cancellations.Recorded, now_ms: int) -> int:
     live = sorted(recorded.rules.live, key=lambda r: r.at.read_us)
     if args.json:
         for r in live:

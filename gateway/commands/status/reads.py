@@ -12,7 +12,8 @@ from topology.model import cancel_window_ms
 from topology.retirement import Observed
 from topology.settings import QUEUE_TYPES
 
-from gateway.broker.run import cancelling, stamp
+from gateway.broker.run import stamp
+from gateway.broker.tools import cancellations
 from gateway.broker.run import index_streams
 from gateway.commands.status.metrics import carried_from_metrics, held_from_metrics, retries_from_metrics
 from gateway.commands.status.report import HORIZONS, Report, report
@@ -91,7 +92,7 @@ def read_report(connection, settings: Settings, own: ChainKey, now_ms: int,
             source = f"--metrics-url failed: {exc}"
     r = report(prefix, own, settings.lead_ms, registry, chains, observed, held, source, now_ms, carried)
     window_ms = cancel_window_ms(own.settings(prefix), settings.cancel_retention)
-    records = cancelling.read(connection, Names(prefix), window_ms)
+    records = cancellations.read(connection, Names(prefix), window_ms)
     held_ids = {mid for mid, _ in records.ids}
     if index_counts and not r.missing:
         r.waiting = waiting_messages(connection, Names(prefix), records, window_ms, now_ms)
@@ -104,7 +105,7 @@ def read_report(connection, settings: Settings, own: ChainKey, now_ms: int,
     return r
 
 
-def waiting_messages(connection, names: Names, records: cancelling.Recorded, window_ms: int,
+def waiting_messages(connection, names: Names, records: cancellations.Recorded, window_ms: int,
                      now_ms: int) -> Dict[str, Any]:
     """The messages that wait, from the index, by due time (cumulative, as `due_within`)."""
     judge = listing.cancelled_by(records.store(window_ms, now_ms), records.rules, now_ms)
