@@ -6,8 +6,11 @@ cannot heal ends the process with one line that says what to fix.
 
 import itertools
 import threading
+import time
+import uuid
 from typing import List, Optional
 
+import pika
 import structlog
 
 from topology import build
@@ -19,7 +22,7 @@ from gateway.broker.plumbing.amqp import BrokerError, Trouble, blocking_channel,
 from gateway.broker.run import cancelling, launch, stamp
 from gateway.broker.run.index_streams import Beats, declare_noting
 from gateway.broker.run.reconnects import FATAL_ATTEMPTS, Reconnects
-from gateway.broker.run.session import Session
+from gateway.broker.run.session import CATCH_UP_S, Session
 from gateway.core.cancels import Sequencer
 from gateway.exits import EXIT_NO_BROKER, EXIT_REFUSED
 from gateway.health import Health
@@ -50,6 +53,38 @@ def exists(url: str, settings: Settings, queue: str) -> bool:
         if exc.trouble.heals or "NOT_FOUND" not in exc.trouble.message:
             raise
         return False
+
+
+GATE_ID = "delay-gateway-gate-"  # and a random part: a cancel by id for an id no message has
+
+
+def wait_for_check_in(url: str, settings: Settings, cancels: cancelling.Follower, stop: threading.Event,
+                      health: Health) -> None:
+    """A distributor of its own (`--role distributor`) about to consume: once check-in has
+    recorded every cancel queued in it now (after an outage: cancels published meanwhile),
+    as a gateway of every role waits for its own check-in (session.py). It cancels an id no
+    message has, which queues behind them, and waits until it is recorded: at most CATCH_UP_S
+    (check-in may not run at all)."""
+    log = structlog.get_logger("gateway")
+    gate = GATE_ID + uuid.uuid4().hex
+    try:
+        with blocking_channel(url, "delay-gateway gate", settings.tls) as channel:
+            channel.confirm_delivery()
+            channel.basic_publish(settings.chain.names.cancel, "", b"", pika.BasicProperties(
+                message_id=gate, delivery_mode=2), mandatory=True)
+    except pika.exceptions.UnroutableError:
+        log.warning("check_in_gate_unroutable", exchange=settings.chain.names.cancel,
+                    cancels="not waiting for check-in: declare the topology")
+        return
+    health.ready(False, "waiting for check-in to record the cancels queued in it")
+    deadline = time.monotonic() + CATCH_UP_S
+    while not stop.is_set() and cancels.store.get(gate.encode()) is None:
+        if time.monotonic() > deadline:
+            log.warning("check_in_catch_up_slow", waited_s=CATCH_UP_S,
+                        cancels="releasing what is due before check-in recorded the cancels queued in it (no "
+                                "check-in consumer running, or a backlog)")
+            return
+        stop.wait(0.05)
 
 
 def main(settings: Settings) -> int:
@@ -139,6 +174,8 @@ def run(settings: Settings, stop: threading.Event, metrics: Metrics, health: Hea
         try:
             if not prepared.on(url, stop):
                 break
+            if settings.role == "distributor" and cancels is not None:
+                wait_for_check_in(url, settings, cancels, stop, health)
             session = Session(url, settings, metrics, health, stop, other_exits(url, settings),
                               cancels.judge(metrics) if cancels is not None else None, prepared.sequence,
                               beats, refusals.back if refusals is not None else None)
