@@ -58,7 +58,7 @@ def test_a_distributor_of_its_own_releases_nothing_before_check_in_records_the_o
             gates += 1
             distributor = GatewayProcess(chain, "--role", "distributor")
             started.append(distributor)
-            wait_until(lambda: ready_in(chain, chain.names.check_in) == 1 + gates
+            wait_until(lambda gates=gates: ready_in(chain, chain.names.check_in) == 1 + gates
                        or ready_in(chain, chain.names.distributor) != waiting, 30,
                        what="the distributor's gate queued behind the cancel")
             assert ready_in(chain, chain.names.distributor) == waiting, "released before check-in recorded the cancel"
