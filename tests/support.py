@@ -37,6 +37,17 @@ def main_broker_url() -> str:
     return os.environ.get("DELAY_GATEWAY_URL", DEFAULT_URL).split(",")[0]
 
 
+def clock_env(offset: str) -> Dict[str, str]:
+    """The environment that runs a process with its wall clock moved by `offset` (libfaketime's
+    FAKETIME: "-10s" behind, "+5s" ahead; scripts/bootstrap installs Debian's libfaketime), its
+    monotonic clock left alone (timers, backoff)."""
+    import glob
+    found = sorted(glob.glob("/usr/lib/*/faketime/libfaketime.so.1"))
+    assert found, "libfaketime is missing: scripts/bootstrap test installs it (Debian's faketime)"
+    return {"LD_PRELOAD": found[0], "FAKETIME": offset, "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+            "FAKETIME_NO_CACHE": "1"}
+
+
 def broker_url() -> str:
     return _current_url or main_broker_url()
 

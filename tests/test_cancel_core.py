@@ -102,6 +102,29 @@ def test_the_sequencer_orders_reads_within_one_millisecond_and_starts_above_a_fl
     assert restarted(NOW - 1000) > times[-1]
 
 
+def test_read_times_are_reserved_before_they_are_handed_out_and_a_replacement_starts_above_them():
+    """A check-in process hands out no read time above what it reserved in the stream: so a
+    replacement whose clock is behind (it starts above every reservation) cannot put a message
+    after a cancel published after it, even one the dead process had forwarded."""
+    from gateway.core.cancels import LEASE_US, OVERFLOW_US, RENEW_US, read_reservation, reservation
+    seq = Sequencer(ceiling=0)
+    assert seq.wanted(NOW) == NOW * 1000 + LEASE_US  # (nothing reserved yet: at once)
+    seq.reserved(NOW * 1000 + LEASE_US)
+    assert read_reservation(reservation(NOW * 1000 + LEASE_US).headers) == NOW * 1000 + LEASE_US
+    assert seq(NOW) == NOW * 1000 and seq.wanted(NOW) is None  # well within it: nothing to renew
+    near = NOW + (LEASE_US - RENEW_US) // 1000 + 1
+    assert seq(near) == near * 1000 and seq.wanted(near) == near * 1000 + LEASE_US  # renewed ahead
+    # it cannot renew (the stream is unreachable): past the ceiling, one µs a read
+    late = NOW + 10 * LEASE_US // 1000
+    times = [seq(late) for _ in range(3)]
+    assert times == [NOW * 1000 + LEASE_US + i for i in range(3)]
+    # a replacement with its clock 10 s behind starts above the reservation, and its overflow
+    replacement = Sequencer(ceiling=0).above(NOW * 1000 + LEASE_US + OVERFLOW_US)
+    replacement.reserved(replacement.wanted(NOW - 10_000) or 0)
+    assert replacement(NOW - 10_000) > max(times)
+    assert Sequencer()(NOW) == NOW * 1000  # (no ceiling: a process that records nothing others read)
+
+
 @pytest.mark.parametrize("raw, why", [(None, "needs the id"), (b"", "empty"), ("x" * 256, "256 bytes")])
 def test_bad_ids_are_refused_with_the_reason(raw, why):
     with pytest.raises(BadCancel, match=why):

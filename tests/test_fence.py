@@ -9,6 +9,9 @@ tests/faults/test_cancel_crash.py):
   taken; a crash loses any suffix of those sent after it;
 - a publish not yet confirmed at a crash may or may not have been taken.
 
+Each replacement's host clock may be behind the broker's (10 s) or ahead: it starts above
+every read time reserved in the stream, and hands out none it has not reserved.
+
 Then every message that a cancel published after it concerns is never delivered, and every
 other message is delivered at least once (a copy judged against every cancel in the end, as
 the distributor does at release)."""
@@ -75,6 +78,7 @@ class Broker:
         self.queue: List[Delivery] = list(items)  # ready, in order
         self.store = cancels.Store(window_ms=10**9)
         self.downstream: List[Tuple[int, int]] = []  # (publisher's number, read time) of each copy taken
+        self.reserved = 0  # the highest reservation of read times in the stream (cancels.Sequencer)
         self.rng = rng
         self.now = START
 
@@ -89,13 +93,20 @@ class Broker:
 
 
 class Process:
-    """One gateway process's check-in consumer on the broker above, until it crashes."""
+    """One gateway process's check-in consumer on the broker above, until it crashes; its host
+    clock `offset` ms from the broker's (one behind, or ahead: a clock stepped across a crash).
+    `reserving`: it reserves its read times in the stream before it hands them out, and starts
+    above every reservation (broker/run/cancelling.Follower); without, as before 2026-11-28,
+    it starts above the cancels held only."""
 
-    def __init__(self, broker: Broker, prefetch: int) -> None:
-        self.broker, self.prefetch = broker, prefetch
+    def __init__(self, broker: Broker, prefetch: int, offset: int = 0, reserving: bool = True) -> None:
+        self.broker, self.prefetch, self.offset = broker, prefetch, offset
         judge = Judge(broker.store)
-        check_in = handlers.CheckIn(CHAIN, 50, wait_ms=200, cancelled=judge,
-                                    sequence=cancels.Sequencer().above(broker.store.newest_read_us))
+        floor = broker.store.newest_read_us
+        if reserving and broker.reserved:
+            floor = max(floor, broker.reserved + cancels.OVERFLOW_US)
+        self.sequence = cancels.Sequencer(ceiling=0 if reserving else None).above(floor)
+        check_in = handlers.CheckIn(CHAIN, 50, wait_ms=200, cancelled=judge, sequence=self.sequence)
         self.flow = Flow(NAMES.check_in, NAMES, check_in, Quiet(), Batcher(4, 10**6, 200), prefetch=prefetch)
         self.flow.publishing_opened(broker.now)
         self.delivered: Dict[int, Delivery] = {}  # tag -> delivery, unacknowledged
@@ -103,6 +114,18 @@ class Process:
         self.inflight: List = []  # sent, not confirmed, in order
         self.acks: List[Tuple[int, bool]] = []  # sent, not yet taken
         self.syncs: List[int] = []  # a sync sent after this many acks
+
+    @property
+    def now(self) -> int:
+        return self.broker.now + self.offset
+
+    def reserve(self) -> None:
+        """The follower's loop: a reservation when the read times come near the last (taken at
+        once here: what matters is that none is handed out above one not taken)."""
+        until = self.sequence.wanted(self.now)
+        if until is not None:
+            self.broker.reserved = max(self.broker.reserved, until)
+            self.sequence.reserved(until)
 
     def act(self, out) -> None:
         self.inflight += out.publish
@@ -120,25 +143,26 @@ class Process:
 
     def step(self) -> None:
         rng, b = self.broker.rng, self.broker
+        self.reserve()
         choice = rng.random()
         if choice < 0.4 and b.queue and len(self.delivered) < self.prefetch:
             self.tag += 1
             self.delivered[self.tag] = b.queue.pop(0)
-            self.act(self.flow.delivered(self.tag, self.delivered[self.tag], b.now))
+            self.act(self.flow.delivered(self.tag, self.delivered[self.tag], self.now))
         elif choice < 0.6 and self.inflight:
             n = rng.randint(1, len(self.inflight))
             for pub in self.inflight[:n]:
                 b.take(pub.payload.forward)
             last, self.inflight = self.inflight[n - 1], self.inflight[n:]
-            self.act(self.flow.confirmed(last.seq, True, True, b.now))
+            self.act(self.flow.confirmed(last.seq, True, True, self.now))
         elif choice < 0.75 and self.syncs:
             self.take_acks(self.syncs.pop(0))
-            self.act(self.flow.synced(b.now))
+            self.act(self.flow.synced(self.now))
         elif choice < 0.85 and self.acks:
             self.take_acks(rng.randint(1, len(self.acks)))
         else:
             b.now += rng.choice([1, 5, 50, 250])
-            self.act(self.flow.tick(b.now))
+            self.act(self.flow.tick(self.now))
 
     def crash(self) -> None:
         """Killed, or the connection lost: what the broker may or may not have taken."""
@@ -154,10 +178,13 @@ class Process:
         return not self.broker.queue and not self.delivered and not self.inflight
 
 
-def run(items: List[Tuple[str, str]], seed: int, crashes: int, prefetch: int) -> Broker:
+CLOCKS = [0, 0, -10_000, -3, 7]  # a replacement's host clock against the broker's (ms)
+
+
+def run(items: List[Tuple[str, str]], seed: int, crashes: int, prefetch: int, reserving: bool = True) -> Broker:
     rng = random.Random(seed)
     broker = Broker(published(items), rng)
-    process = Process(broker, prefetch)
+    process = Process(broker, prefetch, reserving=reserving)
     steps = 0
     while not process.done():
         steps += 1
@@ -166,7 +193,7 @@ def run(items: List[Tuple[str, str]], seed: int, crashes: int, prefetch: int) ->
             crashes -= 1
             process.crash()
             broker.now += rng.choice([0, 5, 1300])
-            process = Process(broker, prefetch)
+            process = Process(broker, prefetch, rng.choice(CLOCKS), reserving)
             continue
         process.step()
     return broker
@@ -203,6 +230,20 @@ def test_the_model_finds_the_bug_without_the_fence(monkeypatch):
         delivered = {n for n, read_us in broker.downstream
                      if not (h := broker.store.get(items[n][1].encode())) or not h.cancels(cancels.Time(read_us))}
         failures += bool({0, 1} & delivered) or 3 not in delivered
+    assert failures > 0
+
+
+def test_the_model_finds_todays_bug_when_a_replacements_clock_is_behind():
+    """Without reservations (a process started above the cancels held only, as before
+    2026-11-28), a replacement whose clock is behind gives a cancel a read time below the
+    messages the dead process forwarded, and they are delivered: the test above can fail."""
+    items = [("m", "x"), ("m", "y"), ("m", "x"), ("c", "x"), ("c", "y")]
+    failures = 0
+    for seed in range(300):
+        broker = run(items, seed, 1, 10, reserving=False)
+        delivered = {n for n, read_us in broker.downstream
+                     if not (h := broker.store.get(items[n][1].encode())) or not h.cancels(cancels.Time(read_us))}
+        failures += bool({0, 1, 2} & delivered)
     assert failures > 0
 
 

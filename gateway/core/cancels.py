@@ -42,6 +42,8 @@ RECORD_AT = "x-gateway-cancelled-us"
 RECORD_ARRIVED = "x-gateway-cancel-arrived-ms"
 # On a record a gateway appends to find the stream's end (see broker/run/cancelling.py).
 RECORD_MARK = "x-gateway-mark"
+# On a record a gateway appends before it hands out read times up to this (`Sequencer`).
+RECORD_RESERVED = "x-gateway-reserved-us"
 
 
 def checksum(routing_key: bytes, props: bytes, body: bytes) -> int:
@@ -91,22 +93,50 @@ def checked_id(message_id: object) -> bytes:
     return raw
 
 
+# A gateway reserves read times this far ahead of what it hands out, and renews once it
+# comes within RENEW_US of them; a new process starts OVERFLOW_US above every reservation: what
+# one that could not renew handed out past its own, one µs a read (a million reads).
+LEASE_US = 30_000_000
+RENEW_US = 10_000_000
+OVERFLOW_US = 1_000_000
+
+
 class Sequencer:
     """Microseconds from a millisecond clock, strictly increasing from `floor` on: two reads
-    of one process never get the same time, so the order they were read in decides; started
-    above every cancel held, a new process reads after them even if its clock went back."""
+    of one process never get the same time, so the order they were read in decides.
 
-    def __init__(self, floor: int = 0) -> None:
+    Started above every read time its prefix has recorded (every cancel and rule held, and
+    every other process's reservation), a process reads after them even if its clock is behind
+    theirs: a replacement cannot put a message after a cancel published after it. That holds
+    for what a process that died had handed out too, because a process with a `ceiling` hands
+    out no time above what it reserved in the stream (`wanted`, `reserved`; broker/run/
+    cancelling.Follower writes them): past it, one µs a read until the reservation is renewed."""
+
+    def __init__(self, floor: int = 0, ceiling: Optional[int] = None) -> None:
         self._last = floor
+        self.ceiling = ceiling  # None: unbounded (a process that records nothing others read)
 
     def __call__(self, now_ms: int) -> int:
-        self._last = max(now_ms * 1000, self._last + 1)
-        return self._last
+        t = max(now_ms * 1000, self._last + 1)
+        if self.ceiling is not None and t > self.ceiling:
+            t = max(self.ceiling, self._last + 1)
+        self._last = t
+        return t
 
     def above(self, floor: int) -> "Sequencer":
         """From now on, times above `floor` too."""
         self._last = max(self._last, floor)
         return self
+
+    def wanted(self, now_ms: int) -> Optional[int]:
+        """The reservation to record now, if the times handed out come near the ceiling."""
+        if self.ceiling is None or self._last <= self.ceiling - RENEW_US:
+            return None
+        return max(now_ms * 1000, self._last) + LEASE_US
+
+    def reserved(self, until_us: int) -> None:
+        """A reservation was recorded (confirmed): times up to it may be handed out."""
+        self.ceiling = until_us if self.ceiling is None else max(self.ceiling, until_us)
 
 
 @dataclass(frozen=True)
@@ -134,6 +164,16 @@ def record(message_id: bytes, at: Time) -> Properties:
 
 def mark(token: bytes) -> Properties:
     return Properties.build(delivery_mode=2, headers=Table([wire.longstr(RECORD_MARK, token)]))
+
+
+def reservation(until_us: int) -> Properties:
+    return Properties.build(delivery_mode=2, headers=Table([wire.long(RECORD_RESERVED, until_us)]))
+
+
+def read_reservation(headers: Table) -> Optional[int]:
+    """The read time a reservation record reserves up to; None if it is not one."""
+    until = headers.get(RECORD_RESERVED)
+    return until if _integer(until) else None
 
 
 def read_mark(headers: Table) -> Optional[bytes]:

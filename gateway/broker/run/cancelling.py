@@ -25,7 +25,7 @@ import itertools
 import threading
 import time
 import uuid
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import structlog
 from pika.exceptions import AMQPError, ChannelClosedByBroker
@@ -160,6 +160,13 @@ class Follower:
         self._tallied = 0.0
         self.id = uuid.uuid4().bytes
         self.names = settings.chain.names
+        # Check-in's read times, one sequence for the process: above every read time its prefix
+        # recorded, and reserved in the stream before they are handed out (cancels.Sequencer).
+        self.sequence = cancels.Sequencer(ceiling=0)
+        self.reserved_us = 0  # the highest reservation of any process read from the stream
+        self._reserving = settings.role in ("all", "check-in")
+        self._caught_up = False  # read up to our mark, not yet ready
+        self._writer: Any = None  # a channel with confirms, for reservations
         self.ready = threading.Event()  # read up to the stream's end at least once
         self.log = structlog.get_logger("gateway").bind(part="cancellations")
         self.problem: Optional[Trouble] = None  # why the last attempt to read the stream failed
@@ -234,8 +241,36 @@ class Follower:
         return Judge(self.store, self.rules, metrics, self.tally)
 
     def newest_read_us(self) -> int:
-        """Of every cancel and rule held: where a new Sequencer starts."""
-        return max(self.store.newest_read_us, self.rules.newest_read_us)
+        """Of every cancel, rule and reservation held: where this process's read times start."""
+        reserved = self.reserved_us + cancels.OVERFLOW_US if self.reserved_us else 0
+        return max(self.store.newest_read_us, self.rules.newest_read_us, reserved)
+
+    def _reserve(self, connection) -> None:
+        """Record a reservation before the read times reach the last one (a confirmed publish:
+        only then may they be handed out)."""
+        until = self.sequence.wanted(wall_ms())
+        if until is None:
+            return
+        if self._writer is None or not self._writer.is_open:
+            self._writer = connection.channel()
+            self._writer.confirm_delivery()
+        self._writer.basic_publish(self.names.cancellations, "", b"",
+                                   lazy_properties.WireProperties(cancels.reservation(until)), mandatory=True)
+        self.sequence.reserved(until)
+
+    def _now_ready(self, connection) -> None:
+        """Read up to our mark: read times start above every one recorded, a first reservation
+        is recorded, and the consumers may start."""
+        self._caught_up = False
+        if self._reserving:
+            self.sequence.above(self.newest_read_us())
+            self._reserve(connection)
+        self.ready.set()
+        self.metrics.cancellations_following.set(1)
+        self.metrics.cancellations_held.set(len(self.store))
+        self.metrics.rules_held.set(len(self.rules))
+        self.log.info("cancellations_read", held=len(self.store), rules=len(self.rules),
+                      window_s=self.store.window_us // 1_000_000, reads_above_us=self.newest_read_us())
 
     def _publish_tallies(self, connection) -> None:
         """What each rule removed here since the last time, as this process's running total."""
@@ -275,8 +310,13 @@ class Follower:
             publisher.basic_publish(self.names.cancellations, "", b"",
                                     lazy_properties.WireProperties(cancels.mark(self._mark)), mandatory=True)
             publisher.close()
+        self._writer = None
         while not self.stop.is_set() and not ended:
             connection.process_data_events(time_limit=0.2)
+            if self._caught_up:
+                self._now_ready(connection)
+            elif self.ready.is_set() and self._reserving:
+                self._reserve(connection)
             if time.monotonic() - self._pruned > PRUNE_EVERY_S:
                 self._pruned = time.monotonic()
                 self.store.prune(wall_ms())
@@ -302,14 +342,11 @@ class Follower:
             if self.rules.add(rule, wall_ms()) and isinstance(rule, rules.Refused):
                 self.log.warning("rule_record_refused", rule=rule.name.decode("utf-8", "backslashreplace"),
                                  recorded_us=rule.at.read_us, why=rule.why, cancels="nothing")
+        elif (reserved := cancels.read_reservation(headers)) is not None:
+            self.reserved_us = max(self.reserved_us, reserved)
         elif self._mark is not None and cancels.read_mark(headers) == self._mark:
             self._mark = None
-            self.ready.set()
-            self.metrics.cancellations_following.set(1)
-            self.metrics.cancellations_held.set(len(self.store))
-            self.metrics.rules_held.set(len(self.rules))
-            self.log.info("cancellations_read", held=len(self.store), rules=len(self.rules),
-                          window_s=self.store.window_us // 1_000_000)
+            self._caught_up = True  # (ready once the loop has recorded a reservation)
         channel.basic_ack(method.delivery_tag)
 
 

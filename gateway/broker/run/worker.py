@@ -125,7 +125,8 @@ class Preparation:
 
     def __init__(self, settings: Settings, health: Health, cancels: Optional[cancelling.Follower]) -> None:
         self.settings, self.health, self.cancels = settings, health, cancels
-        self.sequence = Sequencer()  # read times: one sequence for the process
+        # read times: one sequence for the process (the follower's: reserved in the stream)
+        self.sequence = cancels.sequence if cancels is not None else Sequencer()
         self._checked = False  # the topology
         self._stamp_checked = False  # said once per process
         self._log = structlog.get_logger("gateway")
@@ -152,8 +153,6 @@ class Preparation:
                 return False
             if missing is not None:
                 raise BrokerError(missing)
-        if cancels is not None:  # read times above every cancel held, whatever the clock did
-            self.sequence.above(cancels.newest_read_us())
         return True
 
 
