@@ -51,6 +51,7 @@ PRUNE_EVERY_S = 1.0
 TALLY_EVERY_S = 5.0
 MISSING_RETRY_S = 0.3
 MISSING_S = 3.0
+RESERVED_AHEAD_US = 3_600_000_000  # a reservation further ahead of our clock is ignored
 
 
 def handle_of(entry: Entry) -> bytes:
@@ -343,7 +344,9 @@ class Follower:
                 self.log.warning("rule_record_refused", rule=rule.name.decode("utf-8", "backslashreplace"),
                                  recorded_us=rule.at.read_us, why=rule.why, cancels="nothing")
         elif (reserved := cancels.read_reservation(headers)) is not None:
-            self.reserved_us = max(self.reserved_us, reserved)
+            # (one an hour or more ahead of this clock is not a gateway's: they reserve 30 s ahead)
+            if reserved <= wall_ms() * 1000 + RESERVED_AHEAD_US:
+                self.reserved_us = max(self.reserved_us, reserved)
         elif self._mark is not None and cancels.read_mark(headers) == self._mark:
             self._mark = None
             self._caught_up = True  # (ready once the loop has recorded a reservation)
