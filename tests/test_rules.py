@@ -246,12 +246,12 @@ def test_ten_thousand_rules_are_added_without_rebuilding_and_a_message_meets_onl
     held = rules.Rules(window_ms=10**9)
     for n in range(rules.MAX_LIVE):
         held.add(rules.Rule(f"order-{n}".encode(), Selection(key=f"*.order-{n}.#"), cancels.Time(T + 1 + n)), NOW)
-    assert len(held) == rules.MAX_LIVE and held.full
+    assert len(held) == rules.MAX_LIVE and "at most 10000" in (held.room_for(Selection(key="x.#")) or "")
     assert len(held.candidates(None, b"eu.order-17.created", T, False, Table)) == 1
     assert first(held, entry(b"eu.order-17.created")) == b"order-17"
     assert first(held, entry(b"eu.order-x.created")) is None
     held.add(rules.Withdrawal(b"order-17", cancels.Time(T + 10**6)), NOW)
-    assert first(held, entry(b"eu.order-17.created")) is None and not held.full
+    assert first(held, entry(b"eu.order-17.created")) is None and held.room_for(Selection(key="x.#")) is None
 
 
 def test_a_rule_cancels_only_what_was_taken_in_before_it():
@@ -355,6 +355,31 @@ def test_a_rule_sent_to_the_exchange_of_cancels_by_id_is_refused():
         assert isinstance(parked, Forward) and parked.way is Way.PARKED
         assert f"goes to {CHAIN.names.rules!r}" in (parked.reason or "")
         assert envelope.Inside(parked.props).exchange == CHAIN.names.cancel
+
+
+def test_what_every_message_is_compared_with_is_bounded():
+    """At most MAX_BROAD rules that every message meets (an id prefix, retries, due times or key
+    wildcards alone), and MAX_SHARED in the bucket of one id, word or header value: beyond,
+    check-in refuses the rule with the reason (a word pattern only once every word is full)."""
+    held = rules.Rules(window_ms=10**9)
+    broad = [Selection(due_before_ms=NOW + n) for n in range(rules.MAX_BROAD)]
+    for n, s in enumerate(broad):
+        assert held.room_for(s) is None
+        held.add(rules.Rule(f"due-{n}".encode(), s, cancels.Time(T + n)), NOW)
+    for s in (Selection(due_after_ms=1), Selection(ids=(b"order-*",)), Selection(key="*.#"), Selection(retries=True)):
+        assert f"at most {rules.MAX_BROAD}" in (held.room_for(s) or ""), s
+    assert held.room_for(Selection(key="orders.#")) is None  # (a word: another index)
+    for n in range(2 * rules.MAX_SHARED):
+        s = Selection(key="orders.*.reminder", due_after_ms=n)
+        assert held.room_for(s) is None
+        held.add(rules.Rule(f"w-{n}".encode(), s, cancels.Time(T + 1000 + n)), NOW)
+    assert "'orders', 'reminder'" in (held.room_for(Selection(key="orders.#.reminder")) or "")
+    assert held.room_for(Selection(key="orders.42.reminder")) is None  # ('42' has room)
+    for n in range(rules.MAX_SHARED):
+        held.add(rules.Rule(f"id-{n}".encode(), Selection(ids=(b"job-7",), due_after_ms=n), cancels.Time(T + n)), NOW)
+    assert "'job-7'" in (held.room_for(Selection(ids=(b"job-7", b"job-8"))) or "")
+    held.add(rules.Withdrawal(b"due-0", cancels.Time(T + 10**6)), NOW)
+    assert held.room_for(Selection(due_after_ms=1)) is None
 
 
 def test_check_in_refuses_a_rule_beyond_the_live_limit_but_not_a_withdrawal():

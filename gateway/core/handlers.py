@@ -175,7 +175,7 @@ class CheckIn:
         # chain's queues (one queue write instead of one a level: shorter_path.py).
         self.shorter = ShorterPath(hold_within_ms, hold_messages)
         self.cancelled = cancelled
-        self.rules = held_rules  # the live rules (a rule beyond rules.MAX_LIVE is refused)
+        self.rules = held_rules  # the live rules (a rule beyond their limits is refused: Rules.room_for)
         # read times: one sequence per process, started above every cancel held
         self.sequence = sequence if sequence is not None else cancels.Sequencer()
         # The cancels this consumer recorded (("id", message id) or ("rule", name) -> read time)
@@ -215,9 +215,10 @@ class CheckIn:
         try:
             if d.exchange == names.rules:
                 asked = rules.requested(user.headers)
-                if isinstance(asked, rules.Request) and self.rules is not None and self.rules.full:
-                    raise cancels.BadCancel(f"{len(self.rules)} rules are live, at most {rules.MAX_LIVE}: withdraw "
-                                            "some (delay-gateway pending withdraw), or cancel by id")
+                if isinstance(asked, rules.Request) and self.rules is not None:
+                    refused = self.rules.room_for(asked.select)
+                    if refused is not None:
+                        raise cancels.BadCancel(refused)
                 read_us = self.sequence(now)
                 at = cancels.Time(read_us, envelope.broker_stamp(user.headers, read_us // 1000))
                 if isinstance(asked, rules.Withdrawing):

@@ -84,8 +84,13 @@ MAX_VALUE_BYTES = 1024  # of a header value a rule compares
 MAX_RECORD_BYTES = 64_000
 MAX_EPOCH_MS = 2**63 - 1
 # Live rules a gateway holds at most: check-in refuses a rule beyond them (withdraw some, or
-# cancel by id). Each costs memory and, for a message it may select, one comparison.
+# cancel by id). Each costs memory and, for a message it may select, one comparison: so at most
+# MAX_BROAD rules every message is compared with (`Rules._place`), and MAX_SHARED in the bucket
+# of any one id, word or header value.
 MAX_LIVE = 10_000
+MAX_BROAD = 64
+MAX_SHARED = 32
+BROAD = ("prefixes", "shape", "retries", "rest")
 
 
 @dataclass(frozen=True)
@@ -451,6 +456,7 @@ class Rules:
         self._header_names: Dict[str, int] = {}
         self._retries: Bucket = ()
         self._rest: Bucket = ()  # due times alone, or everything
+        self._broad = 0  # rules in the broad indexes (BROAD)
         # for a reader of the index (listing.Cancels): the literal prefixes of key patterns
         # of rules without exact ids, and how many rules may select any key
         self._key_prefixes: Dict[bytes, int] = {}
@@ -462,11 +468,6 @@ class Rules:
     @property
     def live(self) -> Tuple[Rule, ...]:
         return tuple(self._live.values())
-
-    @property
-    def full(self) -> bool:
-        """Whether as many rules are live as a gateway holds (check-in refuses more)."""
-        return len(self._live) >= MAX_LIVE
 
     def add(self, item: Union[Rule, Withdrawal, Refused], now_ms: int) -> bool:
         """Hold a rule, apply a withdrawal, or note a refused record; False if it is already
@@ -526,19 +527,54 @@ class Rules:
         self._index(rule, -1)
 
     # -- the indexes ---------------------------------------------------------------------------
+    @staticmethod
+    def _place(select: Selection) -> Tuple[str, List[Any]]:
+        """The index a rule of this filter goes in, and its anchors there: every exact id (a
+        message must have one of them), any literal word of its key pattern (it must have
+        each), its first header value; else one of the broad ones, which every message (or
+        every retry) of their kind looks in."""
+        ids = select.ids
+        if ids and not any(i.endswith(b"*") for i in ids):
+            return "ids", list(ids)
+        pattern = (select.key.encode("utf-8").split(b".") if select.key else []) if select.key is not None else []
+        literal = [w for w in pattern if w not in (b"*", b"#")]
+        if literal:
+            return "word", literal
+        if ids:
+            return "prefixes", list(ids)
+        if select.key is not None:  # ("": no words)
+            return "shape", [(pattern.count(b"*"), b"#" in pattern)]
+        if select.headers:
+            name, value = select.headers[0]
+            return "header", [(name, value.lower())]
+        return ("retries" if select.retries else "rest"), []
+
     def _index(self, rule: Rule, change: int) -> None:
         """Put a rule in (+1) or take it out of (-1) the index of its anchor."""
         select = rule.select
-        exact = bool(select.ids) and not any(i.endswith(b"*") for i in select.ids)
+        kind, anchors = self._place(select)
         words = literal_words(select.key) if select.key is not None else []
-        if not exact:
+        if kind != "ids":
             if words and select.key is not None and not select.key.startswith(("*", "#")):
-                prefix = b".".join(words)
-                _count(self._key_prefixes, prefix, change)
+                _count(self._key_prefixes, b".".join(words), change)
             else:
                 self._open += change
-        if select.ids:
-            for i in select.ids:
+        if kind in BROAD:
+            self._broad += change
+        if kind == "ids":
+            for i in anchors:
+                if (named := cancels.handle_read_us(i)) is not None:
+                    _put(self._handles, named, rule, change)
+                else:
+                    _put(self._ids, i, rule, change)
+        elif kind == "word":
+            if change > 0:  # (the word whose bucket is smallest now; ties: the longest)
+                word = min(anchors, key=lambda w: (len(self._words.get(w, ())), -len(w)))
+            else:
+                word = next(w for w in anchors if rule in self._words.get(w, ()))
+            _put(self._words, word, rule, change)
+        elif kind == "prefixes":
+            for i in anchors:
                 if i.endswith(b"*"):
                     _count(self._prefix_lengths, len(i) - 1, change)
                     _put(self._prefixes, i[:-1], rule, change)
@@ -546,25 +582,38 @@ class Rules:
                     _put(self._handles, named, rule, change)
                 else:
                     _put(self._ids, i, rule, change)
-        elif select.key is not None:
-            pattern = select.key.encode("utf-8").split(b".") if select.key else []  # ("": no words)
-            literal = [w for w in pattern if w not in (b"*", b"#")]
-            if not literal:
-                _put(self._shapes, (pattern.count(b"*"), b"#" in pattern), rule, change)
-            else:
-                if change > 0:  # (the word whose bucket is smallest now; ties: the longest)
-                    word = min(literal, key=lambda w: (len(self._words.get(w, ())), -len(w)))
-                else:
-                    word = next(w for w in literal if rule in self._words.get(w, ()))
-                _put(self._words, word, rule, change)
-        elif select.headers:
-            name, value = select.headers[0]
-            _count(self._header_names, name, change)
-            _put(self._headers, (name, value.lower()), rule, change)
-        elif select.retries:
+        elif kind == "shape":
+            _put(self._shapes, anchors[0], rule, change)
+        elif kind == "header":
+            _count(self._header_names, anchors[0][0], change)
+            _put(self._headers, anchors[0], rule, change)
+        elif kind == "retries":
             self._retries = _changed(self._retries, rule, change)
         else:
             self._rest = _changed(self._rest, rule, change)
+
+    def room_for(self, select: Selection) -> Optional[str]:
+        """Why check-in must refuse a rule of this filter (a limit it would pass), or None. The
+        limits bound what judging one message costs whatever rules are live: every message
+        looks in the broad indexes, and in the buckets of its own id, words and headers."""
+        if len(self._live) >= MAX_LIVE:
+            return (f"{len(self._live)} rules are live, at most {MAX_LIVE}: withdraw some (delay-gateway pending "
+                    "withdraw), or cancel by id")
+        kind, anchors = self._place(select)
+        if kind in BROAD:
+            if self._broad >= MAX_BROAD:
+                return (f"{self._broad} live rules select by an id prefix, retries, due times or key wildcards alone "
+                        f"(every message is compared with them), at most {MAX_BROAD}: give a word of the key, an "
+                        "exact id or a header value, or withdraw some")
+            return None
+        index: Dict[Any, Bucket] = self._ids if kind == "ids" else self._words if kind == "word" else self._headers
+        full = [a for a in anchors if len(index.get(a, ())) >= MAX_SHARED
+                and not (kind == "ids" and cancels.handle_read_us(a) is not None)]
+        if (kind == "word" and len(full) == len(anchors)) or (kind != "word" and full):
+            shown = ", ".join(repr(a.decode("utf-8", "replace") if isinstance(a, bytes) else a) for a in full)[:200]
+            return (f"{MAX_SHARED} live rules already select by {shown}: at most that many share what a message "
+                    "is looked up by; narrow the filter, or withdraw some")
+        return None
 
     def candidates(self, message_id: Optional[bytes], routing_key: bytes, read_us: Optional[int], retry: bool,
                    headers: Callable[[], Table]) -> List[Rule]:
