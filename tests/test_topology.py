@@ -9,7 +9,7 @@ import pika
 import pytest
 
 from topology import ChainSettings, build
-from topology.broker.declare import TopologyConflict, declare
+from topology.broker.declare import TopologyConflict, declare, max_age_s, short_retention
 from topology.definitions import render
 from topology.encoding import level_pattern
 from topology.model import cancel_window_ms
@@ -150,6 +150,25 @@ def test_declaring_twice_is_a_no_op(broker, queue_type, zero_bits):
             ch = c.channel()
             for q in build(chain).queues:
                 assert ch.queue_declare(q.name, passive=True).method.message_count == 0
+    finally:
+        remove(chain)
+
+
+def test_a_cancellations_stream_that_keeps_less_than_the_window_is_said_and_the_fix_named(broker):
+    """The stream keeps the window it was first declared with; a longer one set later (say
+    --max-level raised) is said by `declare` (and logged by `run`) with what to do, never a
+    refusal: a longer stream than needed, or one just made, says nothing."""
+    chain = ChainSettings(prefix=unique_prefix(), max_level=3, resolution_ms=100)
+    try:
+        with connect() as c:
+            declare(c.channel(), build(chain, cancel_window=7_200_000))
+            assert short_retention(c.channel(), build(chain, cancel_window=7_200_000)) is None
+            assert short_retention(c.channel(), build(chain, cancel_window=3_600_000)) is None  # keeps more
+            said = short_retention(c.channel(), build(chain, cancel_window=14_400_000))
+            assert said is not None and "keeps records for 7200 s" in said and "14400 s" in said
+            assert "delete the stream" in said
+        assert max_age_s("14D") == 14 * 86_400 and max_age_s("1209600s") == 1_209_600 and max_age_s("x") is None
+        assert max_age_s("7200000") == 7200  # (RabbitMQ 4: milliseconds)
     finally:
         remove(chain)
 

@@ -1,6 +1,7 @@
 """`delay-gateway declare`: the topology declared on the broker (in each of --vhosts), idempotently."""
 
 from topology import build
+from topology.broker.declare import short_retention
 from topology.broker.inventory import read_registry
 from topology.registry import ChainKey, fold
 
@@ -17,6 +18,7 @@ def main(settings: Settings) -> int:
     for vhost, where in per_vhost(settings.urls, settings.vhosts):
         with blocking_channel(where, tls=settings.tls) as channel:
             index_streams.declare_noting(channel, topology)
+            short = short_retention(channel, topology)
             records = read_registry(channel.connection, chain.names)
             upkeep.record_chain(channel.connection, chain.prefix, ChainKey.of(chain),
                                 None if records is None else fold(records))
@@ -24,4 +26,6 @@ def main(settings: Settings) -> int:
               f"{len(topology.bindings)} bindings with prefix {topology.settings.prefix!r} "
               f"(chain {chain.generation}, {chain.max_level} levels)"
               + ("" if vhost is None else f" in virtual host {vhost!r}"), flush=True)
+        if short is not None:
+            print(f"note: {short}", flush=True)
     return 0

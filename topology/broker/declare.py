@@ -1,5 +1,8 @@
 """Declare (or delete) a topology on a broker through a pika BlockingChannel."""
 
+import re
+from typing import Optional
+
 from pika.exceptions import ChannelClosedByBroker
 
 from topology.model import Queue, Topology
@@ -76,6 +79,44 @@ def _declare_once(channel, q: Queue) -> None:
         if exc.reply_code != 404:
             raise
         channel.queue_declare(q.name, durable=True, arguments=dict(q.arguments))
+
+
+_UNITS_S = {"Y": 365 * 86_400, "M": 30 * 86_400, "D": 86_400, "h": 3_600, "m": 60, "s": 1}
+
+
+def max_age_s(text: str) -> Optional[float]:
+    """A stream's x-max-age ('1209600s', '14D', ...; RabbitMQ 4 reports it in milliseconds,
+    without a unit) in seconds; None if it cannot be read."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([YMDhms]?)", text.strip())
+    if not match:
+        return None
+    return float(match.group(1)) * _UNITS_S[match.group(2)] if match.group(2) else float(match.group(1)) / 1000
+
+
+def short_retention(channel, topology: Topology) -> Optional[str]:
+    """What to say when a stream declared once (the cancellations) keeps less than this
+    topology wants: its arguments cannot change, so a longer window set later applies to the
+    gateways' memory, not to what the stream keeps. None when it keeps enough (or is new)."""
+    for q in topology.queues:
+        wanted = max_age_s(str(q.arguments.get("x-max-age", "")))
+        if not q.declared_once or wanted is None:
+            continue
+        probe = channel.connection.channel()
+        try:
+            probe.queue_declare(q.name, durable=True, arguments=dict(q.arguments))
+            probe.close()
+            continue
+        except ChannelClosedByBroker as exc:
+            found = re.search(r"inequivalent arg 'x-max-age'.*current is '([^']+)'", exc.reply_text or "")
+            kept = max_age_s(found.group(1)) if found else None
+            if exc.reply_code != 406 or kept is None or kept >= wanted:
+                continue
+        return (f"the stream {q.name!r} keeps records for {kept:g} s (its x-max-age, fixed when it was first "
+                f"declared), less than the {wanted:g} s the settings want: a cancel older than that is gone from "
+                "it, and a gateway started later does not know it. To keep more, delete the stream while no "
+                "cancel or rule matters (no message waits that one concerns), then start a gateway or run "
+                "`delay-gateway declare`; or lower --cancel-retention to what it keeps")
+    return None
 
 
 def delete(channel, topology: Topology) -> None:

@@ -14,7 +14,7 @@ import pika
 import structlog
 
 from topology import build
-from topology.broker.declare import TopologyConflict, declare, verify
+from topology.broker.declare import TopologyConflict, declare, short_retention, verify
 from topology.settings import QUEUE_TYPES
 
 from gateway import logs
@@ -136,8 +136,11 @@ class Preparation:
         settings = self.settings
         if not self._checked:
             with blocking_channel(url, "delay-gateway declare", settings.tls) as channel:
-                declare_noting(channel, build(settings.chain, settings.cancel_window_ms),
-                               declare if settings.declare else verify)
+                topology = build(settings.chain, settings.cancel_window_ms)
+                declare_noting(channel, topology, declare if settings.declare else verify)
+                short = short_retention(channel, topology)
+                if short is not None:
+                    self._log.warning("cancellations_kept_shorter", problem=short)
             self._log.info("topology_declared" if settings.declare else "topology_found",
                            prefix=settings.chain.prefix, generation=settings.chain.generation,
                            max_level=settings.chain.max_level)
