@@ -4,7 +4,7 @@ outage, a message already due waits in the distributor queue while its cancel wa
 check-in; a gateway of every role starts its other consumers only once its check-in read
 that cancel (session.py), and a `--role distributor` process now waits likewise: it cancels
 an id no message has, which queues behind them, and consumes once that is recorded. Before,
-it released the cancelled message the moment it connected."""
+it released the cancelled message the moment it connected. The same for a rule."""
 
 import pika
 import pytest
@@ -34,31 +34,33 @@ def test_a_distributor_of_its_own_releases_nothing_before_check_in_records_the_o
         with connect() as c:
             ch = c.channel()
             ch.confirm_delivery()
-            for mid in ("cancelled", "kept"):
+            for mid in ("cancelled", "ruled", "kept"):
                 ch.basic_publish(chain.names.check_in, mid, b"x", pika.BasicProperties(
                     message_id=mid, delivery_mode=2, headers={"x-deliver-at": due}), mandatory=True)
         # both through the chain into the distributor queue, unread (no distributor runs)
-        wait_until(lambda: first.metric("delay_gateway_messages_total", queue=chain.names.check_in) >= 2, 30,
-                   what="check-in to send both on")
+        wait_until(lambda: first.metric("delay_gateway_messages_total", queue=chain.names.check_in) >= 3, 30,
+                   what="check-in to send them on")
         first.terminate()
-        # (together in one carrier, or two deliveries)
+        # (together in one carrier, or a delivery each)
         wait_until(lambda: ready_in(chain, chain.names.distributor) >= 1 and now_ms() > due, 30,
-                   what="both in the distributor queue, due")
+                   what="them in the distributor queue, due")
         waiting = ready_in(chain, chain.names.distributor)
         assert ready_in(chain, chain.names.check_in) == 0
-        # During the outage, one is cancelled (the cancel waits in check-in): both are due by now.
+        # During the outage, one is cancelled by id and one by a rule (both wait in check-in): all are due by now.
         with connect() as c:
             ch = c.channel()
             ch.confirm_delivery()
             ch.basic_publish(chain.names.cancel, "", b"", pika.BasicProperties(message_id="cancelled"),
                              mandatory=True)
+            ch.basic_publish(chain.names.rules, "", b"", pika.BasicProperties(
+                headers={"x-cancel-key": "ruled"}, delivery_mode=2), mandatory=True)
         # The distributor starts first, alone: it must not release before check-in records the cancel.
         gates = 0
         for _ in range(2 if fault == "kill" else 1):
             gates += 1
             distributor = GatewayProcess(chain, "--role", "distributor")
             started.append(distributor)
-            wait_until(lambda gates=gates: ready_in(chain, chain.names.check_in) == 1 + gates
+            wait_until(lambda gates=gates: ready_in(chain, chain.names.check_in) == 2 + gates
                        or ready_in(chain, chain.names.distributor) != waiting, 30,
                        what="the distributor's gate queued behind the cancel")
             assert ready_in(chain, chain.names.distributor) == waiting, "released before check-in recorded the cancel"
