@@ -427,11 +427,11 @@ def _identity(rule: Rule) -> _Identity:
 
 class Rules:
     """The live rules of the retention window (the one of cancels.Store), each in one index
-    (`_anchor`) by what every message it selects must have, so that a message is compared
-    only with the rules that may select it: an exact id, the read time a handle names, an id
-    prefix, a literal word of its key pattern, the key's word count (a pattern of wildcards
-    only), a header value, being a retry; what is left (due times alone, everything) is
-    compared with every message. Adding, withdrawing and forgetting cost a rule's index, not
+    (`_place`) by what every message it selects must have, so that a message is compared
+    only with the rules that may select it: an exact id, the read time a handle names, a
+    literal word of its key pattern, a header value; the broad ones (an id prefix, the key's
+    word count for a pattern of wildcards only, being a retry, due times alone, everything)
+    with every message of their kind (`room_for` bounds them). Adding, withdrawing and forgetting cost a rule's index, not
     the number of rules. One thread changes it (the stream's follower), others look up: each
     index's buckets are tuples replaced whole, so a lookup sees one consistent bucket."""
 
@@ -444,7 +444,6 @@ class Rules:
         self.recorded: Dict[bytes, int] = {}
         self.newest_read_us = 0
         self.withdrawn = 0
-        self.refused: List[Refused] = []  # the latest few, for the log
         # the indexes: anchor kind -> anchor -> bucket
         self._ids: Dict[bytes, Bucket] = {}
         self._handles: Dict[int, Bucket] = {}
@@ -477,7 +476,7 @@ class Rules:
         self.recorded[item.name] = max(item.at.read_us, self.recorded.get(item.name, -1))
         self.newest_read_us = max(self.newest_read_us, item.at.read_us)
         if isinstance(item, Refused):
-            self.refused = self.refused[-9:] + [item]
+            pass  # (recorded, cancelling nothing: what waits for it to be recorded goes on)
         elif isinstance(item, Withdrawal):
             for identity in list(self._by_name.get(item.name, ())):
                 if self._live[identity].at.read_us <= item.at.read_us:
