@@ -431,9 +431,10 @@ class Rules:
     only with the rules that may select it: an exact id, the read time a handle names, a
     literal word of its key pattern, a header value; the broad ones (an id prefix, the key's
     word count for a pattern of wildcards only, being a retry, due times alone, everything)
-    with every message of their kind (`room_for` bounds them). Adding, withdrawing and forgetting cost a rule's index, not
-    the number of rules. One thread changes it (the stream's follower), others look up: each
-    index's buckets are tuples replaced whole, so a lookup sees one consistent bucket."""
+    with every message of their kind (`room_for` bounds them). Adding, withdrawing and
+    forgetting cost a rule's index, not the number of rules. One thread changes it (the
+    stream's follower), others look up: each index's buckets are tuples replaced whole, so a
+    lookup sees one consistent bucket."""
 
     def __init__(self, window_ms: int) -> None:
         self.window_us = window_ms * 1000
