@@ -137,7 +137,8 @@ def main(argv: Optional[Sequence[str]] = None, environ=None) -> int:
         code = refused(exc)
         if code is None:
             raise
-        logs.last_line(f"delay-gateway {args.command}: {exc}")
+        verb = named if named and named.split()[0] == args.command else args.command  # (`pending list`)
+        logs.last_line(f"delay-gateway {verb}: {exc}")
         return code
 
 

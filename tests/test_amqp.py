@@ -6,6 +6,8 @@ import pytest
 from pika.exceptions import (AMQPConnectionError, ChannelClosedByBroker, ConnectionClosedByBroker,
                              ProbableAuthenticationError, StreamLostError)
 
+from topology.broker.permissions import Refused, needing
+
 from gateway.broker.plumbing.amqp import classify
 from gateway.broker.run.reconnects import Backoff
 
@@ -22,7 +24,7 @@ URL = "amqp://gw:s3cret@rabbit:5672/%2F"
     (ChannelClosedByBroker(404, "NOT_FOUND - no queue 'nosuchprefix.check-in' in vhost '/'"), False,
      "nosuchprefix.check-in' in vhost '/': the topology is not declared"),
     (ChannelClosedByBroker(403, "ACCESS_REFUSED - access to queue 'delay.check-in' refused"), False,
-     "grant it configure, write and read"),
+     "the user lacks a permission on this object (docs/security.md: Least privilege)"),
     (ChannelClosedByBroker(406, "PRECONDITION_FAILED - inequivalent arg 'x-message-ttl'"), False,
      "exists with other arguments"),
 ])
@@ -31,6 +33,38 @@ def test_errors_are_sorted_and_explained_in_one_line(error, heals, says):
     assert trouble.heals is heals
     assert says in trouble.message and "\n" not in trouble.message
     assert "s3cret" not in trouble.message and "amqp://gw:***@rabbit:5672/%2F" in trouble.message
+
+
+@pytest.mark.parametrize("error,says", [
+    # RabbitMQ 4 names the permission
+    (ChannelClosedByBroker(403, "ACCESS_REFUSED - read access to queue 'delay.waiting.03' in vhost '/' refused for "
+                                "user 'looker'"),
+     "user 'looker' may not read queue 'delay.waiting.03' in vhost '/': grant it read permission on that name"),
+    (ChannelClosedByBroker(403, "ACCESS_REFUSED - configure access to exchange 'delay.rules' in vhost 'v' refused "
+                                "for user 'x'"),
+     "user 'x' may not configure exchange 'delay.rules' in vhost 'v': grant it configure permission on that name"),
+    # RabbitMQ 3.10 does not: the operation says (permissions.needing)
+    (Refused(403, "ACCESS_REFUSED - access to exchange 'delay.rules' in vhost '/' refused for user 'c'", "write"),
+     "user 'c' may not write to exchange 'delay.rules' in vhost '/': grant it write permission on that name"),
+    (ChannelClosedByBroker(403, "ACCESS_REFUSED - access to queue 'delay.chains' in vhost '/' refused for user 'c'"),
+     "user 'c' may not use queue 'delay.chains' in vhost '/': grant it the permission the operation needs"),
+])
+def test_a_refusal_names_the_one_permission_missing(error, says):
+    trouble = classify(error, URL, "the looker's line")
+    assert not trouble.heals and "\n" not in trouble.message
+    assert trouble.message.startswith(says) and trouble.message.endswith("(docs/security.md: the looker's line)")
+    assert "s3cret" not in trouble.message
+
+
+def test_an_operation_says_which_permission_it_needs():
+    with pytest.raises(Refused) as found:
+        with needing("read"):
+            raise ChannelClosedByBroker(403, "ACCESS_REFUSED - access to queue 'q' in vhost '/' refused for user 'u'")
+    assert found.value.permission == "read" and found.value.reply_code == 403
+    with pytest.raises(ChannelClosedByBroker) as other:
+        with needing("read"):
+            raise ChannelClosedByBroker(404, "NOT_FOUND - no queue 'q' in vhost '/'")
+    assert not isinstance(other.value, Refused)
 
 
 def test_backoff_grows_to_its_ceiling_and_starts_over_only_after_a_stable_connection():

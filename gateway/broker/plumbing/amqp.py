@@ -18,6 +18,8 @@ import pika
 from pika.exceptions import (AMQPConnectionError, AuthenticationError, ChannelClosedByBroker,
                              ConnectionClosedByBroker, ProbableAccessDeniedError, ProbableAuthenticationError)
 
+from topology.broker import permissions
+
 from gateway.broker.plumbing import wire_connection
 from gateway.exits import EXIT_NO_BROKER, EXIT_REFUSED, ExitCodeError
 from gateway.settings import Tls, UsageError
@@ -64,8 +66,9 @@ class BrokerError(ExitCodeError):
         return EXIT_NO_BROKER if self.trouble.heals else EXIT_REFUSED
 
 
-def classify(error: BaseException, url: str) -> Trouble:
-    """Pure: what `error` (an exception, or a connection or channel close reason) means."""
+def classify(error: BaseException, url: str, role: Optional[str] = None) -> Trouble:
+    """Pure: what `error` (an exception, or a connection or channel close reason) means.
+    `role`: where docs/security.md gives the permissions the command needs (a refusal says)."""
     where = redact(url)
     user = pika.URLParameters(url).credentials.username if "://" in url else "?"
     if isinstance(error, (ProbableAuthenticationError, ProbableAccessDeniedError, AuthenticationError)):
@@ -87,8 +90,7 @@ def classify(error: BaseException, url: str) -> Trouble:
                                   "run `delay-gateway declare` with the same --prefix and chain settings (or let "
                                   "`run` declare it: without --no-declare)")
         if code == 403:
-            return Trouble(False, f"{where}: {text}: the user lacks a permission; grant it configure, write "
-                                  "and read on the prefix's names (docs/security.md: Least privilege)")
+            return Trouble(False, refused(error, text, where, role))
         if code == 406:
             return Trouble(False, f"{where}: {text}: an object of the same name exists with other "
                                   "arguments; keep its settings, or see `delay-gateway migrate`")
@@ -96,6 +98,33 @@ def classify(error: BaseException, url: str) -> Trouble:
     if isinstance(error, (AMQPConnectionError, OSError)):
         return Trouble(True, f"{where}: cannot connect: {unreachable(error)}")
     return Trouble(True, f"{where}: {error!r}")
+
+
+def refused(error: BaseException, text: str, where: str, role: Optional[str] = None) -> str:
+    """A refusal (403) in one line: who may not do what to which object, and the one
+    permission to grant. RabbitMQ 4 names the permission; for 3.10 the operation does
+    (topology/broker/permissions.needing wraps it and raises Refused)."""
+    doc = f"(docs/security.md: {role or 'Least privilege'})"
+    found = permissions.refusal(text)
+    if found is None:
+        return f"{where}: {text}: the user lacks a permission on this object {doc}"
+    said, kind, name, vhost, user = found
+    permission = said or getattr(error, "permission", None)
+    if permission is None:
+        return (f"user {user!r} may not use {kind} {name!r} in vhost {vhost!r}: grant it the permission the operation "
+                f"needs on that name (configure to declare, write to publish, read to consume) {doc}")
+    verb = {"read": "read", "write": "write to", "configure": "configure"}[permission]
+    return f"user {user!r} may not {verb} {kind} {name!r} in vhost {vhost!r}: grant it {permission} permission " \
+           f"on that name {doc}"
+
+
+def login_user(connection: object) -> Optional[str]:
+    """The user a connection (blocking or not) logged in as; None where the credentials name
+    none (EXTERNAL: a client certificate's)."""
+    impl = getattr(connection, "_impl", connection)
+    credentials = getattr(getattr(impl, "params", None), "credentials", None)
+    user = getattr(credentials, "username", None)
+    return user if isinstance(user, str) and user else None
 
 
 def unreachable(error: BaseException) -> str:
@@ -149,16 +178,16 @@ def connect(urls: Union[str, Sequence[str]], name: str = "delay-gateway",
 
 @contextlib.contextmanager
 def blocking_channel(urls: Union[str, Sequence[str]], name: str = "delay-gateway",
-                     tls: Optional[Tls] = None) -> Iterator:
+                     tls: Optional[Tls] = None, role: Optional[str] = None) -> Iterator:
     """A channel for one-off work, on the first of `urls` that answers; any broker error is a
-    BrokerError with its explanation."""
+    BrokerError with its explanation (a refusal names `role`'s permissions in docs/security.md)."""
     connection, url = connect(urls, name, tls)
     try:
         yield connection.channel()
     except (ChannelClosedByBroker, ConnectionClosedByBroker) as exc:
-        raise BrokerError(classify(exc, url)) from None
+        raise BrokerError(classify(exc, url, role)) from None
     except AMQPConnectionError as exc:  # lost mid-way (a node stopping)
-        raise BrokerError(classify(exc, url)) from None
+        raise BrokerError(classify(exc, url, role)) from None
     finally:
         if connection.is_open:
             connection.close()
