@@ -16,7 +16,7 @@ from topology import ChainSettings
 
 from gateway.core.retries import BadPolicy, Policy, policies
 from gateway.exits import UsageError
-from gateway.urls import one_vhost, urls_from
+from gateway.urls import one_vhost, urls_from, user_of
 from topology.model import cancel_window_ms
 from topology.settings import QUEUE_TYPES, ZERO_BITS
 
@@ -113,6 +113,10 @@ def optional_path(value: str) -> Optional[str]:
     return value or None
 
 
+def optional_text(value: str) -> Optional[str]:
+    return value.strip() or None
+
+
 @dataclass(frozen=True)
 class Option:
     name: str  # the Settings field, and the flag: max_level -> --max-level
@@ -153,6 +157,10 @@ OPTIONS: Tuple[Option, ...] = (
            metavar="PATH"),
     Option("tls_key_file", None, optional_path, "client key (PEM), if not in the certificate file", "broker",
            metavar="PATH"),
+    Option("gateway_user", None, optional_text,
+           "the user the gateways log in as: readers of the cancellations and waiting streams trust only the records "
+           "it signed (their user_id), the gateway's own included; default: the user of the first URL (guest when "
+           "it names none)", "broker", "gatewayUser", metavar="USER"),
     # chain: the topology, the same for every gateway and for declare
     Option("prefix", _CHAIN.prefix, text, "first part of every exchange and queue name", "chain",
            "prefix"),
@@ -335,6 +343,7 @@ class Settings:
     urls: Tuple[str, ...] = (DEFAULT_URL,)
     vhosts: Tuple[str, ...] = ()  # empty: the URL's own, served as before
     tls: Tls = field(default_factory=Tls)
+    gateway_user: Optional[str] = default("gateway_user")  # None: the first URL's (`trusted_user`)
     role: str = default("role")
     prefetch: int = default("prefetch")
     distributor_prefetch: int = default("distributor_prefetch")
@@ -378,6 +387,12 @@ class Settings:
         """The URLs of a command that works on one virtual host (gateway/urls.one_vhost):
         raises UsageError when --vhosts names several."""
         return one_vhost(self.urls, self.vhosts)
+
+    @property
+    def trusted_user(self) -> str:
+        """The user whose records in the streams readers trust (gateway/core/writers.py):
+        --gateway-user, else the user of the first URL (guest when it names none)."""
+        return self.gateway_user or user_of(self.urls[0])
 
     @property
     def cancel_window_ms(self) -> int:

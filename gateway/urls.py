@@ -60,6 +60,12 @@ def vhost_of(url: str) -> str:
     return unquote(path[1:]) if len(path) > 1 else "/"
 
 
+def user_of(url: str) -> str:
+    """The user an AMQP URL logs in as: its user name, decoded; guest when it names none (as pika)."""
+    user = urlsplit(url).username
+    return unquote(user) if user else "guest"
+
+
 def redact(url: str) -> str:
     """The URL without its password, for logs and errors."""
     parts = urlsplit(url)

@@ -24,7 +24,8 @@ ENV = {"DELAY_GATEWAY_URL": "amqp://a/,amqp://b/", "DELAY_GATEWAY_PREFIX": "px",
        "DELAY_GATEWAY_CANCEL_RETENTION": "3600", "DELAY_GATEWAY_RETRY_BASE_MS": "250",
        "DELAY_GATEWAY_RETRY_FACTOR": "3", "DELAY_GATEWAY_RETRY_CAP_MS": "60000", "DELAY_GATEWAY_RETRY_ATTEMPTS": "4",
        "DELAY_GATEWAY_RETRY_JITTER": "0.5", "DELAY_GATEWAY_RETRY_POLICIES": '[{"queue": "q.*", "attempts": 1}]',
-       "DELAY_GATEWAY_RETRY_QUEUES": "q.*,jobs", "DELAY_GATEWAY_VHOSTS": "orders, billing"}
+       "DELAY_GATEWAY_RETRY_QUEUES": "q.*,jobs", "DELAY_GATEWAY_VHOSTS": "orders, billing",
+       "DELAY_GATEWAY_GATEWAY_USER": "delay-gw"}
 
 
 def test_every_setting_reads_its_environment_variable_and_a_flag_beats_it():
@@ -34,6 +35,7 @@ def test_every_setting_reads_its_environment_variable_and_a_flag_beats_it():
     s = settings_from(parser(ENV).parse_args(["run"]))
     assert s.urls == ("amqp://a/", "amqp://b/")
     assert s.vhosts == ("orders", "billing")
+    assert s.gateway_user == s.trusted_user == "delay-gw"
     assert (s.chain.prefix, s.chain.max_level, s.chain.resolution_ms) == ("px", 7, 250)
     assert (s.chain.queue_type, s.chain.zero_bits) == ("classic", "exchange")
     assert (s.role, s.prefetch, s.distributor_prefetch, s.lead_ms) == ("distributor", 5, 6, 70)
@@ -57,6 +59,20 @@ def test_defaults_work_against_a_local_broker():
     assert (s.chain.queue_type, s.chain.zero_bits, s.role, s.lead_ms) == ("quorum", "queue", "all", 50)
     assert (s.declare, s.stamp_due_at, s.metrics_port) == (True, False, 0)
     assert (s.hold_within_ms, s.hold_messages) == (10_000, 1000)
+    assert s.gateway_user is None and s.trusted_user == "guest"
+
+
+@pytest.mark.parametrize("urls,user", [("amqp://guest:guest@127.0.0.1/%2F", "guest"),
+                                       ("amqp://rabbit-1/,amqp://other@rabbit-2/", "guest"),
+                                       ("amqps://delay%2Dgw:x@rabbit-1/,amqp://other@rabbit-2/", "delay-gw")])
+def test_the_trusted_writer_is_the_first_urls_user_unless_named(urls, user):
+    """Readers trust the records of the gateway user: --gateway-user, else the first URL's
+    user (guest when it names none, as the client logs in)."""
+    s = settings_from(parser({"DELAY_GATEWAY_URL": urls}).parse_args(["pending", "count"]))
+    assert s.trusted_user == user
+    named = settings_from(parser({"DELAY_GATEWAY_URL": urls}).parse_args(["pending", "count", "--gateway-user",
+                                                                         "gw"]))
+    assert named.trusted_user == "gw"
 
 
 BAD = {"DELAY_GATEWAY_MAX_LEVEL": "many", "DELAY_GATEWAY_RESOLUTION_MS": "0", "DELAY_GATEWAY_QUEUE_TYPE": "stream",

@@ -37,6 +37,7 @@ CASES = [{}] + [{"maxLevel": level, "zeroBits": zero_bits, "topology": topology}
 CHART_DEFAULTS = {"metricsPort": 9090,  # the probes need the health endpoints
                   "retryPolicies": [],  # a list in the chart, its JSON for the gateway
                   "vhosts": [],  # a list in the chart, comma-separated for the gateway
+                  "gatewayUser": "",  # empty: the URL's user (None for the gateway)
                   "logFormat": "json"}  # explicit: no terminal in a pod
 
 
@@ -187,7 +188,7 @@ def test_settings_are_the_gateways_options_and_its_parser_reads_them(tmp_path):
               "carrierMessages": 50, "carrierWaitMs": 7, "carrierBytes": 65536, "confirmTimeoutSeconds": 9,
               "retryBaseMs": 250, "retryFactor": 2.5, "retryCapMs": 60000, "retryAttempts": 4, "retryJitter": 0.5,
               "retryPolicies": [{"queue": "q.*", "attempts": 1}], "retryQueues": "q.*,jobs",
-              "vhosts": ["orders", "billing/eu"],
+              "vhosts": ["orders", "billing/eu"], "gatewayUser": "delay-gw",
               "tls": {"caSecret": "rabbit-ca", "clientSecret": "gateway-cert"}}
     docs = render(values)
     [config_map] = by_kind(docs, "ConfigMap").values()
@@ -224,6 +225,7 @@ def test_settings_are_the_gateways_options_and_its_parser_reads_them(tmp_path):
             assert (s.lead_ms, s.prefetch, s.distributor_prefetch, s.stamp_due_at, s.metrics_port) == \
                 (120, 5, 600, True, 9100)
             assert s.urls == ("amqps://gw:s3cret@rabbit/",) and s.vhosts == ("orders", "billing/eu")
+            assert s.gateway_user == s.trusted_user == "delay-gw"
             assert s.tls.ca_file.endswith("ca.crt") and s.tls.key_file.endswith("tls.key")
             assert container["ports"] == [{"name": "metrics", "containerPort": 9100, "protocol": "TCP"}]
 

@@ -64,6 +64,7 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
      directly (it runs before an upgrade changes the ConfigMap). */}}
 {{- define "delay-gateway.settings" -}}
 DELAY_GATEWAY_VHOSTS: {{ join "," .Values.vhosts | quote }}
+DELAY_GATEWAY_GATEWAY_USER: {{ .Values.gatewayUser | quote }}
 DELAY_GATEWAY_PREFIX: {{ .Values.prefix | quote }}
 DELAY_GATEWAY_MAX_LEVEL: {{ int64 .Values.maxLevel | quote }}
 DELAY_GATEWAY_RESOLUTION_MS: {{ int64 .Values.resolutionMs | quote }}
