@@ -552,7 +552,8 @@ def test_a_listing_judges_an_eras_entries_by_their_handles(commit: str) -> None:
 
 @pytest.mark.parametrize("commit, sample", cases({"waiting": ("beat", "beat-unindexed")}))
 def test_beats_read_as_written(commit: str, sample: Json) -> None:
-    """A beat's gateway, roles, earliest due time and time; its consumers and flags (DGB2), or
+    """A beat's gateway, roles, earliest due time and time; its consumers and flags (DGB2), and
+    what it saw of the queues (DGB3), or
     for a DGB1 beat (before 1.0) one consumer of each kind its roles consume, and entries
     written."""
     want = sample["expected"]
@@ -562,6 +563,10 @@ def test_beats_read_as_written(commit: str, sample: Json) -> None:
                                                                     want["low_ms"], want["at_ms"])
     if "consumers" in want:
         assert (beat.consumers, beat.flags) == (index_records.Consumers(**want["consumers"]), want["flags"])
+        # DGB3: what the gateway saw of the queues (None: it could not look, or an earlier layout)
+        seen = want.get("seen")
+        assert beat.seen == (None if seen is None else index_records.Seen(
+            **{k: index_records.Place(**v) for k, v in seen.items()}))
     else:
         one = 1 if want["roles"] & index_records.ROLE_CHECK_IN else 0
         distributors = 1 if want["roles"] & index_records.ROLE_DISTRIBUTOR else 0

@@ -5,6 +5,7 @@ they cancel; the horizon is a minute only while every consumer beats; and the an
 why it is not exact. The fast path (whole records at once) counts exactly as the one-by-one
 path does."""
 
+import dataclasses
 from typing import List, Optional, Sequence, Tuple
 
 import pytest
@@ -246,6 +247,21 @@ def test_the_horizon_is_a_minute_only_while_every_consumer_keeps_up(distributor,
     found = listing.horizon(NOW, beats, {"distributor": Place(*distributor), "returning": Place(*returning)})
     assert found.exact == exact
     assert found.at_ms == (NOW - 10 - listing.GRACE_MS if exact else NOW - listing.RETENTION_SLACK_MS)
+
+
+def test_what_the_queues_hold_is_what_the_newest_live_beat_saw():
+    """A reader with read permission only takes the queues' counts from the gateways' beats
+    (DGB3): the newest live one that says; none that says (no gateway, or only earlier
+    versions'): not known, and why."""
+    def seen(ready: int) -> index_records.Seen:
+        return index_records.Seen(Place(ready, 1), Place(0, 1), Place(0, 1))
+    older = dataclasses.replace(beat(0, 3, NOW - 3000), seen=seen(5))
+    newer = dataclasses.replace(beat(1, 3, NOW - 1000), seen=seen(7))
+    places, why = listing.seen(NOW, [newer, older, beat(2, 3, NOW - 500)])
+    assert places is not None and places["check_in"] == Place(7, 1) and why == ""
+    assert listing.seen(NOW, [dataclasses.replace(newer, at_ms=NOW - 60_000)]) == (None, listing.seen(NOW, [])[1])
+    assert "no gateway beat within 20 s" in listing.seen(NOW, [])[1]
+    assert "a version before 1.0" in listing.seen(NOW, [beat(0, 3, NOW - 1000)])[1]
 
 
 def test_what_can_wait_unlisted_is_said_until_it_cannot():

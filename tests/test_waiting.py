@@ -139,6 +139,20 @@ def test_done_keys_and_beats_read_back_and_nothing_else_reads_as_them():
     assert index_records.done_keys(index_records.pack_entries([])) == []
 
 
+def test_a_beat_carries_what_its_gateway_saw_of_the_queues():
+    """DGB3: ready messages and consumers of check-in, returning and distributor, as the
+    gateway saw them (a reader with read permission only cannot look); SEEN says they were
+    seen, and a beat that could not look says nothing of them."""
+    seen = index_records.Seen(index_records.Place(7, 2), index_records.Place(0, 1), index_records.Place(2 ** 40, 3))
+    body = index_records.pack_beat(b"g" * 16, 3, NOW - 5, NOW, Consumers(2, 1, 3), index_records.INDEXES, seen)
+    found = index_records.beat(body)
+    assert body.startswith(b"DGB3") and found is not None and found.indexes
+    assert found.seen == index_records.Seen(index_records.Place(7, 2), index_records.Place(0, 1),
+                                            index_records.Place(2 ** 32 - 1, 3))  # (a count beyond 32 bits: the most)
+    blind = index_records.beat(index_records.pack_beat(b"g" * 16, 1, NOW, NOW, Consumers(1), index_records.SEEN))
+    assert blind is not None and blind.seen is None and blind.flags == 0
+
+
 def test_a_beat_of_an_earlier_version_stands_for_one_consumer_of_each_kind_its_roles_run():
     """Before 1.0 a beat (DGB1) did not count consumers; a gateway then always wrote entries."""
     old = b"DGB1" + b"g" * 16 + bytes([3]) + (NOW - 5).to_bytes(8, "big") + NOW.to_bytes(8, "big")

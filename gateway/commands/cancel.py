@@ -24,12 +24,15 @@ from typing import Dict, List, Optional, Tuple
 
 import pika
 
+from topology.broker.permissions import Refused, needing
+
 from gateway.broker.tools import cancellations
-from gateway.broker.plumbing.amqp import blocking_channel
+from gateway.broker.plumbing.amqp import blocking_channel, refused
 from gateway.core import cancels
 from gateway.settings import Settings, UsageError
 from gateway.times import iso_ms
 
+CANCELLER = "the canceller's line"  # its permissions in docs/security.md
 NOT_KNOWN = "whether it was already delivered cannot be known (the gateway keeps no record of deliveries)"
 
 
@@ -68,19 +71,32 @@ def main(settings: Settings, ids: List[str], from_file: Optional[str], wait: flo
     if not good:
         return 2
     window_ms = settings.cancel_window_ms
-    with blocking_channel(settings.one_vhost_urls, "delay-gateway cancel", settings.tls) as channel:
-        before = latest(cancellations.read(channel.connection, names, window_ms).ids)
+    trusted = settings.trusted_user
+    with blocking_channel(settings.one_vhost_urls, "delay-gateway cancel", settings.tls, CANCELLER) as channel:
+        try:
+            before: Optional[Dict[bytes, int]] = latest(
+                cancellations.read(channel.connection, names, window_ms, trusted).ids)
+        except Refused as exc:  # may not read the cancellations stream: the cancels go all the same
+            print(f"delay-gateway cancel: note: {refused(exc, exc.reply_text, '', CANCELLER)}; without it this "
+                  "command cannot say whether a gateway recorded the cancels", file=sys.stderr)
+            before = None
         channel.confirm_delivery()
         for mid in good:
             try:
-                channel.basic_publish(names.cancel, "", b"", pika.BasicProperties(message_id=_text(mid),
-                                                                                  delivery_mode=2),
-                                      mandatory=True)
+                with needing("write"):
+                    channel.basic_publish(names.cancel, "", b"", pika.BasicProperties(message_id=_text(mid),
+                                                                                      delivery_mode=2),
+                                          mandatory=True)
             except pika.exceptions.UnroutableError:
                 print(f"delay-gateway cancel: {names.cancel} is bound to no queue: declare the topology "
                       "(delay-gateway declare) or start the gateway", file=sys.stderr)
                 return 3
-        recorded = wait_recorded(channel.connection, names, window_ms, good, before, wait)
+        if before is None:
+            for mid in good:
+                print(f"{mid.decode('utf-8', 'backslashreplace')}: sent (the broker confirmed it): it applies to "
+                      "messages published before it once check-in reads it")
+            return 2 if bad else 0
+        recorded = wait_recorded(channel.connection, names, window_ms, trusted, good, before, wait)
     for mid in good:
         print(line(mid, before.get(mid), recorded.get(mid)))
     return 2 if bad else 0
@@ -99,12 +115,12 @@ def latest(records: List[Tuple[bytes, cancels.Time]]) -> Dict[bytes, int]:
     return out
 
 
-def wait_recorded(connection, names, window_ms: int, ids: List[bytes], before: Dict[bytes, int],
+def wait_recorded(connection, names, window_ms: int, trusted: str, ids: List[bytes], before: Dict[bytes, int],
                   wait_s: float) -> Dict[bytes, int]:
     """The new cancels' times, once the gateway recorded them (up to wait_s)."""
     deadline = time.monotonic() + wait_s
     while True:
-        found = {mid: at for mid, at in latest(cancellations.read(connection, names, window_ms).ids).items()
+        found = {mid: at for mid, at in latest(cancellations.read(connection, names, window_ms, trusted).ids).items()
                  if mid in ids and at != before.get(mid)}
         if len(found) == len(set(ids)) or time.monotonic() >= deadline:
             return found

@@ -23,6 +23,8 @@ from typing import IO, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import pika
 
+from topology.broker.permissions import needing
+
 from gateway.broker.tools import cancellations
 from gateway.broker.run import index_streams
 from gateway.broker.plumbing.amqp import blocking_channel
@@ -35,6 +37,10 @@ from gateway.times import due_in, iso_ms, plain_ms
 from gateway.settings import Settings, UsageError, argument, integer
 
 SAMPLE = 10  # what `pending cancel` shows before it acts
+# where docs/security.md gives each verb's permissions (a refusal names it)
+LOOKER, GROUP_CANCELLER = "the looker's line", "the group canceller's line"
+ROLES = {"list": LOOKER, "count": LOOKER, "export": LOOKER, "rules": LOOKER, "cancel": GROUP_CANCELLER,
+         "withdraw": GROUP_CANCELLER}
 LIST_LIMIT = 100
 
 
@@ -252,26 +258,29 @@ def command(args: Options, settings: Settings) -> int:
     now = wall_ms()
     window_ms = settings.cancel_window_ms
     url = settings.one_vhost_urls
+    trusted = settings.trusted_user
+    role = ROLES[args.action]
     if args.action == "rules":
-        with blocking_channel(url, "delay-gateway pending rules", settings.tls) as channel:
-            return show_rules(args, cancellations.read(channel.connection, names, window_ms), now)
+        with blocking_channel(url, "delay-gateway pending rules", settings.tls, role) as channel:
+            return show_rules(args, cancellations.read(channel.connection, names, window_ms, trusted), now)
     if args.action == "withdraw":
         name = rule_name(args.rule, "RULE")
-        with blocking_channel(url, "delay-gateway pending withdraw", settings.tls) as channel:
-            return withdraw(args, channel, names, window_ms, name)
+        with blocking_channel(url, "delay-gateway pending withdraw", settings.tls, role) as channel:
+            return withdraw(args, channel, names, window_ms, trusted, name)
     select = selection(args, now)
     if args.action == "cancel":
         everything = checked_cancel(args, select)
     exporting: Optional[Exporter] = Exporter(args.out) if args.action == "export" else None
     keep = None if args.action in ("count", "export") else SAMPLE if args.action == "cancel" else args.limit
     progress = Progress() if sys.stderr.isatty() else None
-    with blocking_channel(url, f"delay-gateway pending {args.action}", settings.tls) as channel:
-        recorded = cancellations.read(channel.connection, names, window_ms)
+    with blocking_channel(url, f"delay-gateway pending {args.action}", settings.tls, role) as channel:
+        recorded = cancellations.read(channel.connection, names, window_ms, trusted)
         judge = listing.cancelled_by(recorded.store(window_ms, now), recorded.rules, now)
         try:
-            view, found = index_streams.read(channel.connection, names, now, lambda at: listing.View(
+            view, found = index_streams.read(channel.connection, chain, trusted, now, lambda at: listing.View(
                 now, at, judge, select, keep, exporting.write if exporting is not None else None),
                 progress.show if progress is not None else None)
+            found.gaps += recorded.gaps()
         except index_streams.Missing as exc:
             raise UsageError(str(exc)) from None
         finally:
@@ -280,7 +289,8 @@ def command(args: Options, settings: Settings) -> int:
             if exporting is not None:
                 exporting.close()
         if args.action == "cancel":
-            return cancel_selected(args, channel, names, select, everything, view, found, recorded, window_ms, now)
+            return cancel_selected(args, channel, names, trusted, select, everything, view, found, recorded,
+                                   window_ms, now)
     if args.action == "list":
         show_list(args, view, found, now)
     elif args.action == "count":
@@ -412,8 +422,9 @@ def rule_headers(select: Selection, everything: bool, name: bytes) -> Table:
     return Table([wire.longstr(rules.NAME, name)] + rules.filter_fields(select, everything))
 
 
-def cancel_selected(args: Options, channel, names, select: Selection, everything: bool, view: listing.View,
-                    found: index_streams.Found, recorded: cancellations.Recorded, window_ms: int, now_ms: int) -> int:
+def cancel_selected(args: Options, channel, names, trusted: str, select: Selection, everything: bool,
+                    view: listing.View, found: index_streams.Found, recorded: cancellations.Recorded, window_ms: int,
+                    now_ms: int) -> int:
     """Say how many match and show some; with --yes, publish one rule and say what became of it."""
     print(f"{view.total} waiting message(s) match" + (", for example:" if view.total else ""))
     if view.total:
@@ -446,11 +457,12 @@ def cancel_selected(args: Options, channel, names, select: Selection, everything
         return 2
     channel.confirm_delivery()
     try:
-        if args.replace:  # (in one queue, in this order: the withdrawal ends what was recorded before it)
+        with needing("write"):
+            if args.replace:  # (in one queue, in this order: the withdrawal ends what was recorded before it)
+                channel.basic_publish(names.rules, "", b"", pika.BasicProperties(
+                    headers={rules.WITHDRAW: shown}, delivery_mode=2), mandatory=True)
             channel.basic_publish(names.rules, "", b"", pika.BasicProperties(
-                headers={rules.WITHDRAW: shown}, delivery_mode=2), mandatory=True)
-        channel.basic_publish(names.rules, "", b"", pika.BasicProperties(
-            headers=_pika_headers(rule_headers(select, everything, name)), delivery_mode=2), mandatory=True)
+                headers=_pika_headers(rule_headers(select, everything, name)), delivery_mode=2), mandatory=True)
     except pika.exceptions.UnroutableError:
         print(f"delay-gateway pending cancel: {names.rules} is bound to no queue: declare the topology "
               "(delay-gateway declare) or start the gateway", file=sys.stderr)
@@ -459,7 +471,8 @@ def cancel_selected(args: Options, channel, names, select: Selection, everything
           f"{view.total} waiting message(s) listed match it")
     published = time.monotonic()
     deadline = published + args.wait
-    rule, removed, seen = wait_for_rule(channel.connection, names, window_ms, name, before, view.total, deadline)
+    rule, removed, seen = wait_for_rule(channel.connection, names, window_ms, trusted, name, before, view.total,
+                                        deadline)
     recorded_after_s = seen - published
     if rule is None:
         print(f"queued: no gateway recorded rule {shown} within {args.wait:g} s (none running, or a backlog in "
@@ -485,7 +498,7 @@ def _pika_headers(table: Table) -> Dict[str, Any]:
     return out
 
 
-def wait_for_rule(connection, names, window_ms: int, name: bytes, before_us: int, expected: int,
+def wait_for_rule(connection, names, window_ms: int, trusted: str, name: bytes, before_us: int, expected: int,
                   deadline: float) -> Tuple[Optional[rules.Rule], int, float]:
     """The rule once a gateway recorded it (a rule of its name recorded after `before_us`; None
     if none was by `deadline`), what the gateways reported removing by it once they report
@@ -493,7 +506,7 @@ def wait_for_rule(connection, names, window_ms: int, name: bytes, before_us: int
     found: Optional[rules.Rule] = None
     seen = 0.0
     while True:
-        recorded = cancellations.read(connection, names, window_ms)
+        recorded = cancellations.read(connection, names, window_ms, trusted)
         if found is None:
             found = next((r for r in recorded.rules.live if r.name == name and r.at.read_us > before_us), None)
             seen = time.monotonic()
@@ -503,13 +516,14 @@ def wait_for_rule(connection, names, window_ms: int, name: bytes, before_us: int
         time.sleep(0.5)
 
 
-def withdraw(args: Options, channel, names, window_ms: int, name: bytes) -> int:
-    before = cancellations.read(channel.connection, names, window_ms)
+def withdraw(args: Options, channel, names, window_ms: int, trusted: str, name: bytes) -> int:
+    before = cancellations.read(channel.connection, names, window_ms, trusted)
     live = [r for r in before.rules.live if r.name == name]
     channel.confirm_delivery()
     try:
-        channel.basic_publish(names.rules, "", b"", pika.BasicProperties(
-            headers={rules.WITHDRAW: name.decode("utf-8")}, delivery_mode=2), mandatory=True)
+        with needing("write"):
+            channel.basic_publish(names.rules, "", b"", pika.BasicProperties(
+                headers={rules.WITHDRAW: name.decode("utf-8")}, delivery_mode=2), mandatory=True)
     except pika.exceptions.UnroutableError:
         print(f"delay-gateway pending withdraw: {names.rules} is bound to no queue: declare the topology "
               "(delay-gateway declare) or start the gateway", file=sys.stderr)
@@ -517,7 +531,7 @@ def withdraw(args: Options, channel, names, window_ms: int, name: bytes) -> int:
     shown = name.decode("utf-8", "replace")
     deadline = time.monotonic() + args.wait
     while True:
-        after = cancellations.read(channel.connection, names, window_ms)
+        after = cancellations.read(channel.connection, names, window_ms, trusted)
         done = after.rules.recorded.get(name, -1) > before.rules.recorded.get(name, -1)
         if done or time.monotonic() >= deadline:
             break

@@ -10,7 +10,10 @@ time, or the end of a meditation lap, after which it passes a gateway again and 
 entry). Then, in the `done` stream:
 - a *done* key when it leaves (delivered, sent back to its queue, parked, or cancelled);
 - every few seconds each gateway's *beat*: its roles, how many consumers it runs of each
-  kind, whether it writes entries, and the earliest due time its distributor holds.
+  kind, whether it writes entries, the earliest due time its distributor holds, and what it
+  sees of the queues where messages wait for a gateway (ready messages and consumers of
+  check-in and retry, the returning and the distributor queues: a passive declare each,
+  which a reader with read permission only cannot make).
 Done keys go out within DONE_FLUSH_MS (at once where none would join them: flow.Flow), and
 the deliveries they speak of are acknowledged only once the broker confirmed them (like the
 entries): a crash hands the delivery back, to be sent on and written down again, so no key
@@ -23,9 +26,11 @@ same wherever it is. One with no message id is listed by its *handle* (`cancels.
 which `cancel` accepts.
 
 Formats (never changed in place: a new one gets a new magic, and readers take every one):
-entries DGW1, done keys DGD1, beats DGB1 (until 1.0) and DGB2. (DGW1 was once: its entries
-gained their checksum under the same magic, and the first layout is told from today's by its
-lengths: `first_layout`.)
+entries DGW1, done keys DGD1, beats DGB1 (until 1.0), DGB2 (until the queue counts) and
+DGB3. (DGW1 was once: its entries gained their checksum under the same magic, and the first
+layout is told from today's by its lengths: `first_layout`.) Since 1.0 every record is signed
+(the AMQP `user_id` of the gateway that wrote it: gateway/core/writers.py), which its bytes
+here do not show.
 """
 
 import struct
@@ -43,6 +48,7 @@ ENTRIES = b"DGW1"
 DONE_KEYS = b"DGD1"
 BEAT = b"DGB1"
 BEAT_V2 = b"DGB2"
+BEAT_V3 = b"DGB3"
 # read time (us), checksum (cancels.checksum), due (ms), until (ms), body size, retry attempt
 # (0: not a retry), flags, and the lengths of the message id, routing key and properties that follow
 FIXED = struct.Struct(">qIqqIHBBBI")
@@ -51,10 +57,14 @@ KEY = struct.Struct(">qI")
 _BEAT = struct.Struct(">16sBqq")
 # gateway, roles, low, at; consumers of check-in (and retry), returning, distributor; flags
 _BEAT_V2 = struct.Struct(">16sBqqHHHB")
+# DGB2's, then what it saw of the queues: ready messages and consumers of check-in (and
+# retry), of every returning exit and of every distributor exit (meaningful with SEEN)
+_BEAT_V3 = struct.Struct(">16sBqqHHHBIIIIII")
 RETRY = 1  # flags: a retry (the routing key names its queue)
 HAS_ID = 2  # flags: the message has a message id
 ROLE_CHECK_IN, ROLE_DISTRIBUTOR = 1, 2  # a beat's roles, as bits
 INDEXES = 1  # a beat's flags: this gateway writes entries (not --no-pending-index)
+SEEN = 2  # a beat's flags: it carries what the gateway saw of the queues (`Seen`)
 
 
 def key_of(read_us: int, crc: int) -> int:
@@ -108,11 +118,40 @@ class Consumers:
     distributor: int = 0  # every distributor exit
 
 
-def pack_beat(gateway: bytes, roles: int, low_ms: int, now_ms: int, consumers: Consumers, flags: int) -> bytes:
+@dataclass(frozen=True)
+class Place:
+    """A kind of queue where messages wait for a gateway: what the broker says of it."""
+
+    ready: int  # messages no consumer has read
+    consumers: int
+
+
+_COUNT_MAX = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What a gateway saw of the queues where messages wait for a gateway (a passive declare
+    of each), which readers with read permission only cannot see themselves."""
+
+    check_in: Place  # check-in and retry
+    returning: Place  # every returning exit
+    distributor: Place  # every distributor exit
+
+    def places(self) -> Dict[str, Place]:
+        return {"check_in": self.check_in, "returning": self.returning, "distributor": self.distributor}
+
+
+def pack_beat(gateway: bytes, roles: int, low_ms: int, now_ms: int, consumers: Consumers, flags: int,
+              seen: Optional[Seen] = None) -> bytes:
     """A gateway says it is alive: its roles, the earliest due time of what it holds
-    unpublished (now, when nothing), its consumers, and whether it writes entries."""
-    return BEAT_V2 + _BEAT_V2.pack(gateway, roles, low_ms, now_ms, consumers.check_in, consumers.returning,
-                                   consumers.distributor, flags)
+    unpublished (now, when nothing), its consumers, whether it writes entries, and what it
+    saw of the queues (None: it could not look)."""
+    counts = [min(_COUNT_MAX, max(0, n)) for p in (seen.check_in, seen.returning, seen.distributor)
+              for n in (p.ready, p.consumers)] if seen is not None else [0] * 6
+    flags = (flags | SEEN) if seen is not None else (flags & ~SEEN)
+    return BEAT_V3 + _BEAT_V3.pack(gateway, roles, low_ms, now_ms, consumers.check_in, consumers.returning,
+                                   consumers.distributor, flags, *counts)
 
 
 @dataclass(frozen=True)
@@ -252,6 +291,7 @@ class Beat:
     at_ms: int
     consumers: Consumers = Consumers()
     flags: int = INDEXES
+    seen: Optional[Seen] = None  # what it saw of the queues (DGB3 with SEEN)
 
     @property
     def indexes(self) -> bool:
@@ -260,7 +300,14 @@ class Beat:
 
 def beat(body: bytes) -> Optional[Beat]:
     """A beat of any version. One before 1.0 (DGB1) does not count its consumers: it stands
-    for one of each kind its roles consume, and it always wrote entries."""
+    for one of each kind its roles consume, and it always wrote entries. One before the queue
+    counts (DGB1, DGB2) says nothing of the queues."""
+    if body.startswith(BEAT_V3) and len(body) == len(BEAT_V3) + _BEAT_V3.size:
+        gateway, roles, low, at, check_in, returning, distributor, flags, *counts = \
+            _BEAT_V3.unpack_from(body, len(BEAT_V3))
+        seen = Seen(Place(counts[0], counts[1]), Place(counts[2], counts[3]), Place(counts[4], counts[5])) \
+            if flags & SEEN else None
+        return Beat(gateway, roles, low, at, Consumers(check_in, returning, distributor), flags, seen)
     if body.startswith(BEAT_V2) and len(body) == len(BEAT_V2) + _BEAT_V2.size:
         gateway, roles, low, at, check_in, returning, distributor, flags = _BEAT_V2.unpack_from(body, len(BEAT_V2))
         return Beat(gateway, roles, low, at, Consumers(check_in, returning, distributor), flags)

@@ -38,7 +38,7 @@ from topology.index_bands import RETENTION_SLACK_MS, span_ms
 from gateway.core import cancels, envelope
 from gateway.core.rules import Rules
 from gateway.core.selection import Selection, literal_words
-from gateway.core.index_records import DONE_KEYS, ENTRIES, FIXED, HAS_ID, KEY, LIVE_MS, RETRY, Beat, Listed
+from gateway.core.index_records import DONE_KEYS, ENTRIES, FIXED, HAS_ID, KEY, LIVE_MS, RETRY, Beat, Listed, Place
 from gateway.core.index_records import FIRST_FIXED, entries_layout, first_checksum, first_fixed
 
 GRACE_MS = 60_000  # what a message may be overdue while the gateways keep up
@@ -53,14 +53,6 @@ class Horizon:
     at_ms: int
     exact: bool  # the gateways keep up: within GRACE_MS of the earliest due time they hold
     why: str  # when not: why everything kept is read
-
-
-@dataclass(frozen=True)
-class Place:
-    """A kind of queue where messages wait for a gateway: what the broker says of it."""
-
-    ready: int  # messages no consumer has read
-    consumers: int
 
 
 def live_beats(now_ms: int, beats: Iterable[Beat]) -> List[Beat]:
@@ -97,6 +89,23 @@ def horizon(now_ms: int, beats: Iterable[Beat], places: Dict[str, Place]) -> Hor
                                               f"{LIVE_MS // 1000} s (a gateway of an earlier version, or one blocked)")
     low = min([now_ms] + [b.low_ms for b in live])
     return Horizon(low - GRACE_MS, True, "")
+
+
+def seen(now_ms: int, beats: Iterable[Beat]) -> Tuple[Optional[Dict[str, Place]], str]:
+    """What the gateways saw of the queues where messages wait for them (`check_in`,
+    `returning`, `distributor`), by the newest live beat that says (a reader with read
+    permission only cannot look itself), and why not when none does."""
+    live = live_beats(now_ms, beats)
+    counted = [b for b in live if b.seen is not None]
+    if counted:
+        newest = max(counted, key=lambda b: b.at_ms)
+        assert newest.seen is not None
+        return newest.seen.places(), ""
+    if not live:
+        return None, (f"no gateway beat within {LIVE_MS // 1000} s (none runs, or none can write the index), so "
+                      "whether messages wait unread in check-in, the distributor or the returning queue is not known")
+    return None, ("the gateways that beat do not say what they see of the queues (a version before 1.0), so whether "
+                  "messages wait unread in check-in, the distributor or the returning queue is not known")
 
 
 def read_from_ms(b: int, at: Horizon) -> int:

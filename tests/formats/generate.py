@@ -381,8 +381,11 @@ def recorded_entries(rec: index_records.Recorder) -> List[Json]:
 
 
 def beat_json(beat: index_records.Beat) -> Json:
-    return {"gateway": hx(beat.gateway), "roles": beat.roles, "low_ms": beat.low_ms, "at_ms": beat.at_ms,
-            "consumers": dataclasses.asdict(beat.consumers), "flags": beat.flags}
+    out: Json = {"gateway": hx(beat.gateway), "roles": beat.roles, "low_ms": beat.low_ms, "at_ms": beat.at_ms,
+                 "consumers": dataclasses.asdict(beat.consumers), "flags": beat.flags}
+    if beat.seen is not None:
+        out["seen"] = dataclasses.asdict(beat.seen)
+    return out
 
 
 def waiting_samples() -> Json:
@@ -420,24 +423,28 @@ def waiting_samples() -> Json:
     gw = bytes(range(16))
     consumers = index_records.Consumers(check_in=2, returning=1, distributor=3)
     roles = index_records.ROLE_CHECK_IN | index_records.ROLE_DISTRIBUTOR
-    body = index_records.pack_beat(gw, roles, NOW + 1234, NOW, consumers, index_records.INDEXES)
+    place = index_records.Place
+    seen = index_records.Seen(check_in=place(7, 2), returning=place(0, 1), distributor=place(70_000, 3))
+    body = index_records.pack_beat(gw, roles, NOW + 1234, NOW, consumers, index_records.INDEXES, seen)
     beat = index_records.beat(body)
     assert beat is not None
-    out["beat"] = {"produced_by": "index_records.pack_beat (DGB2)",
+    out["beat"] = {"produced_by": "index_records.pack_beat (DGB3: with what the gateway saw of the queues)",
                    "inputs": {"gateway": hx(gw), "roles": 3, "low_ms": NOW + 1234, "now_ms": NOW,
-                              "consumers": dataclasses.asdict(consumers), "flags": index_records.INDEXES},
+                              "consumers": dataclasses.asdict(consumers), "flags": index_records.INDEXES,
+                              "seen": dataclasses.asdict(seen)},
                    "body": hx(body), "expected": beat_json(beat)}
     body = index_records.pack_beat(gw, index_records.ROLE_CHECK_IN, NOW, NOW, index_records.Consumers(check_in=1), 0)
     beat = index_records.beat(body)
     assert beat is not None
-    out["beat-unindexed"] = {"produced_by": "index_records.pack_beat (DGB2) of a gateway with --no-pending-index",
+    out["beat-unindexed"] = {"produced_by": "index_records.pack_beat (DGB3) of a gateway with --no-pending-index "
+                                            "that could not look at the queues",
                              "inputs": {"gateway": hx(gw), "roles": 1, "low_ms": NOW, "now_ms": NOW,
-                                        "consumers": {"check_in": 1}, "flags": 0},
+                                        "consumers": {"check_in": 1}, "flags": 0, "seen": None},
                              "body": hx(body), "expected": beat_json(beat)}
     from gateway.broker.run.index_streams import MARK  # (the reader's mark is written by the broker side)
     token = bytes(range(16, 32))
     out["mark"] = {"produced_by": "gateway.broker.run.index_streams.MARK + a token (a reader's mark to find a "
-                                  "stream's end)",
+                                  "stream's end; since DGB3 a gateway's, as it starts, so that no stream is empty)",
                    "inputs": {"token": hx(token)}, "body": hx(MARK + token),
                    "expected": {"entries": 0, "done_keys": [], "beat": None}}
     return out

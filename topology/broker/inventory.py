@@ -1,28 +1,30 @@
 """What the broker holds, read with plain AMQP, and the steps that retire old chains.
 
 Only what every broker allows: passive declares (does a queue or exchange exist; a queue's
-ready messages and consumers), reading the registry stream from its start, appending to it
-with publisher confirms, and deletes. No management plugin. A passive declare of something
-missing closes its channel (404), so the Prober opens another one.
+ready messages and consumers: configure permission on RabbitMQ 4), reading a stream to its
+end (read permission only: `stream_ends`, `read_stream`), reading the registry stream,
+appending to it with publisher confirms, and deletes. No management plugin. A passive
+declare of something missing closes its channel (404), so the Prober opens another one.
 """
 
 import logging
 import threading
 import time
-from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import pika
 from pika.exceptions import ChannelClosedByBroker
 
 from topology import registry as reg
+from topology.broker.permissions import needing
 from topology.names import Names
 from topology.registry import ChainKey, Record, level_queues
 from topology.retirement import (Count, DeleteExchange, DeleteQueue, MarkRetired, Observed, SealQueues, Step)
 from topology.settings import MAX_LEVELS
 
-# Reading the registry: the stream has no "end" that AMQP reports (a stream's passive
-# declare says 0 messages), so reading stops once nothing more arrives for this long. A
-# record missed under heavy load only keeps an old chain a little longer (registry.py).
+# Reading the registry: an empty one (nothing at "last") is read until nothing more arrives
+# for this long.
 REGISTRY_IDLE_S = 0.25
 REGISTRY_PREFETCH = 500
 
@@ -155,37 +157,173 @@ def close_stream_reader(channel) -> None:
         channel.connection.process_data_events(time_limit=0.05)
 
 
-def stream_channel(connection, stream: str):
-    """A new channel to read `stream` on, or None when the stream does not exist (404)."""
+# Reading a stream to its end. AMQP does not say where a stream ends (a stream's passive
+# declare says 0 messages, and needs configure permission on RabbitMQ 4), so a reader learns
+# it by consuming at "last": the broker delivers the stream's last chunk, whose highest
+# offset is the end as of then (`stream_ends`). It then reads from where it wants until it
+# has read that offset (`read_stream`), and writes nothing. A stream that does not exist
+# refuses the consume (404); an empty one delivers nothing at "last".
+END_WAIT_S = 2.0  # "last" delivered nothing for this long: the end is not known
+END_QUIET_S = 0.1  # the last chunk came: nothing more for this long, its highest offset is the end
+END_BURST_S = 1.0  # ... or, on a stream that never pauses, this long after the first of it
+END_PREFETCH = 64
+PAST_END_S = 0.1  # the end came to the probe and nothing to the reader since: nothing to read
+STALL_S = 60.0  # nothing at all from the broker for this long: the read fails
+
+
+@dataclass
+class Ends:
+    """Each stream's end as of a moment (`stream_ends`)."""
+
+    offsets: Dict[str, int] = field(default_factory=dict)  # the highest offset of its last chunk
+    missing: Set[str] = field(default_factory=set)  # not declared (404)
+    silent: Set[str] = field(default_factory=set)  # nothing at "last" in time: empty, or the broker slow
+
+
+def _headers(properties) -> Any:
+    wire = getattr(properties, "wire", None)  # (the gateway's connections: the exact headers)
+    return wire.headers if wire is not None else (properties.headers or {})
+
+
+def offset_of(properties) -> Optional[int]:
+    """A stream record's offset (the broker's `x-stream-offset` header)."""
+    found = _headers(properties).get("x-stream-offset")
+    return found if isinstance(found, int) and not isinstance(found, bool) else None
+
+
+def stream_ends(connection, streams: Sequence[str], wait_s: float = END_WAIT_S) -> Ends:
+    """Where each stream ends as of now: all at once, each on a channel of its own (a missing
+    stream's 404 closes its channel). Needs read permission on each (a refusal: Refused)."""
+    out = Ends()
+    channels: Dict[str, object] = {}
+    first: Dict[str, float] = {}
+    last: Dict[str, float] = {}
+    fixed: Set[str] = set()
+
+    def consumer(stream: str):
+        def on_message(ch, method, properties, body) -> None:
+            if stream not in fixed:
+                offset = offset_of(properties)
+                if offset is not None:
+                    out.offsets[stream] = max(offset, out.offsets.get(stream, -1))
+                now = time.monotonic()
+                first.setdefault(stream, now)
+                last[stream] = now
+            ch.basic_ack(method.delivery_tag)
+        return on_message
+
+    started = time.monotonic()
+    for stream in streams:
+        channel = connection.channel()
+        _quiet.on = True
+        try:
+            with needing("read"):
+                channel.basic_qos(prefetch_count=END_PREFETCH)
+                channel.basic_consume(stream, consumer(stream), arguments={"x-stream-offset": "last"})
+        except ChannelClosedByBroker as exc:
+            if exc.reply_code != 404:
+                for open_channel in channels.values():
+                    close_stream_reader(open_channel)
+                raise
+            out.missing.add(stream)
+            continue
+        finally:
+            _quiet.on = False
+        channels[stream] = channel
+    while len(fixed) < len(channels):
+        connection.process_data_events(time_limit=0.02)
+        now = time.monotonic()
+        for stream in channels:
+            if stream in fixed:
+                continue
+            if stream in first:
+                if now - last[stream] >= END_QUIET_S or now - first[stream] >= END_BURST_S:
+                    fixed.add(stream)
+            elif now - started >= wait_s:
+                fixed.add(stream)
+                out.silent.add(stream)
+    for channel in channels.values():
+        close_stream_reader(channel)
+    return out
+
+
+def read_stream(connection, stream: str, start: object, end: Optional[int],
+                on_record: Callable[[object, bytes], None], prefetch: int = REGISTRY_PREFETCH,
+                idle_s: float = REGISTRY_IDLE_S, stall_s: float = STALL_S,
+                progress: Optional[Callable[[], None]] = None, progress_every_s: float = 0.5) -> None:
+    """Each record of `stream` from `start` (an `x-stream-offset`: "first", a time, an offset)
+    up to and including the offset `end` (`stream_ends`) to on_record(properties, body);
+    later ones are left aside. Where the start is past the end (a time after the last
+    chunk's), the broker attaches the reader at the end and delivers nothing: a second
+    consumer at `end` gets that record while the first gets none, and the reading is over.
+    `end` None (not known): until nothing came for idle_s. Nothing at all from the broker
+    for `stall_s`: TimeoutError. Needs read permission (a refusal: Refused)."""
     channel = connection.channel()
+    state = _Reading(time.monotonic())
+
+    def on_message(ch, method, properties, body) -> None:
+        state.heard = time.monotonic()
+        if not state.done:
+            offset = offset_of(properties)
+            state.read = True
+            if end is not None and offset is not None and offset > end:
+                state.done = True  # (attached past the end: a record appended since)
+            else:
+                on_record(properties, body)
+                if end is not None and offset is not None and offset >= end:
+                    state.done = True
+        ch.basic_ack(method.delivery_tag)
+
+    def on_probe(ch, method, properties, body) -> None:
+        if state.probed is None:
+            state.probed = time.monotonic()
+        ch.basic_ack(method.delivery_tag)
+
+    with needing("read"):
+        channel.basic_qos(prefetch_count=prefetch)
+        channel.basic_consume(stream, on_message, arguments={"x-stream-offset": start})
+        if end is not None:
+            channel.basic_qos(prefetch_count=1)
+            channel.basic_consume(stream, on_probe, arguments={"x-stream-offset": end})
+    told = time.monotonic()
     try:
-        channel.queue_declare(stream, passive=True)
-    except ChannelClosedByBroker as exc:
-        if exc.reply_code == 404:
-            return None
-        raise
-    return channel
+        while not state.done:
+            connection.process_data_events(time_limit=0.02)
+            now = time.monotonic()
+            if end is None:
+                if now - state.heard >= idle_s:
+                    break
+            elif state.probed is not None and not state.read and now - state.probed >= PAST_END_S:
+                break
+            elif now - state.heard > stall_s:
+                raise TimeoutError(f"nothing came from {stream} for {stall_s:g} s: is the broker overloaded, "
+                                   "or the stream's member down?")
+            if progress is not None and now - told >= progress_every_s:
+                told = now
+                progress()
+    finally:
+        if channel.is_open:
+            close_stream_reader(channel)
+
+
+@dataclass
+class _Reading:
+    heard: float  # when the reader last got a record
+    read: bool = False  # it got one
+    done: bool = False  # it read the end (or past it)
+    probed: Optional[float] = None  # when the probe at the end got its record
 
 
 def read_registry(connection, names: Names, idle_s: float = REGISTRY_IDLE_S) -> Optional[List[Record]]:
-    """Every record, oldest first; None if the registry stream does not exist."""
-    channel = stream_channel(connection, names.registry)
-    if channel is None:
+    """Every record, oldest first, up to the stream's end as of now (`stream_ends`; an empty
+    registry: until nothing came for idle_s); None if the registry stream does not exist.
+    Needs read permission on it, nothing else."""
+    ends = stream_ends(connection, [names.registry], wait_s=idle_s)
+    if names.registry in ends.missing:
         return None
     bodies: List[bytes] = []
-
-    def on_message(ch, method, properties, body) -> None:
-        bodies.append(body)
-        ch.basic_ack(method.delivery_tag)
-
-    channel.basic_qos(prefetch_count=REGISTRY_PREFETCH)
-    channel.basic_consume(names.registry, on_message, arguments={"x-stream-offset": "first"})
-    seen, quiet_since = 0, time.monotonic()
-    while time.monotonic() - quiet_since < idle_s:
-        connection.process_data_events(time_limit=0.02)
-        if len(bodies) != seen:
-            seen, quiet_since = len(bodies), time.monotonic()
-    close_stream_reader(channel)
+    read_stream(connection, names.registry, "first", ends.offsets.get(names.registry),
+                lambda properties, body: bodies.append(body), REGISTRY_PREFETCH, idle_s)
     return [r for r in (reg.decode(b) for b in bodies) if r is not None]
 
 

@@ -21,8 +21,9 @@ from prometheus_client import Counter as Count
 from topology.names import Names
 
 from gateway.broker.plumbing import lazy_properties, publish_frames, wire_connection
+from gateway.broker.plumbing.amqp import login_user
 from gateway.clock import wall_ms
-from gateway.core import envelope, retries
+from gateway.core import envelope, retries, writers
 from gateway.core.actions import Forward, Publish
 from gateway.core.inputs import Delivery
 from gateway.core.routes import Way
@@ -30,8 +31,11 @@ from gateway.core.carrier import Batcher
 from gateway.core.effects import Effects, Handler
 from gateway.core.flow import Flow
 from gateway.core.index_records import Recorder
+from gateway.core.wire import Properties
 from gateway.metrics import Metrics
 
+# The records appended to the streams: signed (writers.py)
+SIGNED = (Way.CANCEL, Way.INDEX)
 # Channel errors that no message causes: the topology or the permissions are wrong, and
 # retrying the message cannot help (the worker reports them and gives up).
 NOT_THE_MESSAGE = (403, 404)
@@ -84,6 +88,10 @@ class Pipe:
         self._connection, self.queue, self._prefetch, self._clock = connection, queue, prefetch, clock
         self._cork = wire_connection.cork(connection)  # what an event makes us send goes out in one write
         self._on_fatal = on_fatal or (lambda exc: None)
+        # The records it appends to the streams are signed with the user it logged in as
+        # (gateway/core/writers.py: readers trust only the gateway user's).
+        self._user = login_user(connection)
+        self._signed: Dict[Properties, Properties] = {}
         self._log = structlog.get_logger("gateway").bind(queue=queue)
         # A debug event costs structlog's processors even when the level filters it out later.
         self._debug = logging.getLogger("gateway").isEnabledFor(logging.DEBUG)
@@ -263,13 +271,26 @@ class Pipe:
     def _send(self, channel: Channel, actions: Effects) -> None:
         for pub in actions.publish:
             f = pub.payload.forward
+            props = self._signed_props(f.props) if f.way in SIGNED else f.props
             try:
-                publish_frames.publish(channel, f.exchange, f.routing_key, f.body, f.props, f.mandatory)
+                publish_frames.publish(channel, f.exchange, f.routing_key, f.body, props, f.mandatory)
             except AMQPError as exc:  # the channel is going away; its close callback takes over
                 self._log.warning("publish_failed", error=str(exc))
                 return
             if self._debug:
                 self._log.debug(f.way.value, exchange=f.exchange, routing_key=envelope.readable_key(f.routing_key))
+
+    def _signed_props(self, props: Properties) -> Properties:
+        """A record's properties with the gateway's user_id (the index's records share one
+        set of properties: signed once)."""
+        if self._user is None:
+            return props
+        found = self._signed.get(props)
+        if found is None:
+            found = writers.signed(props, self._user)
+            if len(self._signed) < 16:  # (the index's few; a cancel's are its own)
+                self._signed[props] = found
+        return found
 
     def _schedule(self) -> None:
         at = self.flow.next_wake()

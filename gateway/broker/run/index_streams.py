@@ -1,48 +1,61 @@
-"""The index of what waits on the broker: the gateways' beats, noting where messages may wait
-unlisted, and reading the waiting streams for `delay-gateway pending` (what the records
-mean: gateway/core/index_records.py; what a reader makes of them: gateway/core/listing.py).
+"""The index of what waits on the broker: the gateways' beats and marks, noting where messages
+may wait unlisted, and reading the waiting streams for `delay-gateway pending` (what the
+records mean: gateway/core/index_records.py; what a reader makes of them: gateway/core/listing.py).
 
-Reading: passive declares say whether messages wait unread where a gateway should take
-them (check-in, and the distributor and returning queues) and who consumes them; the
-registry says whether messages may wait unlisted since an upgrade; the done stream's last
-seconds hold the gateways' beats. From these the reader knows how far back a message may be
-overdue (`listing.horizon`) and whether the answer can be exact (`listing.gaps`). It then
-reads the done stream since then, and each band from its span before, one after the other,
-the highest first (listing.View says why); each stream up to its end as of its start,
-which it learns by appending a mark of its own and reading until it comes back (AMQP does
-not say where a stream ends). However long that takes: a reader that hears nothing from the
-broker for STALL_S gives up, one that reads on is never cut short.
+Writing (a gateway's upkeep thread): every BEAT_EVERY_MS a beat into the done stream, with
+what the gateway sees of the queues where messages wait for it (a passive declare of each,
+which needs configure permission, which a gateway has and a reader need not); and, once a
+process, a mark into each stream of the index, so that none is empty (an empty stream says
+nothing of its end). Every record is signed with the gateway's user (gateway/core/writers.py).
+
+Reading needs read permission on the streams and nothing else: it declares nothing and
+appends nothing. It learns where each stream ends as of its start (topology/broker/inventory.py:
+`stream_ends`, the highest offset of the last chunk), and whether it exists (a consume of a
+missing one is refused with 404); the registry says whether messages may wait unlisted since
+an upgrade; the done stream's last seconds hold the gateways' beats, and the newest says
+whether messages wait unread where a gateway should take them (check-in, the distributor and
+returning queues) and who consumes them. From these the reader knows how far back a message
+may be overdue (`listing.horizon`) and whether the answer can be exact (`listing.gaps`). It
+then reads the done stream since then, and each band from its span before, one after the
+other, the highest first (listing.View says why), each up to its end. It trusts the records
+of the gateway user: another user's are left out, unsigned ones (before 1.0) are read, and
+either makes the answer not exact. However long that takes: a reader that hears nothing
+from the broker for STALL_S gives up, one that reads on is never cut short.
 """
 
 import datetime
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import structlog
 from pika.exceptions import AMQPError, ChannelClosedByBroker
 
 from topology import Topology
 from topology.broker.declare import declare
-from topology.broker.inventory import Prober, Unknown, append, close_stream_reader, read_registry
+from topology.broker.inventory import (END_WAIT_S, Ends, Prober, Unknown, append, read_registry, read_stream,
+                                       stream_ends)
 from topology.names import Names
 from topology.registry import Record, fold
 from topology.settings import QUEUE_TYPES, ChainSettings
-from topology.index_bands import BANDS, DONE, RETENTION_SLACK_MS, band_key
+from topology.index_bands import BANDS, DONE, RETENTION_SLACK_MS, band_key, bands
 
 from gateway.broker.plumbing import lazy_properties
+from gateway.broker.plumbing.amqp import login_user
 from gateway.clock import wall_ms
-from gateway.core import index_records, listing
-from gateway.core.listing import Gap, Horizon, Place, View
+from gateway.core import cancels, index_records, listing, writers
+from gateway.core.listing import Gap, Horizon, View
+from gateway.core.index_records import Place
 from gateway.core.index_records import Consumers
 from gateway.core.wire import Properties
 from gateway.times import iso_s
 
-MARK = b"DGM1"
+MARK = b"DGM1"  # a mark (and 16 random bytes): each gateway appends one to each stream as it starts
 PREFETCH = 64  # records (each up to a carrier's worth of entries) unacknowledged per stream
 CLOCKS_MS = 60_000  # read this much earlier: the streams' chunk times are the broker's clock
 STALL_S = 60.0  # nothing at all from the broker for this long: the read fails
+QUIET_S = 0.3  # a stream whose end is not known is read until nothing came for this long
 PROGRESS_EVERY_S = 0.5
 RECORD = Properties.build(delivery_mode=2)
 DAY_MS = 86_400_000
@@ -51,8 +64,9 @@ DAY_MS = 86_400_000
 class Beats:
     """A gateway's beat, every BEAT_EVERY_MS, into the done stream (from the upkeep thread):
     which roles it runs, how many consumers of each kind (`consumers`, set by the worker's
-    session), whether it writes entries, and the earliest due time of what its distributor
-    holds (`low`, set by the worker; now when nothing)."""
+    session), whether it writes entries, the earliest due time of what its distributor
+    holds (`low`, set by the worker; now when nothing), and what it sees of the queues where
+    messages wait for a gateway (`look`). Signed with the connection's user."""
 
     def __init__(self, names: Names, role: str, indexes: bool = True) -> None:
         self.names = names
@@ -63,6 +77,7 @@ class Beats:
         self.low: Callable[[], Optional[int]] = lambda: None
         self.consumers = Consumers()
         self._channel: Any = None
+        self._prober: Optional[Prober] = None
         self._sent = 0.0
         self._off = False
         self.log = structlog.get_logger("gateway").bind(part="upkeep")
@@ -71,20 +86,31 @@ class Beats:
         if self._off or time.monotonic() - self._sent < index_records.BEAT_EVERY_MS / 1000:
             return
         self._sent = time.monotonic()
+        seen = self.look(connection)
         now = wall_ms()
         low = self.low()
         try:
             if self._channel is None or not self._channel.is_open:
                 self._channel = connection.channel()
             self._channel.basic_publish(self.names.waiting, DONE, index_records.pack_beat(
-                self.id, self.roles, now if low is None else min(low, now), now, self.consumers, self.flags),
-                lazy_properties.WireProperties(RECORD))
+                self.id, self.roles, now if low is None else min(low, now), now, self.consumers, self.flags, seen),
+                lazy_properties.WireProperties(record_properties(connection)))
         except ChannelClosedByBroker as exc:  # the exchange is missing: an older topology
             self._channel = None
             if exc.reply_code == 404:
                 self._off = True
                 self.log.warning("waiting_beats_off", exchange=self.names.waiting,
                                  fix="run `delay-gateway declare` with this version")
+
+    def look(self, connection) -> Optional[index_records.Seen]:
+        """What this gateway sees of the queues where messages wait for a gateway (None: a
+        look was refused)."""
+        if self._prober is None or self._prober.connection is not connection:
+            self._prober = Prober(connection)
+        try:
+            return seen_queues(self._prober, self.names)
+        except Unknown:
+            return None
 
     def count(self, consumers: Consumers) -> None:
         """The worker's session consumes these now: beat soon, so that readers know at once."""
@@ -94,6 +120,48 @@ class Beats:
     def forget(self) -> None:
         """The connection is gone."""
         self._channel = None
+        self._prober = None
+
+
+def seen_queues(prober: Prober, names: Names) -> index_records.Seen:
+    """Ready messages and consumers of check-in (and retry), of every returning exit and of
+    every distributor exit (a missing queue counts nothing). Raises Unknown."""
+    def place(queues: Sequence[str]) -> Place:
+        counts = [c for c in (prober.queue(q) for q in queues) if c is not None]
+        return Place(sum(c.messages for c in counts), sum(c.consumers for c in counts))
+    return index_records.Seen(place([names.check_in, names.retry]),
+                              place([names.exit_returning(t) for t in QUEUE_TYPES]),
+                              place([names.exit_distributor(t) for t in QUEUE_TYPES]))
+
+
+def record_properties(connection) -> Properties:
+    """A record's properties, signed with the user the connection logged in as."""
+    user = login_user(connection)
+    return RECORD if user is None else writers.signed(RECORD, user)
+
+
+def index_keys(chain: ChainSettings) -> List[str]:
+    """The streams of a chain's index, by routing key: the done stream and its bands."""
+    return [DONE] + [band_key(b) for b in range(bands(chain))]
+
+
+def mark_streams(connection, chain: ChainSettings, cancellations: bool = False) -> None:
+    """Append a mark (signed) to each stream of the index (and, `cancellations`, to the
+    cancellations stream), so that none is empty: a reader finds a stream's end by its last
+    chunk, and an empty stream has none. Confirmed."""
+    channel = connection.channel()
+    channel.confirm_delivery()
+    props = record_properties(connection)
+    for key in index_keys(chain):
+        channel.basic_publish(chain.names.waiting, key, MARK + uuid.uuid4().bytes,
+                              lazy_properties.WireProperties(props), mandatory=True)
+    if cancellations:
+        user = login_user(connection)
+        mark = cancels.mark(uuid.uuid4().hex.encode())
+        channel.basic_publish(chain.names.cancellations, "", b"",
+                              lazy_properties.WireProperties(mark if user is None else writers.signed(mark, user)),
+                              mandatory=True)
+    channel.close()
 
 
 # -- noting where messages may wait unlisted ---------------------------------------------------
@@ -135,8 +203,9 @@ def note_messages_before_index(connection, settings: ChainSettings, now_ms: int)
 
 
 def declare_noting(channel, topology: Topology, declaring: Callable[[Any, Topology], None] = declare) -> None:
-    """Declare (or, `declaring=verify`, find) the topology; if that created the index where
-    messages already wait, say so in the registry (`note_messages_before_index`)."""
+    """Declare (or, `declaring=verify`, find) the topology; if that created the index, mark its
+    streams and the cancellations stream (`mark_streams`), and where messages already wait,
+    say so in the registry (`note_messages_before_index`)."""
     prober = Prober(channel.connection)
     try:
         missing = index_missing(prober, topology.settings.names)
@@ -146,6 +215,7 @@ def declare_noting(channel, topology: Topology, declaring: Callable[[Any, Topolo
     declaring(channel, topology)
     if missing and declaring is declare:
         note_messages_before_index(channel.connection, topology.settings, wall_ms())
+        mark_streams(channel.connection, topology.settings, cancellations=True)  # (none is left empty)
 
 
 def unindexed_every_ms(settings: ChainSettings) -> int:
@@ -172,7 +242,7 @@ class Found:
 
     horizon: Horizon
     bands: List[int]
-    unread_check_in: Optional[int]  # messages in check-in no gateway has read yet (not listed)
+    unread_check_in: Optional[int]  # messages in check-in no gateway has read yet (not listed); None: unknown
     gaps: List[Gap] = field(default_factory=list)
     records: int = 0
 
@@ -204,105 +274,89 @@ class Missing(RuntimeError):
 Progress = Callable[[int, int], None]  # (entries read, keys read), every PROGRESS_EVERY_S
 
 
-def read(connection, names: Names, now_ms: int, make_view: Callable[[Horizon], View],
+def read(connection, chain: ChainSettings, trusted: str, now_ms: int, make_view: Callable[[Horizon], View],
          progress: Optional[Progress] = None) -> Tuple[View, Found]:
-    """Read the index into a view (see the module doc). Raises Missing."""
-    prober = Prober(connection)
-    places: Dict[str, Place] = {}
-    for place, exits in (("distributor", names.exit_distributor), ("returning", names.exit_returning)):
-        counts = [c for c in (prober.queue(exits(t)) for t in QUEUE_TYPES) if c is not None]
-        places[place] = Place(sum(c.messages for c in counts), sum(c.consumers for c in counts))
-    entrance = [c for c in (prober.queue(names.check_in), prober.queue(names.retry)) if c is not None]
-    check_in = Place(sum(c.messages for c in entrance), sum(c.consumers for c in entrance))
-    bands = [b for b in range(BANDS) if prober.queue(names.waiting_stream(band_key(b))) is not None]
-    done_there = prober.queue(names.waiting_stream(DONE)) is not None
-    prober.close()
-    if not bands or not done_there:
+    """Read the index into a view (see the module doc), trusting the records `trusted` (the
+    gateway user) signed. Raises Missing."""
+    names = chain.names
+    needed = index_keys(chain)
+    others = [band_key(b) for b in range(bands(chain), BANDS)]  # (a chain of other settings may have more)
+    ends = stream_ends(connection, [names.waiting_stream(k) for k in needed + others])
+    if any(names.waiting_stream(k) in ends.missing for k in needed):
         raise Missing(f"the waiting streams ({names.waiting_stream('NN')}) are not declared under prefix "
                       f"{names.prefix!r}: run `delay-gateway declare` with this version (the gateways then list "
                       "what they send on from that moment)")
+    there = [b for b in range(BANDS) if names.waiting_stream(band_key(b)) not in ends.missing]
     records = read_registry(connection, names)
     unlisted = [Gap(r.why, r.until_ms) for r in fold(records or []).unlisted]
-    reader = StreamReader(connection, names)
+    reader = StreamReader(connection, names, ends, trusted)
     recent: List[index_records.Beat] = []
 
     def on_beat(body: bytes) -> None:
         found = index_records.beat(body)
         if found is not None:
             recent.append(found)
-    reader.read({DONE: now_ms - index_records.LIVE_MS - CLOCKS_MS}, {DONE: on_beat})
-    at = listing.horizon(now_ms, recent, places)
+    reader.read(DONE, now_ms - index_records.LIVE_MS - CLOCKS_MS, on_beat)
+    places, unseen = listing.seen(now_ms, recent)
+    at = listing.horizon(now_ms, recent, places) if places is not None \
+        else Horizon(now_ms - RETENTION_SLACK_MS, False, unseen)
     view = make_view(at)
     if progress is not None:
         reader.progress = lambda: progress(view.read, view.keys)
-    reader.read({DONE: at.at_ms - CLOCKS_MS}, {DONE: view.add_keys})
-    for b in sorted(bands, reverse=True):  # (the highest first: a lap's entry before its next one)
-        reader.read({band_key(b): listing.read_from_ms(b, at) - CLOCKS_MS},
-                    {band_key(b): lambda body: view.add_entries(body, wall_ms())})
+    reader.read(DONE, at.at_ms - CLOCKS_MS, view.add_keys)
+    for b in sorted(there, reverse=True):  # (the highest first: a lap's entry before its next one)
+        reader.read(band_key(b), listing.read_from_ms(b, at) - CLOCKS_MS,
+                    lambda body: view.add_entries(body, wall_ms()))
     view.finish()
-    found = Found(at, bands, check_in.ready, listing.gaps(now_ms, recent, check_in, unlisted), reader.records)
+    check_in = places["check_in"] if places is not None else Place(0, 0)
+    gaps = listing.gaps(now_ms, recent, check_in, unlisted) + reader.gaps()
+    found = Found(at, there, check_in.ready if places is not None else None, gaps, reader.records)
     return view, found
 
 
 class StreamReader:
-    """Reads streams from a time to their end (as of the start), all at once on one channel."""
+    """Reads streams of the index from a time to their end as of `ends` (stream_ends), one
+    after the other, each record's body to its handler when the gateway user signed it (or
+    it is unsigned: `doubts` counts those, and another user's, which are left out)."""
 
-    def __init__(self, connection, names: Names) -> None:
-        self.connection, self.names = connection, names
+    def __init__(self, connection, names: Names, ends: Ends, trusted: str) -> None:
+        self.connection, self.names, self.ends, self.trusted = connection, names, ends, trusted
         self.records = 0
+        self.doubts = writers.Doubts()
         self.progress: Callable[[], None] = lambda: None
+        self.silent: List[str] = []
 
-    def read(self, starts: Dict[str, int], handlers: Dict[str, Callable[[bytes], object]]) -> None:
-        """Each stream (by its key) from `starts[key]` (epoch ms), each record's body to its handler."""
-        channel = self.connection.channel()
-        marks = self._marks(channel, list(starts))
-        reading: Dict[str, str] = {}  # key -> consumer tag, until its mark came back
-        ended: List[str] = []
+    def read(self, key: str, start_ms: int, handle: Callable[[bytes], object]) -> None:
+        """The stream of `key` from `start_ms` (epoch ms) to its end."""
+        stream = self.names.waiting_stream(key)
+        start = datetime.datetime.fromtimestamp(max(0.0, start_ms / 1000), datetime.timezone.utc)
+        end = self.ends.offsets.get(stream)
+        if end is None and stream not in self.silent:
+            self.silent.append(stream)
 
-        def consumer(key: str):
-            handle, token = handlers[key], marks[key]
+        def on_record(properties, body: bytes) -> None:
+            self.records += 1
+            if body.startswith(MARK):
+                return  # (a mark: nothing to read, whoever wrote it)
+            found = writers.writer(properties.wire, self.trusted)
+            if found is not writers.Writer.GATEWAY:
+                self.doubts.count(found)
+                if found is writers.Writer.OTHER:
+                    return
+            handle(body)
+        read_stream(self.connection, stream, start, end, on_record, PREFETCH, idle_s=QUIET_S, stall_s=STALL_S,
+                    progress=lambda: self.progress(), progress_every_s=PROGRESS_EVERY_S)
 
-            def on_message(ch, method, properties, body) -> None:
-                self.records += 1
-                if key not in reading:
-                    pass  # (past its mark: the stream was read to where it ended at the start)
-                elif body == token:
-                    ended.append(key)
-                else:
-                    handle(body)
-                ch.basic_ack(method.delivery_tag)
-            return on_message
-
-        channel.basic_qos(prefetch_count=PREFETCH)
-        for key, start_ms in starts.items():
-            start = datetime.datetime.fromtimestamp(max(0.0, start_ms / 1000), datetime.timezone.utc)
-            reading[key] = channel.basic_consume(self.names.waiting_stream(key), consumer(key),
-                                                 arguments={"x-stream-offset": start})
-        heard, seen, told = time.monotonic(), self.records, time.monotonic()
-        while reading:
-            self.connection.process_data_events(time_limit=0.05)
-            while ended:  # (its records after the mark are acknowledged and left aside)
-                reading.pop(ended.pop(), None)
-            now = time.monotonic()
-            if self.records != seen:
-                heard, seen = now, self.records
-            elif now - heard > STALL_S:
-                raise TimeoutError(f"nothing came from {', '.join(self.names.waiting_stream(k) for k in reading)} "
-                                   f"for {STALL_S:g} s: is the broker overloaded, or the stream's member down?")
-            if now - told >= PROGRESS_EVERY_S:
-                told = now
-                self.progress()
-        close_stream_reader(channel)
-
-    def _marks(self, channel, keys: Sequence[str]) -> Dict[str, bytes]:
-        """Append a mark of our own to each stream: read back, everything before it was read."""
-        channel.confirm_delivery()
-        marks = {}
-        for key in keys:
-            marks[key] = MARK + uuid.uuid4().bytes
-            channel.basic_publish(self.names.waiting, key, marks[key], lazy_properties.WireProperties(RECORD),
-                                  mandatory=True)
-        return marks
+    def gaps(self) -> List[Gap]:
+        """Why what was read may not be the index as the gateways wrote it."""
+        out = []
+        if self.silent:
+            out.append(Gap(f"{', '.join(self.silent)}: nothing came at its end within {END_WAIT_S:g} s (an empty "
+                           "stream: declared by an earlier version and no gateway of this one started; or the broker "
+                           "slow): read until it was quiet"))
+        if self.doubts:
+            out.append(Gap(self.doubts.why("the index")))
+        return out
 
 
 def problem(exc: BaseException) -> str:

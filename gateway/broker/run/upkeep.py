@@ -14,9 +14,11 @@ worker.one), so the consumers never wait for it and it never touches their conne
 - every 15 s it counts the ready messages of the gateway's own queues (one passive declare
   each) for the metric `delay_gateway_queue_messages`, which the alerts on a check-in
   backlog read;
+- once a process, it appends a mark to each stream of the index (index_streams.mark_streams),
+  so that none is empty: a reader finds where a stream ends by its last chunk;
 - every 5 s it beats into the done stream (index_streams.py: Beats), so that a reader
-  knows which gateways keep up; with --no-pending-index it also notes in the registry, every
-  quarter lap, until when what it sends on may wait unlisted.
+  knows which gateways keep up and what they see of the queues; with --no-pending-index it
+  also notes in the registry, every quarter lap, until when what it sends on may wait unlisted.
 
 Automatic rather than a separate step because a `helm upgrade` that changes the chain is
 then complete by itself: old replicas stop, their chain drains into the shared queues and
@@ -30,7 +32,7 @@ import time
 from typing import Callable, List, Optional, Set, Tuple
 
 import structlog
-from pika.exceptions import AMQPError
+from pika.exceptions import AMQPError, ChannelClosedByBroker, UnroutableError
 
 from topology.broker.inventory import Executor, Look, Prober, Unknown, append, look_at_generation, read_registry
 from topology.model import PRESENCE_ARGUMENTS
@@ -41,7 +43,7 @@ from topology.retirement import Step, Unused, plan
 from gateway.broker.plumbing import wire_connection
 from gateway.broker.plumbing.amqp import classify, parameters, unreachable
 from gateway.broker.run import launch
-from gateway.broker.run.index_streams import Beats, note_unindexed_gateway, unindexed_every_ms
+from gateway.broker.run.index_streams import Beats, mark_streams, note_unindexed_gateway, unindexed_every_ms
 from gateway.clock import wall_ms
 from gateway.metrics import Metrics
 from gateway.settings import Settings
@@ -148,6 +150,7 @@ class Upkeep:
         self.attached = threading.Event()  # counted as a user of the chain
         self._cancelled = False
         self._noted_ms: Optional[int] = None  # when it last noted that it writes no entries
+        self._marked = False  # its marks are in the index's streams
 
     def run(self) -> None:
         urls = itertools.cycle(self.settings.urls)
@@ -208,6 +211,7 @@ class Upkeep:
 
     def _session(self, connection) -> None:
         self._attach(connection)
+        self._mark(connection)
         grace_ms = margin_ms = int(self.settings.retire_after * 1000)
         misses = 0
         prober, counted_at = Prober(connection), float("-inf")
@@ -241,6 +245,16 @@ class Upkeep:
                 if self.beats is not None:
                     self.beats.maybe(connection)
                 connection.process_data_events(time_limit=min(0.2, max(0.0, deadline - time.monotonic())))
+
+    def _mark(self, connection) -> None:
+        """Once a process: a mark in each stream of the index (none is left empty)."""
+        if self._marked:
+            return
+        try:
+            mark_streams(connection, self.chain)
+        except (ChannelClosedByBroker, UnroutableError) as exc:  # an older topology: the index is not there
+            self.log.info("index_marks_not_written", exchange=self.names.waiting, error=str(exc))
+        self._marked = True
 
     def _note_unindexed(self, connection) -> None:
         if self.settings.pending_index:

@@ -10,7 +10,7 @@ from topology.names import Names
 from topology.registry import ChainKey, Registry, fold
 from topology.model import cancel_window_ms
 from topology.retirement import Observed
-from topology.settings import QUEUE_TYPES
+from topology.settings import QUEUE_TYPES, ChainSettings
 
 from gateway.broker.run import stamp
 from gateway.broker.tools import cancellations
@@ -92,10 +92,11 @@ def read_report(connection, settings: Settings, own: ChainKey, now_ms: int,
             source = f"--metrics-url failed: {exc}"
     r = report(prefix, own, settings.lead_ms, registry, chains, observed, held, source, now_ms, carried)
     window_ms = cancel_window_ms(own.settings(prefix), settings.cancel_retention)
-    records = cancellations.read(connection, Names(prefix), window_ms)
+    records = cancellations.read(connection, Names(prefix), window_ms, settings.trusted_user)
     held_ids = {mid for mid, _ in records.ids}
     if index_counts and not r.missing:
-        r.waiting = waiting_messages(connection, Names(prefix), records, window_ms, now_ms)
+        r.waiting = waiting_messages(connection, own.settings(prefix), settings.trusted_user, records, window_ms,
+                                     now_ms)
     check_in = observed.queues.get(Names(prefix).check_in)
     promise, problem = cancel_guarantee(stamping[1], stamping[0], check_in.consumers if check_in else None)
     r.cancellations = {"held": len(held_ids), "window_ms": window_ms, "rules": len(records.rules), **promise}
@@ -105,14 +106,15 @@ def read_report(connection, settings: Settings, own: ChainKey, now_ms: int,
     return r
 
 
-def waiting_messages(connection, names: Names, records: cancellations.Recorded, window_ms: int,
-                     now_ms: int) -> Dict[str, Any]:
+def waiting_messages(connection, chain: ChainSettings, trusted: str, records: cancellations.Recorded,
+                     window_ms: int, now_ms: int) -> Dict[str, Any]:
     """The messages that wait, from the index, by due time (cumulative, as `due_within`)."""
     judge = listing.cancelled_by(records.store(window_ms, now_ms), records.rules, now_ms)
     ranges = [(label, ms) for label, ms in HORIZONS] + [("later", None)]
     try:
-        view, found = index_streams.read(connection, names, now_ms, lambda at: listing.View(
+        view, found = index_streams.read(connection, chain, trusted, now_ms, lambda at: listing.View(
             now_ms, at, judge, Selection(), None, None, ranges))
+        found.gaps += records.gaps()
     except index_streams.Missing:
         return {"total": None, "exact": False, "why": "the index of what waits is not declared (run `delay-gateway "
                                                         "declare` with this version)"}
