@@ -706,7 +706,7 @@ ERAS = {
     "pick-up-stamp": {"1013189"},
     "registry": {"1f5570f", "133e07a"},
     "retry": {"ae852a0", "7fb1d2d"},
-    "waiting": {"345936a", "4a05290", "133e07a", "e34319f", "7fb1d2d"},
+    "waiting": {"345936a", "4a05290", "133e07a", "e34319f", "7fb1d2d", "f381cff"},
 }
 
 
