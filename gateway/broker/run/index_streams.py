@@ -18,24 +18,26 @@ returning queues) and who consumes them. From these the reader knows how far bac
 may be overdue (`listing.horizon`) and whether the answer can be exact (`listing.gaps`). It
 then reads the done stream since then, and each band from its span before, one after the
 other, the highest first (listing.View says why), each up to its end. It trusts the records
-of the gateway user: another user's are left out, unsigned ones (before 1.0) are read, and
-either makes the answer not exact. However long that takes: a reader that hears nothing
+of the gateway user: another user's are left out, unsigned ones (before 1.0) are read but
+trusted less (their done keys hide nothing, their beats count no queue), and either makes the
+answer not exact. However long that takes: a reader that hears nothing
 from the broker for STALL_S gives up, one that reads on is never cut short.
 """
 
+import dataclasses
 import datetime
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Set, Tuple
 
 import structlog
 from pika.exceptions import AMQPError, ChannelClosedByBroker
 
 from topology import Topology
 from topology.broker.declare import declare
-from topology.broker.inventory import (END_WAIT_S, Ends, Prober, Unknown, append, read_registry, read_stream,
-                                       stream_ends)
+from topology.broker.inventory import (END_WAIT_S, Ends, Prober, Unknown, append, offset_of, read_registry,
+                                       read_stream, stream_ends)
 from topology.names import Names
 from topology.registry import Record, fold
 from topology.settings import QUEUE_TYPES, ChainSettings
@@ -292,11 +294,14 @@ def read(connection, chain: ChainSettings, trusted: str, now_ms: int, make_view:
     reader = StreamReader(connection, names, ends, trusted)
     recent: List[index_records.Beat] = []
 
-    def on_beat(body: bytes) -> None:
+    def on_beat(body: bytes, counts: bool = True) -> None:
         found = index_records.beat(body)
         if found is not None:
-            recent.append(found)
-    reader.read(DONE, now_ms - index_records.LIVE_MS - CLOCKS_MS, on_beat)
+            recent.append(found if counts else dataclasses.replace(found, seen=None))
+    # Unsigned records (before 1.0) are read but trusted less: a beat's counts of the queues
+    # are not taken from one (no version that wrote them unsigned counted), and a done key
+    # never hides a message (an entry may list one): the answer says it read them.
+    reader.read(DONE, now_ms - index_records.LIVE_MS - CLOCKS_MS, on_beat, lambda body: on_beat(body, False))
     places, unseen = listing.seen(now_ms, recent)
     at = listing.horizon(now_ms, recent, places) if places is not None \
         else Horizon(now_ms - RETENTION_SLACK_MS, False, unseen)
@@ -305,8 +310,8 @@ def read(connection, chain: ChainSettings, trusted: str, now_ms: int, make_view:
         reader.progress = lambda: progress(view.read, view.keys)
     reader.read(DONE, at.at_ms - CLOCKS_MS, view.add_keys)
     for b in sorted(there, reverse=True):  # (the highest first: a lap's entry before its next one)
-        reader.read(band_key(b), listing.read_from_ms(b, at) - CLOCKS_MS,
-                    lambda body: view.add_entries(body, wall_ms()))
+        entries = lambda body: view.add_entries(body, wall_ms())  # noqa: E731
+        reader.read(band_key(b), listing.read_from_ms(b, at) - CLOCKS_MS, entries, entries)
     view.finish()
     check_in = places["check_in"] if places is not None else Place(0, 0)
     gaps = listing.gaps(now_ms, recent, check_in, unlisted) + reader.gaps()
@@ -316,18 +321,21 @@ def read(connection, chain: ChainSettings, trusted: str, now_ms: int, make_view:
 
 class StreamReader:
     """Reads streams of the index from a time to their end as of `ends` (stream_ends), one
-    after the other, each record's body to its handler when the gateway user signed it (or
-    it is unsigned: `doubts` counts those, and another user's, which are left out)."""
+    after the other, each record's body to its handler when the gateway user signed it
+    (unsigned ones to another, or none; another user's are left out: `doubts` counts both)."""
 
     def __init__(self, connection, names: Names, ends: Ends, trusted: str) -> None:
         self.connection, self.names, self.ends, self.trusted = connection, names, ends, trusted
         self.records = 0
         self.doubts = writers.Doubts()
+        self._doubted: Set[Tuple[str, Optional[int]]] = set()
         self.progress: Callable[[], None] = lambda: None
         self.silent: List[str] = []
 
-    def read(self, key: str, start_ms: int, handle: Callable[[bytes], object]) -> None:
-        """The stream of `key` from `start_ms` (epoch ms) to its end."""
+    def read(self, key: str, start_ms: int, handle: Callable[[bytes], object],
+             unsigned: Optional[Callable[[bytes], object]] = None) -> None:
+        """The stream of `key` from `start_ms` (epoch ms) to its end: the gateway user's
+        records to `handle`, unsigned ones (before 1.0) to `unsigned` (None: left out)."""
         stream = self.names.waiting_stream(key)
         start = datetime.datetime.fromtimestamp(max(0.0, start_ms / 1000), datetime.timezone.utc)
         end = self.ends.offsets.get(stream)
@@ -339,11 +347,15 @@ class StreamReader:
             if body.startswith(MARK):
                 return  # (a mark: nothing to read, whoever wrote it)
             found = writers.writer(properties.wire, self.trusted)
-            if found is not writers.Writer.GATEWAY:
+            if found is writers.Writer.GATEWAY:
+                handle(body)
+                return
+            offset = offset_of(properties)
+            if (stream, offset) not in self._doubted:  # (the done stream is read twice: count each once)
+                self._doubted.add((stream, offset))
                 self.doubts.count(found)
-                if found is writers.Writer.OTHER:
-                    return
-            handle(body)
+            if found is writers.Writer.UNSIGNED and unsigned is not None:
+                unsigned(body)
         read_stream(self.connection, stream, start, end, on_record, PREFETCH, idle_s=QUIET_S, stall_s=STALL_S,
                     progress=lambda: self.progress(), progress_every_s=PROGRESS_EVERY_S)
 
