@@ -1,19 +1,34 @@
 """Credentials never in output, TLS with a CA and a client certificate, and a
-least-privilege user whose permissions cover only the prefix: all on the private node."""
+least-privilege user whose permissions cover only the prefix: all on the private node. And
+each role of docs/security.md as a real user with its line, running the real CLI, on the
+suite's brokers."""
 
+import base64
+import contextlib
+import json
 import os
 import shlex
+import struct
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
+from typing import List
+from urllib.parse import urlsplit, urlunsplit
 
 import pika
 import pytest
 
 from topology import ChainSettings
 
-from ..support import ROOT, GatewayProcess, Receiver, chain_args, connect, next_message, now_ms, parked_report
+from gateway.core import index_records, rules
+from gateway.urls import user_of
+
+from ..support import (ROOT, SENTINEL, GatewayProcess, Receiver, broker_url, chain_args, connect, next_message, now_ms,
+                       parked_report, publish_sentinel, wait_until)
+
+cancels_struct = struct.Struct(">qI")  # a handle's bytes: read time and checksum (gateway/core/cancels.py)
 
 
 def gateway_cli(*args, env=None, timeout=60) -> subprocess.CompletedProcess:
@@ -254,3 +269,169 @@ def test_retries_need_write_on_amq_default_and_without_it_are_parked_alone(own_n
             gateway.kill()
         gateway_cli("delete", *chain_args(chain), "--yes", "--url", own_node.url)
         own_node.ctl("delete_user", "delay-gateway", check=False)
+
+
+# -- the roles of docs/security.md, each as a real user on both suite brokers ----------------------
+def role_line(role: str, prefix: str, user: str) -> List[str]:
+    """The security guide's set_permissions line of `role` (its user name in the guide), for
+    `prefix` instead of `delay`, for the user `user`: the arguments rabbitmqctl takes."""
+    with open(os.path.join(ROOT, "docs", "security.md"), encoding="utf-8") as f:
+        [line] = [x.strip() for x in f if x.startswith(f"rabbitmqctl set_permissions -p / {role} ")]
+    argv = shlex.split(line)[1:]
+    assert argv[:4] == ["set_permissions", "-p", "/", role]
+    escaped = "".join("\\" + c if c in ".^$*+?()[]{}|\\" else c for c in prefix)
+    return argv[:3] + [user] + [a.replace(r"delay\.", escaped + r"\.") for a in argv[4:]]
+
+
+@contextlib.contextmanager
+def role_user(broker_ctl, role: str, chain: ChainSettings):
+    """A user of its own with `role`'s line for the chain's prefix: (its name, its URL);
+    deleted afterwards, also when the test fails."""
+    user, password = f"{role}-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    broker_ctl("add_user", user, password)
+    try:
+        broker_ctl(*role_line(role, chain.prefix, user))
+        parts = urlsplit(broker_url())
+        yield user, urlunsplit(parts._replace(netloc=f"{user}:{password}@{parts.hostname}:{parts.port or 5672}"))
+    finally:
+        broker_ctl("delete_user", user)
+
+
+def run_as(url: str, chain: ChainSettings, *args: str) -> subprocess.CompletedProcess:
+    """The real CLI as that user, trusting the records of the gateway's (the suite's URL's)."""
+    return gateway_cli(*args, *chain_args(chain), "--url", url, "--gateway-user", user_of(broker_url()))
+
+
+def one_refusal(r: subprocess.CompletedProcess, verb: str, user: str, permission: str, kind: str, name: str,
+                role: str) -> None:
+    """Exit 3 and one line naming the one permission missing: no traceback, nothing else."""
+    assert r.returncode == 3 and r.stdout == "", (r.returncode, r.stdout, r.stderr)
+    verbs = {"read": "read", "write": "write to", "configure": "configure"}
+    assert r.stderr.splitlines() == [
+        f"delay-gateway {verb}: user {user!r} may not {verbs[permission]} {kind} {name!r} in vhost '/': grant it "
+        f"{permission} permission on that name (docs/security.md: {role})"], r.stderr
+
+
+def publish_refused(url: str, exchange: str, routing_key: str, body: bytes, **props) -> int:
+    """Publish with confirms as that user: the reply code the broker closed the channel with."""
+    with pika.BlockingConnection(pika.URLParameters(url)) as connection:
+        channel = connection.channel()
+        channel.confirm_delivery()
+        try:
+            channel.basic_publish(exchange, routing_key, body, pika.BasicProperties(**props), mandatory=True)
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            return exc.reply_code
+    return 0
+
+
+def done_key_of(row: dict) -> bytes:
+    """The done key (index_records.KEY) of a listed message, from its handle."""
+    raw = base64.b32decode(row["handle"][1:].upper() + "====")
+    return index_records.KEY.pack(*cancels_struct.unpack(raw))
+
+
+def test_a_looker_reads_with_read_permission_only_and_trusts_only_the_gateway(make_chain, run_gateway,
+                                                                             broker_ctl):
+    """The looker's line lists, counts, exports and shows the rules, exactly; without one of
+    its three read rights the command says which, in one line, exit 3. It can append
+    nothing. Another user with write on `<prefix>.waiting` appends a done key for a waiting
+    message and a beat (signed with its user, and a done key unsigned, as before 1.0): the
+    message stays listed, and the answer says what it passed over."""
+    chain = make_chain(max_level=4, resolution_ms=250)
+    run_gateway(chain)
+    t0 = now_ms()
+    with connect() as c:
+        ch = c.channel()
+        ch.confirm_delivery()
+        for mid in ("look-1", "look-2"):
+            ch.basic_publish(chain.names.check_in, f"orders.{mid}", b"x", pika.BasicProperties(
+                message_id=mid, delivery_mode=2, headers={"x-deliver-at": t0 + 600_000}), mandatory=True)
+
+    def counted(url: str) -> dict:
+        r = run_as(url, chain, "pending", "count", "--json")
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+    wait_until(lambda: (lambda found: found["total"] == 2 and found["exact"])(counted(broker_url())), 30, 0.2,
+               "both listed, exactly")
+    with role_user(broker_ctl, "looker", chain) as (user, url):
+        found = counted(url)
+        assert (found["total"], found["exact"], found["notes"]) == (2, True, []), found
+        r = run_as(url, chain, "pending", "list", "--json")
+        assert r.returncode == 0 and sorted(json.loads(x)["message_id"] for x in r.stdout.splitlines()) == [
+            "look-1", "look-2"], r.stderr
+        r = run_as(url, chain, "pending", "export", "-")
+        assert r.returncode == 0 and len(r.stdout.splitlines()) == 2, r.stderr
+        r = run_as(url, chain, "pending", "rules")
+        assert r.returncode == 0 and "no live rule" in r.stdout, r.stderr
+        assert publish_refused(url, chain.names.waiting, "done", index_records.pack_done([])) == 403
+        line = role_line("looker", chain.prefix, user)
+        for gone, stream in (("waiting\\..*|", chain.names.waiting_stream("done")),
+                             ("|cancellations", chain.names.cancellations), ("|chains", chain.names.registry)):
+            broker_ctl(*line[:-1], line[-1].replace(gone, ""))
+            one_refusal(run_as(url, chain, "pending", "count"), "pending count", user, "read", "queue", stream,
+                        "the looker's line")
+        broker_ctl(*line)
+
+        # Another user who may write to <prefix>.waiting: its records hide nothing.
+        with role_user(broker_ctl, "canceller", chain) as (intruder, intruder_url):
+            broker_ctl("set_permissions", "-p", "/", intruder, "^$", f"^{chain.prefix}\\.waiting$", "^$")
+            [row] = [json.loads(x) for x in run_as(url, chain, "pending", "list", "--json", "--id", "look-1")
+                     .stdout.splitlines()]
+            done = index_records.pack_done([done_key_of(row)])
+            assert publish_refused(intruder_url, chain.names.waiting, "done", done, user_id="guest") == 406
+            beat = index_records.pack_beat(b"i" * 16, 3, t0 - 86_400_000, now_ms(), index_records.Consumers(), 0)
+            for body, signed in ((done, True), (done, False), (beat, True)):
+                assert publish_refused(intruder_url, chain.names.waiting, "done", body,
+                                       **({"user_id": intruder} if signed else {})) == 0
+        found = counted(url)
+        assert found["total"] == 2 and not found["exact"], found
+        assert found["notes"] == ["records from before 1.0 or from another user in the index: 1 unsigned record(s) "
+                                  "read, 2 record(s) of another user ignored"], found
+        r = run_as(url, chain, "pending", "list", "--json")
+        assert sorted(json.loads(x)["message_id"] for x in r.stdout.splitlines()) == ["look-1", "look-2"]
+
+
+def test_cancellers_cancel_ids_or_groups_as_their_lines_allow(make_chain, run_gateway, broker_ctl):
+    """The canceller's line cancels its id (`delay-gateway cancel`); a rule it publishes to
+    `<prefix>.rules` is refused by the broker (403), one it sends to `<prefix>.cancel` is
+    parked and cancels nothing. The group canceller's line runs `pending cancel --key
+    ... --yes`. A consumer's line receives what is due at its queue."""
+    chain = make_chain(max_level=4, resolution_ms=250)
+    run_gateway(chain)
+    with role_user(broker_ctl, "consumer", chain) as (_, consumer_url), \
+            role_user(broker_ctl, "canceller", chain) as (_, canceller_url), \
+            role_user(broker_ctl, "group-canceller", chain) as (_, group_url):
+        with pika.BlockingConnection(pika.URLParameters(consumer_url)) as connection:
+            channel = connection.channel()
+            queue = f"consumer.{chain.prefix}"
+            channel.queue_declare(queue, exclusive=True)
+            channel.queue_bind(queue, chain.names.pick_up, "#")
+            t0 = now_ms()
+            due = t0 + 12_000  # (after the cancels: each command takes a second or two)
+            with connect() as c:
+                ch = c.channel()
+                ch.confirm_delivery()
+                for mid, key in (("keep", "orders.1"), ("drop", "orders.2"), ("group-1", "group.1"),
+                                 ("group-2", "group.2")):
+                    ch.basic_publish(chain.names.check_in, key, b"x", pika.BasicProperties(
+                        message_id=mid, delivery_mode=2, headers={"x-deliver-at": due}), mandatory=True)
+            r = run_as(canceller_url, chain, "cancel", "drop")
+            assert r.returncode == 0 and r.stdout.startswith("drop: sent (the broker confirmed it)"), r.stderr
+            assert "may not read queue" in r.stderr  # (it may not see whether a gateway recorded it)
+            rule = {"headers": {rules.NAME: "everything", rules.ALL: True}, "delivery_mode": 2}
+            assert publish_refused(canceller_url, chain.names.rules, "", b"", **rule) == 403
+            assert publish_refused(canceller_url, chain.names.cancel, "", b"", message_id="x", **rule) == 0
+            parked = parked_report(chain)
+            assert f"goes to {chain.names.rules!r}" in parked["messages"][0]["reason"], parked
+            r = run_as(group_url, chain, "pending", "cancel", "--key", "group.#", "--yes", "--wait", "10")
+            assert r.returncode == 0 and "recorded at" in r.stdout, r.stdout + r.stderr
+            publish_sentinel(chain, due, absolute=True, routing_key="orders.zz")
+            got: List[str] = []
+
+            def sentinel() -> bool:
+                method, properties, _ = channel.basic_get(queue, auto_ack=True)
+                if method is not None and properties.message_id != SENTINEL:
+                    got.append(properties.message_id)
+                return method is not None and properties.message_id == SENTINEL
+            wait_until(sentinel, due / 1000 - time.time() + 30, 0.05, "the sentinel at the consumer's queue")
+            assert got == ["keep"], got  # the rule sent to the cancels by id cancelled nothing
