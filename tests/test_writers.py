@@ -28,7 +28,7 @@ def test_a_reader_of_the_cancellations_keeps_what_the_gateway_would():
     mark = cancels.mark(b"token")
     tally = rules.tally_record(b"r", b"g" * 16, 3)
     for who, kept in ((GATEWAY, "all"), (None, "unsigned"), ("intruder", "offset")):
-        def as_read(p):
+        def as_read(p, who=who):
             return writers.cancellation_headers(p if who is None else writers.signed(p, who), GATEWAY)
         assert (cancels.read_record(as_read(cancel)) is not None) == (kept != "offset")
         assert (rules.read_record(as_read(rule), body) is not None) == (kept == "all")
@@ -43,5 +43,5 @@ def test_doubts_say_what_was_left_out_and_what_was_used_unsigned():
     for found in (writers.Writer.GATEWAY, writers.Writer.OTHER, writers.Writer.UNSIGNED, writers.Writer.OTHER):
         doubts.count(found)
     assert doubts and (doubts.other, doubts.unsigned) == (2, 1)
-    assert doubts.why("the index") == (f"{writers.UNTRUSTED} in the index: 1 unsigned record(s) used, 2 record(s) of "
+    assert doubts.why("the index") == (f"{writers.UNTRUSTED} in the index: 1 unsigned record(s) read, 2 record(s) of "
                                        "another user ignored")

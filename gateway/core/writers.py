@@ -14,8 +14,9 @@ user of the first URL):
 - unsigned: written by a version before 1.0 (or by a tool that does not sign). A gateway
   still reads the unsigned cancels by id and marks of the cancellations stream (0.1.0 wrote
   them: a rolling upgrade keeps its cancels; tallies too, which only count); no release
-  wrote rules unsigned, so an unsigned rule is ignored. A command that used unsigned records
-  of the index says its answer is not exact (`UNTRUSTED`).
+  wrote rules unsigned, so an unsigned rule is ignored. A command reads unsigned records of
+  the index (0.1.0 wrote them) but never lets one hide a message (index_streams.py), and says
+  its answer is not exact (`UNTRUSTED`).
 """
 
 import enum
@@ -89,6 +90,6 @@ class Doubts:
         return bool(self.other or self.unsigned)
 
     def why(self, where: str) -> str:
-        parts = ([f"{self.unsigned} unsigned record(s) used"] if self.unsigned else []) + \
+        parts = ([f"{self.unsigned} unsigned record(s) read"] if self.unsigned else []) + \
             ([f"{self.other} record(s) of another user ignored"] if self.other else [])
         return f"{UNTRUSTED} in {where}: {', '.join(parts)}"
