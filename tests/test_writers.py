@@ -27,6 +27,7 @@ def test_a_reader_of_the_cancellations_keeps_what_the_gateway_would():
     rule = props.replace(headers=props.headers.with_entry(offset))
     mark = cancels.mark(b"token")
     tally = rules.tally_record(b"r", b"g" * 16, 3)
+    reservation = cancels.reservation(123)
     for who, kept in ((GATEWAY, "all"), (None, "unsigned"), ("intruder", "offset")):
         def as_read(p, who=who):
             return writers.cancellation_headers(p if who is None else writers.signed(p, who), GATEWAY)
@@ -34,6 +35,7 @@ def test_a_reader_of_the_cancellations_keeps_what_the_gateway_would():
         assert (rules.read_record(as_read(rule), body) is not None) == (kept == "all")
         assert (cancels.read_mark(as_read(mark)) == b"token") == (kept != "offset")
         assert (rules.read_tally(as_read(tally)) is not None) == (kept != "offset")
+        assert (cancels.read_reservation(as_read(reservation)) == 123) == (kept != "offset")
         assert as_read(rule).get("x-stream-offset") == 7
 
 
