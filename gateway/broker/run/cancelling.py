@@ -34,7 +34,7 @@ from gateway.broker.plumbing import lazy_properties, wire_connection
 from gateway.broker.plumbing.amqp import Trouble, classify, parameters
 from gateway.broker.run import launch
 from gateway.clock import wall_ms
-from gateway.core import cancels, envelope, index_records, rules
+from gateway.core import cancels, envelope, index_records, rules, writers
 from gateway.core.actions import Action, Forward
 from gateway.core.inputs import Delivery
 from gateway.core.routes import Way
@@ -332,7 +332,7 @@ class Follower:
             self.log.warning("cancellations_consumer_cancelled", queue=self.names.cancellations)
 
     def _on_record(self, channel, method, properties, body) -> None:
-        headers = properties.wire.headers  # (a WireConnection: exact headers)
+        headers = writers.cancellation_headers(properties.wire, self.settings.trusted_user)  # (trusted only)
         offset = headers.get("x-stream-offset")
         if isinstance(offset, int):
             self._next = offset + 1
