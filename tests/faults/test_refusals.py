@@ -93,14 +93,15 @@ def test_missing_permissions_are_one_line_and_a_bounded_number_of_attempts(own_n
         # declaring: the broker refuses (403 on a queue declare): one line, no traceback
         r = gateway_cli("declare", *chain_args(chain), url=url)
         assert r.returncode == 3 and "Traceback" not in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
-        assert "ACCESS_REFUSED" in r.stderr.splitlines()[-1] and "permission" in r.stderr.splitlines()[-1]
+        line = r.stderr.splitlines()[-1]  # (RabbitMQ 4 says which permission; 3.10 not: the line says which does what)
+        assert f"user {user!r} may not " in line and "permission" in line and "docs/security.md" in line, line
         # running on a declared topology (node_chain declares all of it) it may not read: gives
         # up after a few attempts
         start = time.monotonic()
         r = gateway_cli("run", *chain_args(chain), "--no-declare", url=url)
         assert r.returncode == 3 and time.monotonic() - start < 20
         last = r.stderr.strip().splitlines()[-1]
-        assert last.startswith("delay-gateway run:") and "ACCESS_REFUSED" in last and "permission" in last
+        assert last.startswith("delay-gateway run:") and f"user {user!r} may not " in last and "permission" in last
         assert len(r.stderr.splitlines()) < 20, r.stderr
     finally:
         own_node.ctl("delete_user", user, check=False)

@@ -10,6 +10,7 @@ declare of something missing closes its channel (404), so the Prober opens anoth
 import logging
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
@@ -154,7 +155,7 @@ def close_stream_reader(channel) -> None:
     if impl.is_open:
         impl.close()
     while not (impl.is_closed or channel.connection.is_closed):
-        channel.connection.process_data_events(time_limit=0.05)
+        channel.connection.process_data_events(time_limit=0.002)
 
 
 # Reading a stream to its end. AMQP does not say where a stream ends (a stream's passive
@@ -167,7 +168,7 @@ END_WAIT_S = 2.0  # "last" delivered nothing for this long: the end is not known
 END_QUIET_S = 0.1  # the last chunk came: nothing more for this long, its highest offset is the end
 END_BURST_S = 1.0  # ... or, on a stream that never pauses, this long after the first of it
 END_PREFETCH = 64
-PAST_END_S = 0.1  # the end came to the probe and nothing to the reader since: nothing to read
+PAST_END_S = 0.02  # the end came to the probe and nothing to the reader (before, or since): nothing to read
 STALL_S = 60.0  # nothing at all from the broker for this long: the read fails
 
 
@@ -191,17 +192,78 @@ def offset_of(properties) -> Optional[int]:
     return found if isinstance(found, int) and not isinstance(found, bool) else None
 
 
+class _Consumers:
+    """Consumers of a stream on a channel of their own, started with callbacks on pika's
+    channel under the blocking adapter, so that many channels start at once (a round trip
+    for all of them, not several for each). `ready` once the broker took every consumer;
+    `refused`: why the broker closed the channel (a 404, a 403), raised by `check`."""
+
+    def __init__(self, connection, stream: str, consumers: Sequence[Tuple[int, object, Callable, str]]) -> None:
+        """`consumers`: (prefetch, x-stream-offset, on_message(channel, method, properties,
+        body), consumer tag), started in this order."""
+        self.connection = connection
+        self.channel: Any = None
+        self.started = 0
+        self.wanted = len(consumers)
+        self.refused: Optional[BaseException] = None
+        self._closing = False
+
+        def on_open(channel) -> None:
+            self.channel = channel
+            channel.add_on_close_callback(self._on_close)
+            for prefetch, offset, on_message, tag in consumers:
+                channel.basic_qos(prefetch_count=prefetch)
+                channel.basic_consume(stream, on_message, arguments={"x-stream-offset": offset}, consumer_tag=tag,
+                                      callback=self._on_consume_ok)
+        connection._impl.channel(on_open_callback=on_open)
+
+    def _on_consume_ok(self, frame) -> None:
+        self.started += 1
+
+    def _on_close(self, channel, reason: BaseException) -> None:
+        if not self._closing:
+            self.refused = reason
+
+    @property
+    def ready(self) -> bool:
+        return self.started == self.wanted
+
+    def check(self) -> None:
+        """Raise the broker's refusal, if it refused (a 403 as Refused: read is what it needs)."""
+        if self.refused is not None:
+            with needing("read"):
+                raise self.refused
+
+    def close(self) -> None:
+        """Close the channel without cancelling its consumers first (`close_stream_reader`);
+        `closed` says when the broker answered."""
+        self._closing = True
+        if self.channel is not None and self.channel.is_open:
+            self.channel.close()
+
+    @property
+    def closed(self) -> bool:
+        return self.channel is None or self.channel.is_closed or self.connection.is_closed
+
+
+def _close_all(connection, readers: Iterable[_Consumers]) -> None:
+    readers = list(readers)
+    for reader in readers:
+        reader.close()
+    while not all(r.closed for r in readers):
+        connection.process_data_events(time_limit=0.002)
+
+
 def stream_ends(connection, streams: Sequence[str], wait_s: float = END_WAIT_S) -> Ends:
     """Where each stream ends as of now: all at once, each on a channel of its own (a missing
     stream's 404 closes its channel). Needs read permission on each (a refusal: Refused)."""
     out = Ends()
-    channels: Dict[str, object] = {}
     first: Dict[str, float] = {}
     last: Dict[str, float] = {}
     fixed: Set[str] = set()
 
     def consumer(stream: str):
-        def on_message(ch, method, properties, body) -> None:
+        def on_message(channel, method, properties, body) -> None:
             if stream not in fixed:
                 offset = offset_of(properties)
                 if offset is not None:
@@ -209,41 +271,38 @@ def stream_ends(connection, streams: Sequence[str], wait_s: float = END_WAIT_S) 
                 now = time.monotonic()
                 first.setdefault(stream, now)
                 last[stream] = now
-            ch.basic_ack(method.delivery_tag)
+            channel.basic_ack(method.delivery_tag)
         return on_message
 
     started = time.monotonic()
-    for stream in streams:
-        channel = connection.channel()
-        _quiet.on = True
-        try:
-            with needing("read"):
-                channel.basic_qos(prefetch_count=END_PREFETCH)
-                channel.basic_consume(stream, consumer(stream), arguments={"x-stream-offset": "last"})
-        except ChannelClosedByBroker as exc:
-            if exc.reply_code != 404:
-                for open_channel in channels.values():
-                    close_stream_reader(open_channel)
-                raise
-            out.missing.add(stream)
-            continue
-        finally:
-            _quiet.on = False
-        channels[stream] = channel
-    while len(fixed) < len(channels):
-        connection.process_data_events(time_limit=0.02)
-        now = time.monotonic()
-        for stream in channels:
-            if stream in fixed:
-                continue
-            if stream in first:
-                if now - last[stream] >= END_QUIET_S or now - first[stream] >= END_BURST_S:
+    _quiet.on = True
+    try:
+        readers = {s: _Consumers(connection, s, [(END_PREFETCH, "last", consumer(s), f"end-{uuid.uuid4().hex}")])
+                   for s in streams}
+        while len(fixed) < len(readers):
+            connection.process_data_events(time_limit=0.005)
+            now = time.monotonic()
+            for stream, reader in readers.items():
+                if stream in fixed:
+                    continue
+                if reader.refused is not None:
                     fixed.add(stream)
-            elif now - started >= wait_s:
-                fixed.add(stream)
-                out.silent.add(stream)
-    for channel in channels.values():
-        close_stream_reader(channel)
+                    if isinstance(reader.refused, ChannelClosedByBroker) and reader.refused.reply_code == 404:
+                        out.missing.add(stream)
+                        continue
+                    _close_all(connection, readers.values())
+                    reader.check()
+                elif stream in first:
+                    if now - last[stream] >= END_QUIET_S or now - first[stream] >= END_BURST_S:
+                        fixed.add(stream)
+                elif now - started >= wait_s and reader.ready:
+                    fixed.add(stream)
+                    out.silent.add(stream)
+                elif now - started >= STALL_S:
+                    raise TimeoutError(f"the broker did not take a consumer of {stream} within {STALL_S:g} s")
+    finally:
+        _quiet.on = False
+    _close_all(connection, readers.values())
     return out
 
 
@@ -279,16 +338,18 @@ def read_stream(connection, stream: str, start: object, end: Optional[int],
             state.probed = time.monotonic()
         ch.basic_ack(method.delivery_tag)
 
+    # The broker serves a channel's stream consumers in the order of their tags (and the
+    # reader first, as it was first): what the reader has comes before the probe's record.
+    tag = uuid.uuid4().hex
     with needing("read"):
         channel.basic_qos(prefetch_count=prefetch)
-        channel.basic_consume(stream, on_message, arguments={"x-stream-offset": start})
+        channel.basic_consume(stream, on_message, arguments={"x-stream-offset": start}, consumer_tag=f"a-{tag}")
         if end is not None:
-            channel.basic_qos(prefetch_count=1)
-            channel.basic_consume(stream, on_probe, arguments={"x-stream-offset": end})
+            channel.basic_consume(stream, on_probe, arguments={"x-stream-offset": end}, consumer_tag=f"z-{tag}")
     told = time.monotonic()
     try:
         while not state.done:
-            connection.process_data_events(time_limit=0.02)
+            connection.process_data_events(time_limit=0.005)
             now = time.monotonic()
             if end is None:
                 if now - state.heard >= idle_s:
