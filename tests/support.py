@@ -37,15 +37,17 @@ def main_broker_url() -> str:
     return os.environ.get("DELAY_GATEWAY_URL", DEFAULT_URL).split(",")[0]
 
 
-def clock_env(offset: str) -> Dict[str, str]:
+def clock_env(offset: str = "", file: Optional[str] = None) -> Dict[str, str]:
     """The environment that runs a process with its wall clock moved by `offset` (libfaketime's
-    FAKETIME: "-10s" behind, "+5s" ahead; scripts/bootstrap installs Debian's libfaketime), its
-    monotonic clock left alone (timers, backoff)."""
+    FAKETIME: "-10s" behind, "+5s" ahead; scripts/bootstrap installs Debian's libfaketime), or
+    by what `file` says at each reading (write "+5s" into it to step the clock), its monotonic
+    clock left alone (timers, backoff)."""
     import glob
     found = sorted(glob.glob("/usr/lib/*/faketime/libfaketime.so.1"))
     assert found, "libfaketime is missing: scripts/bootstrap test installs it (Debian's faketime)"
-    return {"LD_PRELOAD": found[0], "FAKETIME": offset, "FAKETIME_DONT_FAKE_MONOTONIC": "1",
-            "FAKETIME_NO_CACHE": "1"}
+    env = {"LD_PRELOAD": found[0], "FAKETIME_DONT_FAKE_MONOTONIC": "1", "FAKETIME_NO_CACHE": "1"}
+    env.update({"FAKETIME_TIMESTAMP_FILE": file} if file is not None else {"FAKETIME": offset})
+    return env
 
 
 def broker_url() -> str:

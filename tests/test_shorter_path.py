@@ -11,6 +11,7 @@ from topology import ChainSettings
 from gateway.core import carrier, handlers, retries
 from gateway.core.actions import Enqueue
 from gateway.core.carrier import Entry
+from gateway.core.flow import Flow
 from gateway.core.inputs import Delivery
 from gateway.core.routes import Way
 from gateway.core.shorter_path import ShorterPath
@@ -75,3 +76,37 @@ def test_as_the_rate_rises_only_what_is_due_sooner_takes_it():
     assert not path.takes(2_000, busy + 1_000) and path.takes(900, busy + 1_001)
     assert path.takes(9_000, busy + 5_000)  # quiet again: the whole hold
     assert not ShorterPath(0, 1000).takes(0, NOW)  # off
+
+
+class _Quiet:
+    def forwarded(self, action) -> None: ...
+
+    def landed(self, forward) -> None: ...
+
+    def batched(self, outcome, messages) -> None: ...
+
+    def late(self, ms) -> None: ...
+
+    def note(self, level, event, **fields) -> None: ...
+
+
+def test_no_step_of_the_wall_clock_after_a_message_is_held_releases_it_earlier():
+    """The distributor holds on a steady clock: its wall clock stepped 5 s forward while it
+    holds a message due in 8 s releases nothing early (as the real time passes, not as the
+    clock says); stepped back, it releases nothing before its wall due time either."""
+    flow = Flow(NAMES.distributor, NAMES, handlers.Distributor(CHAIN, 50), _Quiet())
+    flow.publishing_opened(NOW)
+    e = Entry(b"k", Properties.build(), b"x", NOW + 8_000, NOW * 1000)
+    out = flow.delivered(1, Delivery(NAMES.distributor, b"", handlers.next_hop(e), e.body), NOW, steady=NOW)
+    assert not out.publish and flow.held == 1 and flow.next_wake() == NOW + 8_000
+    # 3 s of real time pass, then the wall clock steps 5 s forward: it says the message is due
+    out = flow.tick(NOW + 3_000 + 5_000, steady=NOW + 3_000)
+    assert not out.publish and flow.held == 1 and flow.next_wake() == NOW + 8_000 + 5_000
+    out = flow.tick(NOW + 8_000 + 5_000, steady=NOW + 8_000)  # 8 s of real time: released
+    assert [p.payload.forward.way for p in out.publish] == [Way.DELIVERED] and flow.held == 0
+    # stepped back 2 s while held: released when the wall clock too says it is due
+    back = Flow(NAMES.distributor, NAMES, handlers.Distributor(CHAIN, 50), _Quiet())
+    back.publishing_opened(NOW)
+    back.delivered(1, Delivery(NAMES.distributor, b"", handlers.next_hop(e), e.body), NOW, steady=NOW)
+    assert not back.tick(NOW + 6_000, steady=NOW + 8_000).publish and back.held == 1
+    assert [p.payload.forward.way for p in back.tick(NOW + 8_000, steady=NOW + 10_000).publish] == [Way.DELIVERED]

@@ -74,7 +74,8 @@ class Deliveries(Generic[P, H]):
         return len(self._holds)
 
     def next_due(self) -> Optional[int]:
-        """When the first held message is due (epoch ms), if any."""
+        """When the first held message is due, if any (on the clock the holds were given in:
+        flow.Flow holds on a steady clock)."""
         return self._holds.next_due()
 
     @property

@@ -80,6 +80,11 @@ class Flow:
         self._retries: List[Tuple[int, Sent]] = []  # (when, a refused publication)
         self._refusal = "?"  # why the broker last closed the publishing channel
         self._done_sent_ms = 0  # when the last record of done keys went out
+        # The wall clock less a steady one (clock.steady_ms), as of the last event that told
+        # both: held messages are timed on the steady clock (their wall due time less this, as
+        # of when they were held), so no step of the wall clock after a message was held
+        # releases it earlier; and never before their wall due time either.
+        self._step = 0
 
     @property
     def held(self) -> int:
@@ -100,9 +105,19 @@ class Flow:
         """How long the oldest publish not yet confirmed has waited (0: none)."""
         return self.ledger.waiting_for_confirm_ms(now)
 
+    def held_due(self) -> Optional[int]:
+        """When the first held message is due (epoch ms, by the wall clock), if any."""
+        due = self.ledger.next_due()
+        return None if due is None else due + self._step
+
+    def _steady(self, now: int, steady: Optional[int]) -> None:
+        """An event told the steady clock beside the wall clock (None: they are one)."""
+        if steady is not None:
+            self._step = now - steady
+
     def next_wake(self) -> Optional[int]:
         """When the next `tick` is due (epoch ms), if any."""
-        at = self.ledger.next_due()
+        at = self.held_due()
         recorded = self._recorder.next_deadline() if self._recorder is not None else None
         for t in (self._batcher.next_deadline(), self._flush_at, min((at for at, _ in self._retries), default=None),
                   recorded):
@@ -111,8 +126,9 @@ class Flow:
         return at
 
     # -- events ---------------------------------------------------------------------------
-    def delivered(self, tag: int, d: Delivery, now: int) -> Effects:
+    def delivered(self, tag: int, d: Delivery, now: int, steady: Optional[int] = None) -> Effects:
         out = Effects()
+        self._steady(now, steady)
         self._release_due(now, out)  # a stream of deliveries must not keep due messages waiting
         self._delivered[tag] = d
         try:
@@ -139,7 +155,7 @@ class Flow:
             elif action.fence:
                 self._fenced.append((tag, action))
             elif action.not_before_ms is not None and action.not_before_ms > now:
-                self.ledger.hold(tag, action.not_before_ms, action)
+                self.ledger.hold(tag, action.not_before_ms - self._step, action)
             else:
                 self._send([tag], action, [(tag, action.entry)], now, out)
         if fence or (self._prefetch and len(self._delivered) >= self._prefetch):
@@ -201,8 +217,9 @@ class Flow:
         self._maybe_finished(out)
         return out
 
-    def tick(self, now: int) -> Effects:
+    def tick(self, now: int, steady: Optional[int] = None) -> Effects:
         out = Effects()
+        self._steady(now, steady)
         self._release_due(now, out)
         for batch in self._batcher.expired(now):
             self._flush_batch(batch, now, out)
@@ -246,11 +263,15 @@ class Flow:
 
     # -- decisions ------------------------------------------------------------------------
     def _release_due(self, now: int, out: Effects) -> None:
-        """Publish every held message whose time has come, in due order."""
+        """Publish every held message whose time has come, in due order: by the steady clock,
+        and by the wall clock too (one stepped back since: held again, that much longer)."""
         if self.ledger.next_due() is None:
             return
-        for tag, action in self.ledger.due(now):
-            if self._still_wanted is None or self._still_wanted(action):
+        for tag, action in self.ledger.due(now - self._step):
+            assert action.not_before_ms is not None  # (what is held has a time)
+            if action.not_before_ms > now:
+                self.ledger.hold(tag, action.not_before_ms - self._step, action)
+            elif self._still_wanted is None or self._still_wanted(action):
                 self._send([tag], action, [(tag, action.entry)], now, out)
             else:
                 self._drop(tag, action.entry, now, out)
@@ -325,7 +346,7 @@ class Flow:
         """Whether done keys would wait for company in vain: the last ones went out a while
         ago, and nothing held is due within the wait (a trickle: each message's key goes out
         with its release, one wake-up instead of three)."""
-        due = self.ledger.next_due()
+        due = self.held_due()
         return now - self._done_sent_ms >= index_records.DONE_FLUSH_MS and (
             due is None or due > now + index_records.DONE_FLUSH_MS)
 

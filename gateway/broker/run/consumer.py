@@ -22,7 +22,7 @@ from topology.names import Names
 
 from gateway.broker.plumbing import lazy_properties, publish_frames, wire_connection
 from gateway.broker.plumbing.amqp import login_user
-from gateway.clock import wall_ms
+from gateway.clock import steady_ms, wall_ms
 from gateway.core import envelope, retries, writers
 from gateway.core.actions import Forward, Publish
 from gateway.core.inputs import Delivery
@@ -86,6 +86,8 @@ class Pipe:
                  batcher: Optional[Batcher] = None, still_wanted: Optional[Callable[[Forward], bool]] = None,
                  on_caught_up: Optional[Callable[[], None]] = None, recorder: Optional[Recorder] = None) -> None:
         self._connection, self.queue, self._prefetch, self._clock = connection, queue, prefetch, clock
+        # holds are timed on a steady clock (flow.Flow): the wall clock's own, unless given another
+        self._steady = steady_ms if clock is wall_ms else clock
         self._cork = wire_connection.cork(connection)  # what an event makes us send goes out in one write
         self._on_fatal = on_fatal or (lambda exc: None)
         # The records it appends to the streams are signed with the user it logged in as
@@ -221,7 +223,7 @@ class Pipe:
         d = Delivery(method.exchange, envelope.as_bytes(method.routing_key), properties.wire, body,
                      method.redelivered)
         self._read += 1
-        self._do(self.flow.delivered(method.delivery_tag, d, self._clock()))
+        self._do(self.flow.delivered(method.delivery_tag, d, self._clock(), self._steady()))
 
     def _on_return(self, channel: Channel, method: spec.Basic.Return, properties: lazy_properties.WireProperties,
                    body: bytes) -> None:
@@ -239,7 +241,7 @@ class Pipe:
         self._timer = self._timer_at = None
         # A closing connection hands every delivery back: nothing is left worth sending.
         if self._connection.is_open:
-            self._do(self.flow.tick(self._clock()))
+            self._do(self.flow.tick(self._clock(), self._steady()))
 
     # -- frames out ----------------------------------------------------------------------
     def _do(self, actions: Effects) -> None:

@@ -112,9 +112,9 @@ class Session:
                      s.distributor_prefetch)
             pipe(names.parking, Parking(names), s.prefetch)
         if self.beats is not None:
-            held = [p.flow.ledger for p in self.pipes if p.queue in distributors]
+            held = [p.flow for p in self.pipes if p.queue in distributors]
             # (read from the upkeep thread: the earliest due time of a heap, one list index)
-            self.beats.low = lambda: min((t for t in (h.next_due() for h in held) if t is not None), default=None)
+            self.beats.low = lambda: min((t for t in (h.held_due() for h in held) if t is not None), default=None)
             consumed = [p.queue for p in self.pipes]
             self.beats.count(Consumers(sum(q in (names.check_in, names.retry) for q in consumed),
                                        sum(q in returning for q in consumed), sum(q in distributors for q in consumed)))
