@@ -1,8 +1,9 @@
 """The Dockerfile: hadolint finds nothing, every file it copies exists and passes
 .dockerignore, the entrypoint is the console command, the user is the chart's non-root
-user, and the wheel it installs builds from exactly the copied files. Then the image itself,
-built with podman on a local Debian base (scripts/ensure-podman) and run the way the
-chart runs it: as UID 10001 on a read-only root, `run` against the shared test broker
+user, and the wheel it installs builds from exactly the copied files, LICENSE in it. Then
+the image itself, built with podman on a local Debian base (scripts/ensure-podman), holding
+the repository's LICENSE, and run the way the chart runs it: as UID 10001 on a read-only
+root, `run` against the shared test broker
 answering /readyz, `selftest` from a second container delivering; and the chart's own
 containers (its topology Job, both Deployments and its helm test pod, their arguments and
 environment taken from the rendered objects) with another maxLevel. About 1 min with the
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import tomllib
 import uuid
+import zipfile
 from pathlib import Path
 from typing import Dict, Iterator
 
@@ -31,6 +33,7 @@ from . import podman as pm
 from .manifests import DEPLOY, by_kind, effective_env, pod_spec, render
 
 DOCKERFILE = DEPLOY / "Dockerfile"
+LICENSE = Path(ROOT) / "LICENSE"
 
 
 def instructions():
@@ -113,7 +116,9 @@ def test_the_image_runs_the_console_command_as_the_charts_user():
 
 def test_the_wheel_builds_from_the_copied_files_and_runs(tmp_path):
     """What the build stage does (pip wheel) from a context holding only what the Dockerfile
-    copies; then what the run stage does (install the wheel) into a fresh directory, and the
+    copies: a wheel holding LICENSE, the licence file its metadata names (without it in the
+    context setuptools leaves it out and warns that such builds fail from February 2027);
+    then what the run stage does (install the wheel) into a fresh directory, and the
     entrypoint's --help run from there, away from the source tree."""
     context = tmp_path / "context"
     for source in copied_sources():
@@ -130,8 +135,12 @@ def test_the_wheel_builds_from_the_copied_files_and_runs(tmp_path):
     subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(context)],
                    check=True, timeout=120, cwd=tmp_path)
     [wheel] = wheels.glob("rabbitmq_delay_gateway-*.whl")
+    with zipfile.ZipFile(wheel) as files:
+        [licence] = [name for name in files.namelist() if name.endswith(".dist-info/licenses/LICENSE")]
+        assert files.read(licence) == LICENSE.read_bytes()
     subprocess.run([*pip, "install", "--no-deps", "--no-index", "--target", str(target), str(wheel)],
                    check=True, timeout=120, cwd=tmp_path)
+    assert (target / licence).read_bytes() == LICENSE.read_bytes()
     env = {**os.environ, "PYTHONPATH": str(target)}
     script = target / "bin" / "delay-gateway"
     assert script.is_file()
@@ -186,6 +195,28 @@ def test_the_image_runs_as_uid_10001_on_a_read_only_root(image):
     assert r.returncode != 0 and "Read-only file system" in r.stderr
     r = pm.podman("run", "--rm", "--read-only", *pm.ulimits(), image, "--help", timeout=60)
     assert all(name in r.stdout for name in ("run", "declare", "selftest"))
+
+
+# Run by the image's python3 (its environment's): the licence file the installed package's
+# metadata names, its bytes on stdout; the metadata's License-File and where the file is on stderr.
+LICENCE_IN_THE_IMAGE = """import importlib.metadata, sys
+d = importlib.metadata.distribution("rabbitmq-delay-gateway")
+[f] = [f for f in d.files if f.parts[-2:] == ("licenses", "LICENSE")]
+print(d.metadata.get_all("License-File"), f.locate(), file=sys.stderr)
+sys.stdout.buffer.write(f.read_binary())
+"""
+
+
+def test_the_image_holds_the_repositorys_licence(image):
+    """LICENSE, byte for byte the repository's, as the licence file of the package installed in
+    /opt/delay-gateway, which its metadata names (`License-File: LICENSE`)."""
+    r = subprocess.run([*pm.PODMAN, "run", "--rm", "--read-only", *pm.ulimits(), "--entrypoint", "python3", image,
+                        "-c", LICENCE_IN_THE_IMAGE], capture_output=True, timeout=60)
+    said = r.stderr.decode(errors="replace")
+    assert r.returncode == 0, said[-3000:]
+    assert said.startswith("['LICENSE'] /opt/delay-gateway/") and said.rstrip().endswith(
+        ".dist-info/licenses/LICENSE"), said
+    assert r.stdout == LICENSE.read_bytes()
 
 
 @pytest.mark.broker  # the shared test broker (127.0.0.1:5672), under prefixes of their own
