@@ -4,11 +4,13 @@ base and the guides; CHANGELOG.md's newest entry is that version's, and every en
 what changed, what to do when upgrading and which formats it touches. scripts/release
 refuses, in one line, a version without its entry or a chart of another version.
 
-And the wheel as a user installs it: built from this checkout once per session (the sdist,
-then the wheel from it, as scripts/release builds them), installed with its dependencies
-into a fresh virtual environment, and run from there, away from the source tree: its
-`delay-gateway run` against each suite broker, and its `delay-gateway selftest` seeing a
-message delivered through it. A few seconds per broker, plus the build and install once."""
+And the wheel as a user installs it: built from this checkout once per session by
+scripts/build-dist, the very step of scripts/release that builds the released sdist and wheel
+(python -m build with isolation: the sdist, then the wheel from it; twine check --strict),
+installed with its dependencies into a fresh virtual environment, and run from there, away
+from the source tree: its `delay-gateway run` against each suite broker, and its
+`delay-gateway selftest` seeing a message delivered through it. A few seconds per broker,
+plus the build (about 8 s: the isolated build environments) and the install once."""
 
 import json
 import os
@@ -17,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 import tomllib
 import urllib.request
@@ -112,6 +115,7 @@ def test_every_changelog_entry_says_what_changed_what_to_do_and_the_formats_touc
 
 # -- scripts/release's checks, in a repository of their own -------------------------------------
 RELEASE = Path(ROOT) / "scripts" / "release"
+BUILD_DIST = Path(ROOT) / "scripts" / "build-dist"
 CHART_YAML = "deploy/k8s/helm/delay-gateway/Chart.yaml"
 
 
@@ -173,15 +177,28 @@ def test_release_takes_this_repositorys_version_entry_and_chart(tmp_path):
 @dataclass(frozen=True)
 class Installed:
     bin: Path  # the fresh environment's bin directory
+    sdist: Path
     wheel: Path
+    built: str  # what the build printed
     figures: str  # how long the build and the install took
+
+
+def test_release_builds_the_package_with_the_step_this_test_runs():
+    """scripts/release makes the sdist and the wheel with scripts/build-dist (the commit's, from
+    the commit's files), the script the fixture below runs; nothing else under scripts/ runs
+    `python -m build`."""
+    assert RELEASE.read_text().count('"$SRC/scripts/build-dist" "$SRC" "$DIST"') == 1
+    builders = [path.name for path in (Path(ROOT) / "scripts").iterdir() if path.is_file()
+                and re.search(r"^\s*[^#\s].*-m build\b", path.read_text(errors="replace"), flags=re.M)]
+    assert builders == ["build-dist"]
 
 
 @pytest.fixture(scope="session")
 def installed(tmp_path_factory) -> Installed:
     """A fresh virtual environment (no pip, no packages: pip of this environment installs
-    into it, `--python`) holding the wheel built from this checkout's files (tracked and new,
-    as they are now) and the dependencies pip resolves for it, as for a user."""
+    into it, `--python`) holding the wheel scripts/build-dist builds from this checkout's files
+    (tracked and new, as they are now), as scripts/release builds it from a commit's, and the
+    dependencies pip resolves for it, as for a user."""
     where = tmp_path_factory.mktemp("release")
     source, dist, venv = where / "source", where / "dist", where / "venv"
     listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
@@ -191,12 +208,12 @@ def installed(tmp_path_factory) -> Installed:
             (source / relative).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(Path(ROOT) / relative, source / relative)
     started = time.monotonic()
-    # --no-isolation: the build backend of this environment (the test group's setuptools), as
-    # tests/k8s/test_image.py builds, so building needs no index; scripts/release isolates
-    built = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(dist), str(source)],
-                           capture_output=True, text=True, timeout=300)
-    assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
-    [wheel] = dist.glob("rabbitmq_delay_gateway-*-py3-none-any.whl")
+    # isolated, as released: pip installs pyproject.toml's build backend into a build
+    # environment of its own, from the index it is configured with (as for a user)
+    built = subprocess.run([str(BUILD_DIST), str(source), str(dist)], capture_output=True, text=True, timeout=300,
+                           env={**outside_env(), "DELAY_GATEWAY_RELEASE_PYTHON": sys.executable})
+    assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-3000:]
+    sdist, wheel = map(Path, built.stdout.split())
     build_s, started = time.monotonic() - started, time.monotonic()
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60,
                    env=outside_env())
@@ -204,8 +221,9 @@ def installed(tmp_path_factory) -> Installed:
                           "--disable-pip-version-check", "--quiet", str(wheel)],
                          capture_output=True, text=True, timeout=600, cwd=where, env=outside_env())
     assert pip.returncode == 0 and (venv / "bin" / "delay-gateway").is_file(), pip.stdout + pip.stderr[-3000:]
-    return Installed(venv / "bin", wheel, f"wheel built in {build_s:.1f} s, installed with its dependencies into a "
-                                          f"fresh environment in {time.monotonic() - started:.1f} s")
+    return Installed(venv / "bin", sdist, wheel, built.stderr,
+                     f"sdist and wheel built by scripts/build-dist in {build_s:.1f} s, the wheel installed with its "
+                     f"dependencies into a fresh environment in {time.monotonic() - started:.1f} s")
 
 
 def outside_env() -> Dict[str, str]:
@@ -225,10 +243,21 @@ def test_the_wheel_installs_its_version_and_runs_from_its_own_files(installed, t
     where = subprocess.run([str(installed.bin / "python"), "-c", code], cwd=tmp_path, env=outside_env(),
                            capture_output=True, text=True, timeout=60, check=True)
     assert where.stdout.count(str(installed.bin.parent)) == 3, where.stdout  # the wheel's code, its own pika
+    licence = (Path(ROOT) / "LICENSE").read_bytes()
     info = f"rabbitmq_delay_gateway-{v}.dist-info"
     with zipfile.ZipFile(installed.wheel) as wheel:  # the licence the metadata names, in the wheel
-        assert wheel.read(f"{info}/licenses/LICENSE") == (Path(ROOT) / "LICENSE").read_bytes()
-        assert "License-Expression: Apache-2.0" in wheel.read(f"{info}/METADATA").decode()
+        assert wheel.read(f"{info}/licenses/LICENSE") == licence
+        metadata = wheel.read(f"{info}/METADATA").decode()
+        assert "License-Expression: Apache-2.0" in metadata and "License-File: LICENSE" in metadata
+    [site] = installed.bin.parent.glob(f"lib/python*/site-packages/{info}")  # and as installed
+    assert (site / "licenses" / "LICENSE").read_bytes() == licence
+    assert installed.sdist.name == f"rabbitmq_delay_gateway-{v}.tar.gz"
+    with tarfile.open(installed.sdist) as sdist:
+        member = sdist.extractfile(f"rabbitmq_delay_gateway-{v}/LICENSE")
+        assert member is not None and member.read() == licence
+    # no warning of the build backend's (python -m build shows each as "WARNING ..."): such as
+    # setuptools' for a licence file it cannot find, which it says fails builds from 2027
+    assert "WARNING" not in installed.built, installed.built[-3000:]
 
 
 def readyz(port: int) -> Optional[int]:
