@@ -35,10 +35,11 @@ from gateway.core.rules import Rules
 from gateway.core.selection import Selection
 from gateway.core.wire import Properties, Table, TableField
 from gateway.metrics import Metrics
-from gateway.spark import record
+from gateway.spark import progress, record
 from topology import registry
 
-from tests.formats.generate import CHAIN, FORMATS, LEAD_MS, NOW, SAMPLES, changed, files, samples
+from tests.formats.generate import (CHAIN, FORMATS, LEAD_MS, NOW, SAMPLES, changed, files, samples,
+                                    schedule_fingerprint)
 
 NAMES = CHAIN.names
 Json = Dict[str, Any]
@@ -692,6 +693,26 @@ def test_the_pick_up_stamp_reads_as_written(commit: str, sample: Json) -> None:
     assert (line["due_at"], line["due_source"]) == (sample["expected"]["due_ms"], "stamp")
 
 
+# -- schedule's resume record (on the driver's disk) --------------------------------------------------------------
+@pytest.mark.parametrize("commit, sample", cases({"schedule-state": None}))
+def test_a_schedule_resume_record_is_resumed(commit: str, sample: Json, tmp_path: Path) -> None:
+    """`delay-gateway schedule` run again, with the same command, table and brokers, after a
+    run of this era was killed half way: today's Progress reads the run's fingerprint, start
+    instant and partitions, and the partitions it finished; and today's fingerprint of the same
+    run is the record's, so the run resumes (publishes only the other partitions, checks rows
+    against the same start) instead of refusing the record as another run's."""
+    state = tmp_path / "state"
+    for written in sample["records"]:
+        (state / written["path"]).parent.mkdir(parents=True, exist_ok=True)
+        (state / written["path"]).write_bytes(raw(written["body"]))
+    previous, want = progress.Progress(str(state)).run(), sample["expected"]
+    assert previous is not None  # what schedule_job.Job.run reads of it
+    assert (previous["fingerprint"], previous["started_at_ms"], previous.get("partitions")) == (
+        want["fingerprint"], want["started_at_ms"], want["partitions"])
+    assert sorted(progress.Progress(str(state)).done().items()) == [tuple(d) for d in want["done"]]
+    assert schedule_fingerprint(sample["inputs"])[0] == previous["fingerprint"]
+
+
 # -- the samples themselves ---------------------------------------------------------------------------------------
 # The eras recovered from the history (the first commit of each): a sample deleted fails here.
 ERAS = {
@@ -706,6 +727,7 @@ ERAS = {
     "pick-up-stamp": {"1013189"},
     "registry": {"1f5570f", "133e07a"},
     "retry": {"ae852a0", "7fb1d2d"},
+    "schedule-state": {"4ac3d51"},
     "waiting": {"345936a", "4a05290", "133e07a", "e34319f", "7fb1d2d", "f381cff"},
 }
 

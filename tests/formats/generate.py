@@ -1,8 +1,8 @@
 """The golden samples of what this version writes where messages wait, from fixed inputs.
 
 `samples()` runs this tree's own writers (the handlers, carriers, cancel records, the index of
-what waits, the chains registry, move-from-plugin, the pick-up stamp) on the publishers'
-messages below and returns, per format and variant, the bytes written and what this tree's
+what waits, the chains registry, move-from-plugin, the pick-up stamp, schedule's resume
+record) on the publishers' messages below and returns, per format and variant, the bytes written and what this tree's
 code reads back from them (checked against what the writer held). tests/test_formats.py
 compares them with the newest sample of each format; when a format changes on purpose,
 
@@ -533,6 +533,78 @@ def pick_up_stamp_samples() -> Json:
         "expected": {"due_ms": e.due_ms}}}
 
 
+# -- schedule's resume record (gateway/spark/progress.py): a directory on the driver, not in a queue --------
+# `delay-gateway schedule` of a CSV table into the chain, killed once two of its four partitions were
+# confirmed: the `--state` directory it leaves, which the same command run again resumes. Spark is not
+# needed: of the table's DataFrame the record takes only its columns and its input files (with their
+# sizes and modification times, given here).
+SCHEDULE: Json = {
+    "argv": ["/data/orders.csv", "--message-id-column", "order_id", "--content-type", "application/json"],
+    "columns": ["order_id", "routing_key", "payload", "deliver_at", "headers"],
+    "input_files": [{"path": "file:/data/orders.csv", "size": 1_234_567, "mtime_ns": (NOW - DAY_MS) * 1_000_000}],
+    "urls": ["amqp://gateway:s3cret@rabbit-2:5672/%2F", "amqp://gateway:s3cret@rabbit-1:5672/%2F"],
+    "exchange": NAMES.check_in,
+    "started_at_ms": NOW,
+    "counts": {"partitions": 4, "read": 10_000, "rejected": 3},
+    "done": [[2, 2_499, 12.3456], [0, 2_500, 9.5]],  # partition, rows, seconds: in the order they finished
+}
+
+
+def schedule_fingerprint(inputs: Json) -> Tuple[str, Json]:
+    """The fingerprint and the description of the run `inputs` says, as this tree's `schedule`
+    makes them (schedule_job.Job.run): its options by schedule's own parser (with its defaults),
+    the format by the input's name, the column mapping, the brokers and the input files."""
+    import os
+    from unittest import mock
+
+    from gateway.spark import progress, schedule, schedule_job, table_job
+    from gateway.spark.columns import column_mapping
+    from gateway.spark.publisher import Target
+    parser = argparse.ArgumentParser()
+    schedule.add_arguments(parser)
+    options = schedule_job.Options(**vars(parser.parse_args(inputs["argv"])))
+    df = SimpleNamespace(columns=inputs["columns"], inputFiles=lambda: [f["path"] for f in inputs["input_files"]])
+    files = {f["path"][len("file:"):]: f for f in inputs["input_files"]}
+    real_stat = os.stat
+
+    def stat(path: Any, *args: Any, **kwargs: Any) -> Any:  # (the input files, as given)
+        found = files.get(path)
+        if found is None:
+            return real_stat(path, *args, **kwargs)
+        return SimpleNamespace(st_size=found["size"], st_mtime_ns=found["mtime_ns"])
+
+    with mock.patch.object(os, "stat", stat):
+        description = progress.run_description(options, table_job.input_format(options),
+                                                Target(tuple(inputs["urls"]), inputs["exchange"]), df,
+                                                column_mapping(options, df))
+    return progress.fingerprint(description), description
+
+
+def schedule_state_samples() -> Json:
+    import tempfile
+
+    from gateway.spark import progress
+    fp, description = schedule_fingerprint(SCHEDULE)
+    with tempfile.TemporaryDirectory() as directory:
+        state = progress.Progress(directory)  # as schedule_job.Job.run writes it
+        state.begin({"fingerprint": fp, "started_at_ms": SCHEDULE["started_at_ms"], "run": description})
+        state.update(**SCHEDULE["counts"])
+        for partition, rows, seconds in SCHEDULE["done"]:
+            state.mark(partition, rows, seconds)
+        written = sorted(p for p in Path(directory).rglob("*") if p.is_file())
+        records = [{"path": p.relative_to(directory).as_posix(), "body": hx(p.read_bytes())} for p in written]
+        back = progress.Progress(directory)
+        run, done = back.run(), back.done()
+    assert run is not None and run["fingerprint"] == fp and run["run"] == json.loads(json.dumps(description))
+    assert done == {partition: rows for partition, rows, _ in SCHEDULE["done"]}
+    return {"interrupted": {
+        "produced_by": "gateway.spark.progress.Progress (begin, update, mark) as schedule_job.Job.run calls it, "
+                       "with run_description and fingerprint of the command, table and brokers in the inputs",
+        "inputs": SCHEDULE, "records": records,
+        "expected": {"fingerprint": run["fingerprint"], "started_at_ms": run["started_at_ms"],
+                     "partitions": run["partitions"], "done": sorted([p, rows] for p, rows in done.items())}}}
+
+
 FORMATS: Dict[str, Callable[[], Json]] = {
     "arrival-stamp": arrival_stamp_samples,
     "cancel-record": cancel_record_samples,
@@ -545,6 +617,7 @@ FORMATS: Dict[str, Callable[[], Json]] = {
     "pick-up-stamp": pick_up_stamp_samples,
     "registry": registry_samples,
     "retry": retry_samples,
+    "schedule-state": schedule_state_samples,
     "waiting": waiting_samples,
 }
 
