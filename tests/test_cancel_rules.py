@@ -22,7 +22,7 @@ from gateway.core.wire import Properties
 
 from .faults.proxy import Proxy
 from .support import SENTINEL, GatewayProcess, ROOT, Receiver, broker_url, chain_args, connect, now_ms, \
-    report_figures, wait_until
+    parked_report, report_figures, wait_until
 
 DAY_MS = 86_400_000
 CHAIN = dict(max_level=4, resolution_ms=250)  # the chain holds 3.75 s; longer waits lap meditation (3.75 s laps)
@@ -165,29 +165,44 @@ def test_pending_cancel_refuses_no_filter_without_all_and_a_count_it_did_not_exp
 
 
 def test_a_rule_withdrawn_cancels_nothing_more_and_an_amqp_client_publishes_one(make_chain, run_gateway):
-    """A client's own publish (headers on <prefix>.cancel) is a rule like the CLI's; withdrawn,
+    """A client's own publish (headers on <prefix>.rules) is a rule like the CLI's; withdrawn,
     it removes nothing more: each message it selected was either dropped as it passed a
-    gateway while the rule was live, or arrives."""
+    gateway while the rule was live, or arrives. The same rule sent to <prefix>.cancel (the
+    right to cancel one's own ids) is parked with the reason and cancels nothing."""
     chain = make_chain(**CHAIN)
     gateway = run_gateway(chain)
     receiver = Receiver(chain)
     t0 = now_ms()
-    publish(chain, [("jobs.a", "a", t0 + 9000), ("jobs.b", "b", t0 + 9000)])
+    due = t0 + 20_000  # (a listing or two before the rule, each a Python start and stream reads on a busy machine)
+    publish(chain, [("jobs.a", "a", due), ("jobs.b", "b", due)])
     wait_until(lambda: len(listed(chain)) == 2, 15, 0.2, "both in the index")
-    with connect() as c:
-        ch = c.channel()
-        ch.confirm_delivery()
-        ch.basic_publish(chain.names.cancel, "", b"", pika.BasicProperties(message_id="set-by-the-client", headers={
-            "x-cancel-key": "jobs.*", "x-cancel-rule": "client-rule"}, delivery_mode=2), mandatory=True)
+
+    def client_rule(exchange: str) -> None:
+        with connect() as c:
+            ch = c.channel()
+            ch.confirm_delivery()
+            ch.basic_publish(exchange, "", b"", pika.BasicProperties(message_id="set-by-the-client", headers={
+                "x-cancel-key": "jobs.*", "x-cancel-rule": "client-rule"}, delivery_mode=2), mandatory=True)
+    client_rule(chain.names.cancel)
+    [parked] = parked_report(chain)["messages"]
+    assert parked["message_id"] == "set-by-the-client" and f"goes to {chain.names.rules!r}" in parked["reason"], parked
+    # check-in has dealt with it: nothing recorded, no rule held, nothing cancelled
+    assert gateway.metric("delay_gateway_cancels_total") == 0 and gateway.metric("delay_gateway_rules_held") == 0
+    assert gateway.metric("delay_gateway_cancelled_total") == 0
+    client_rule(chain.names.rules)
+    [recorded] = wait_until(lambda: gateway.events("rule_recorded"), 15, 0.05, "the client's rule recorded")
+    assert recorded["rule"] == "client-rule" and recorded["cancelled_us"] // 1000 < due, \
+        ("too slow: the rule was recorded only once a and b were due", recorded, due)
     wait_until(lambda: listed(chain) == [], 15, 0.2, "both cancelled by the client's rule")
     out = cli(chain, "pending", "withdraw", "client-rule")
     assert out.returncode == 0 and out.stdout.startswith("withdrawn: rule client-rule cancels nothing more"), \
         out.stdout + out.stderr
     assert cli(chain, "pending", "rules").stdout.startswith("no live rule")
-    publish(chain, [("jobs.c", "c", t0 + 12_000)])  # (due after a and b)
+    publish(chain, [("jobs.c", "c", due + 2000)])  # (due after a and b)
     got = wait_until(lambda: [m.properties.message_id for m in receiver.take() if m.properties.message_id == "c"],
-                     30, 0.2, "c, published after the withdrawal")
+                     40, 0.2, "c, published after the withdrawal")
     arrived = {m.properties.message_id for m in receiver.messages} & {"a", "b"}
     dropped = gateway.metric("delay_gateway_cancelled_total")
     assert got and len(arrived) + dropped == 2, (arrived, dropped)
+    assert parked_report(chain)["count"] == 1  # only the rule sent to the wrong exchange
     receiver.close()
