@@ -134,6 +134,7 @@ LONGEST_FIRST = {name: rank for rank, name in enumerate([
     "test_list_after_crash.py",  # 120
     "test_cancel_e2e.py",  # 115
     "spark/test_schedule.py",  # 114
+    "faults/test_rule_edges.py",  # ~105 (118 alone, -n 0, 2026-11-28; 82-96 s with -n 2)
     "faults/test_security.py",  # 67
     "test_retry_e2e.py",  # 65
     "faults/test_retry_faults.py",  # 62
