@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 from topology import ChainSettings
 from topology.routing import topic_matches
 
+from gateway.commands.parked import Parked, destination
 from gateway.core import cancels, envelope, handlers, rules, selection
 from gateway.core.actions import Forward
 from gateway.core.carrier import Batcher, Entry
@@ -342,6 +343,7 @@ def test_check_in_records_a_rule_behind_the_messages_before_it_and_parks_a_bad_o
     [parked] = check_in(bad, NOW)
     assert isinstance(parked, Forward) and parked.way is Way.PARKED and "x-cancel-kye" in (parked.reason or "")
     assert envelope.Inside(parked.props).exchange == CHAIN.names.rules  # replayed: back to the rules, never check-in
+    assert destination(Parked(1, parked.props, parked.body, parked.routing_key), CHAIN.names)[0] == CHAIN.names.rules
 
 
 def test_a_rule_sent_to_the_exchange_of_cancels_by_id_is_refused():
@@ -355,6 +357,8 @@ def test_a_rule_sent_to_the_exchange_of_cancels_by_id_is_refused():
         assert isinstance(parked, Forward) and parked.way is Way.PARKED
         assert f"goes to {CHAIN.names.rules!r}" in (parked.reason or "")
         assert envelope.Inside(parked.props).exchange == CHAIN.names.cancel
+        assert destination(Parked(1, parked.props, parked.body, parked.routing_key), CHAIN.names)[0] == \
+            CHAIN.names.cancel
 
 
 def test_what_every_message_is_compared_with_is_bounded():

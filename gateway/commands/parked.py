@@ -13,9 +13,10 @@ Where a replayed message goes:
 - it has none (its delay header could not be read, or the broker dead-lettered it from
   check-in): to check-in, exactly as its publisher sent it. If the header is still
   unreadable it is parked again with the same reason.
-- it is a cancel (no message id, or an empty one): back to `<prefix>.cancel`, exactly as its
-  publisher sent it; it cancels nothing and is parked again with the same reason, as no
-  replay can give it the id it lacks. It is never sent on as a message.
+- it is a cancel or a rule (no message id, a value that cannot be read, a rule sent to
+  `<prefix>.cancel`): back to the exchange it was sent to (`<prefix>.cancel` or
+  `<prefix>.rules`), exactly as its publisher sent it; it is parked again with the same
+  reason, as no replay can mend it. It is never sent on as a message.
 - it is a retry (it gave up after the last attempt, or its queue was gone): back to its
   queue, with the attempts started afresh (no `x-retry-attempt`).
 
@@ -163,8 +164,10 @@ def report(messages: Iterable[Parked]) -> dict:
 def destination(message: Parked, names) -> Tuple[str, bytes, Properties]:
     """Where `replay` sends it, with which routing key and properties (see the module doc)."""
     inside = message.inside
-    if inside.complete and inside.exchange == names.cancel or unrecorded_cancel(inside):
-        return names.cancel, message.routing_key, message.user  # a cancel, as its publisher sent it
+    if inside.complete and inside.exchange in (names.cancel, names.rules):
+        return inside.exchange, message.routing_key, message.user  # a cancel or rule, as its publisher sent it
+    if unrecorded_cancel(inside):
+        return names.cancel, message.routing_key, message.user
     if inside.complete and inside.exchange == "" and inside.user is not None and inside.routing_key is not None:
         return "", inside.routing_key, retries.afresh(inside.user)  # a retry: to its queue, attempts afresh
     if inside.complete and inside.due_ms is not None:
