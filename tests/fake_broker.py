@@ -109,8 +109,10 @@ class FakeChannel:
         frame = _Frame(spec.Queue.DeclareOk(queue, self.connection.backlog, 0))
         self.connection.loop.soon.append(lambda: callback(frame))
 
-    def basic_consume(self, queue: str, on_message: Callable[..., None], callback: Callable[[Any], None]) -> str:
+    def basic_consume(self, queue: str, on_message: Callable[..., None], callback: Callable[[Any], None],
+                      arguments: Optional[Dict[str, Any]] = None) -> str:
         self.on_message, self.consumer_tag = on_message, f"ctag-{self.number}"
+        self.consume_arguments = arguments or {}
         self.connection.loop.soon.append(lambda: callback(None))
         return self.consumer_tag
 

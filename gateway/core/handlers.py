@@ -297,6 +297,11 @@ class Returning(CheckIn):
                 for e in back]
 
 
+def max_hold_ms(chain: ChainSettings, lead_ms: int) -> int:
+    """The longest the distributor holds a message: ten units and leads, at least a minute."""
+    return max(10 * (chain.resolution_ms + lead_ms), 60_000)
+
+
 class Distributor:
     def __init__(self, chain: ChainSettings, lead_ms: int, stamp_due_at: bool = False,
                  cancelled: Optional[Cancelled] = None) -> None:
@@ -305,7 +310,7 @@ class Distributor:
         # A message should reach us at most one unit (plus the lead) before it is due. One
         # much earlier (clocks far apart, or published here by hand) goes back into the
         # chain instead of sitting in our memory.
-        self.max_hold_ms = max(10 * (chain.resolution_ms + lead_ms), 60_000)
+        self.max_hold_ms = max_hold_ms(chain, lead_ms)
 
     def __call__(self, d: Delivery, now: int) -> List[Action]:
         try:

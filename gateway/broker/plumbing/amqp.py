@@ -91,6 +91,12 @@ def classify(error: BaseException, url: str, role: Optional[str] = None) -> Trou
                                   "`run` declare it: without --no-declare)")
         if code == 403:
             return Trouble(False, refused(error, text, where, role))
+        if code == 406 and "acknowledgement" in text and "timed out" in text:
+            return Trouble(True, f"{where}: the broker closed a channel because a delivery was held unacknowledged "
+                                 f"longer than its consumer_timeout ({text}): the gateway asks for a longer one for "
+                                 "its consumers (x-consumer-timeout), which RabbitMQ 3.11.15 and later honour; on an "
+                                 "older broker raise consumer_timeout in rabbitmq.conf above the longest hold "
+                                 "(--hold-within-ms, or a resolution unit and the lead), default 30 min")
         if code == 406:
             return Trouble(False, f"{where}: {text}: an object of the same name exists with other "
                                   "arguments; keep its settings, or see `delay-gateway migrate`")

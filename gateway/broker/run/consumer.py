@@ -79,13 +79,23 @@ class Telemetry:
         getattr(self._log, level)(event, **fields)
 
 
+# A consumer's own acknowledgement timeout (RabbitMQ 3.11.15 and later; 3.10 ignores it and
+# applies its consumer_timeout, 30 min by default): longer than any delivery a gateway holds,
+# so that a broker whose consumer_timeout is shorter does not close the channel under a hold
+# (and hand back, on 4.x counting toward the delivery limit, everything it held).
+CONSUMER_TIMEOUT = "x-consumer-timeout"
+CONSUMER_TIMEOUT_MS = 3_600_000
+
+
 class Pipe:
     def __init__(self, connection: Connection, queue: str, handler: Handler, prefetch: int, metrics: Metrics,
                  names: Names, clock: Callable[[], int] = wall_ms,
                  on_fatal: Optional[Callable[[Exception], None]] = None,
                  batcher: Optional[Batcher] = None, still_wanted: Optional[Callable[[Forward], bool]] = None,
-                 on_caught_up: Optional[Callable[[], None]] = None, recorder: Optional[Recorder] = None) -> None:
+                 on_caught_up: Optional[Callable[[], None]] = None, recorder: Optional[Recorder] = None,
+                 timeout_ms: int = CONSUMER_TIMEOUT_MS) -> None:
         self._connection, self.queue, self._prefetch, self._clock = connection, queue, prefetch, clock
+        self._timeout_ms = timeout_ms  # (x-consumer-timeout: longer than anything this consumer holds)
         # holds are timed on a steady clock (flow.Flow): the wall clock's own, unless given another
         self._steady = steady_ms if clock is wall_ms else clock
         self._cork = wire_connection.cork(connection)  # what an event makes us send goes out in one write
@@ -140,7 +150,8 @@ class Pipe:
         if self._on_caught_up is not None and self._backlog is None:
             channel.queue_declare(self.queue, passive=True, callback=lambda frame: self._counted(channel, frame))
             return
-        self._consumer_tag = channel.basic_consume(self.queue, self._on_message, callback=lambda _: self._consuming())
+        self._consumer_tag = channel.basic_consume(self.queue, self._on_message, callback=lambda _: self._consuming(),
+                                                   arguments={CONSUMER_TIMEOUT: self._timeout_ms})
 
     def _counted(self, channel: Channel, frame: Any) -> None:
         self._backlog = frame.method.message_count

@@ -18,13 +18,13 @@ from gateway.broker.plumbing import wire_connection
 from gateway.broker.plumbing.amqp import parameters
 from gateway.broker.run import cancelling
 from gateway.broker.run.cancelling import Judge
-from gateway.broker.run.consumer import Pipe
+from gateway.broker.run.consumer import CONSUMER_TIMEOUT_MS, Pipe
 from gateway.broker.run.index_streams import Beats
 from gateway.broker.run.retrying import counting_retries
 from gateway.clock import wall_ms
 from gateway.core.cancels import Sequencer
 from gateway.core.carrier import Batcher
-from gateway.core.handlers import CheckIn, Distributor, Parking, Retry, Returning
+from gateway.core.handlers import CheckIn, Distributor, Parking, Retry, Returning, max_hold_ms
 from gateway.core.index_records import Consumers, Recorder
 from gateway.health import Health
 from gateway.metrics import Metrics
@@ -80,7 +80,8 @@ class Session:
                 else None
             # (without the index: no entries, but the done keys of what others may have listed)
             recorder = Recorder(bands(chain), chain.meditation_ms, entries=s.pending_index)
-            self.pipes.append(Pipe(connection, queue, handler, prefetch, self.metrics, names,
+            timeout_ms = max(CONSUMER_TIMEOUT_MS, 2 * max_hold_ms(chain, s.lead_ms))
+            self.pipes.append(Pipe(connection, queue, handler, prefetch, self.metrics, names, timeout_ms=timeout_ms,
                                    on_fatal=self._on_fatal, batcher=batcher, still_wanted=still_wanted,
                                    on_caught_up=on_caught_up, recorder=recorder))
 
