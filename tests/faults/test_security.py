@@ -4,6 +4,7 @@ each role of docs/security.md as a real user with its line, running the real CLI
 suite's brokers."""
 
 import base64
+import collections
 import contextlib
 import json
 import os
@@ -22,7 +23,10 @@ import pytest
 
 from topology import ChainSettings
 
-from gateway.core import index_records, rules
+from topology.broker import inventory
+from topology.index_bands import band_key, bands
+
+from gateway.core import cancels, index_records, rules, writers
 from gateway.urls import user_of
 
 from ..support import (ROOT, SENTINEL, GatewayProcess, Receiver, broker_url, chain_args, connect, next_message, now_ms,
@@ -330,6 +334,18 @@ def done_key_of(row: dict) -> bytes:
     return index_records.KEY.pack(*cancels_struct.unpack(raw))
 
 
+def signers(stream: str) -> collections.Counter:
+    """How many records of `stream` (up to its end) each user_id signed (None: unsigned), read
+    back through the broker: the user_id survives a stream, with the arrival stamp too
+    (RabbitMQ 4.3's interceptor re-encodes the headers)."""
+    found: collections.Counter = collections.Counter()
+    with connect() as connection:
+        ends = inventory.stream_ends(connection, [stream])
+        inventory.read_stream(connection, stream, "first", ends.offsets[stream],
+                              lambda properties, body: found.update([writers.user_of(properties.wire)]))
+    return found
+
+
 def test_a_looker_reads_with_read_permission_only_and_trusts_only_the_gateway(make_chain, run_gateway,
                                                                              broker_ctl):
     """The looker's line lists, counts, exports and shows the rules, exactly; without one of
@@ -353,6 +369,10 @@ def test_a_looker_reads_with_read_permission_only_and_trusts_only_the_gateway(ma
         return json.loads(r.stdout)
     wait_until(lambda: (lambda found: found["total"] == 2 and found["exact"])(counted(broker_url())), 30, 0.2,
                "both listed, exactly")
+    gateway_user = user_of(broker_url())
+    for key in ["done"] + [band_key(b) for b in range(bands(chain))]:  # entries, keys, beats, marks: signed
+        found = signers(chain.names.waiting_stream(key))
+        assert set(found) == {gateway_user} and sum(found.values()) >= 1, (key, found)
     with role_user(broker_ctl, "looker", chain) as (user, url):
         found = counted(url)
         assert (found["total"], found["exact"], found["notes"]) == (2, True, []), found
@@ -425,6 +445,16 @@ def test_cancellers_cancel_ids_or_groups_as_their_lines_allow(make_chain, run_ga
             assert f"goes to {chain.names.rules!r}" in parked["messages"][0]["reason"], parked
             r = run_as(group_url, chain, "pending", "cancel", "--key", "group.#", "--yes", "--wait", "10")
             assert r.returncode == 0 and "recorded at" in r.stdout, r.stdout + r.stderr
+            # the cancel and the rule as check-in recorded them: signed by the gateway (its
+            # follower's own marks and tallies are not signed yet)
+            recorded = collections.Counter()
+            with connect() as c:
+                stream = chain.names.cancellations
+                ends = inventory.stream_ends(c, [stream])
+                inventory.read_stream(c, stream, "first", ends.offsets[stream], lambda p, body: recorded.update(
+                    [writers.user_of(p.wire)] if cancels.read_record(p.wire.headers) or rules.read_record(
+                        p.wire.headers, body) else []))
+            assert recorded == {user_of(broker_url()): 2}, recorded
             publish_sentinel(chain, due, absolute=True, routing_key="orders.zz")
             got: List[str] = []
 
