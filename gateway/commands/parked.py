@@ -164,8 +164,9 @@ def report(messages: Iterable[Parked]) -> dict:
 def destination(message: Parked, names) -> Tuple[str, bytes, Properties]:
     """Where `replay` sends it, with which routing key and properties (see the module doc)."""
     inside = message.inside
-    if inside.complete and inside.exchange in (names.cancel, names.rules):
-        return inside.exchange, message.routing_key, message.user  # a cancel or rule, as its publisher sent it
+    for sent_to in (names.cancel, names.rules):
+        if inside.complete and inside.exchange == sent_to:
+            return sent_to, message.routing_key, message.user  # a cancel or rule, as its publisher sent it
     if unrecorded_cancel(inside):
         return names.cancel, message.routing_key, message.user
     if inside.complete and inside.exchange == "" and inside.user is not None and inside.routing_key is not None:
