@@ -79,6 +79,7 @@ class Metrics:
     parked: Bound[Counter]
     lateness: Bound[Histogram]
     held: Bound[Gauge]
+    held_deliveries: Bound[Gauge]
     batch_publishes: Bound[Counter]
     batched_messages: Bound[Counter]
     connections: Bound[Counter]
@@ -125,6 +126,10 @@ class Metrics:
             "held",
             "delay_gateway_held_messages", "Messages held until their due time, by consumer",
             ["vhost", "queue"])
+        families.gauge(
+            "held_deliveries",
+            "delay_gateway_held_deliveries", "Deliveries (messages, or carriers of them) with a message held until "
+            "its due time, by consumer: each keeps a place of the prefetch", ["vhost", "queue"])
         families.counter(
             "batch_publishes",
             "delay_gateway_batch_publishes", "Publishes into the chain, meditation or the distributor "

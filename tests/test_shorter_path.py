@@ -110,3 +110,26 @@ def test_no_step_of_the_wall_clock_after_a_message_is_held_releases_it_earlier()
     back.delivered(1, Delivery(NAMES.distributor, b"", handlers.next_hop(e), e.body), NOW, steady=NOW)
     assert not back.tick(NOW + 6_000, steady=NOW + 8_000).publish and back.held == 1
     assert [p.payload.forward.way for p in back.tick(NOW + 8_000, steady=NOW + 10_000).publish] == [Way.DELIVERED]
+
+
+def test_what_the_distributor_holds_never_takes_the_room_of_what_falls_due():
+    """Held deliveries keep their places of the prefetch: once they take all but a tenth of
+    it, a message due later than two units goes back into the chain instead of being held
+    (it comes back about a unit before it is due), so that what falls due always finds room."""
+    assert handlers.crowded_at(10) == 9 and handlers.crowded_at(10_000) == 9_000 and handlers.crowded_at(0) is None
+    distributor = handlers.Distributor(CHAIN, 50)
+    flow = Flow(NAMES.distributor, NAMES, distributor, _Quiet(), prefetch=10)
+    distributor.crowded = lambda: flow.ledger.holding >= handlers.crowded_at(10)
+    flow.publishing_opened(NOW)
+
+    def arrive(tag: int, due: int):
+        e = Entry(f"k{tag}".encode(), Properties.build(), b"x", due, NOW * 1000)
+        return flow.delivered(tag, Delivery(NAMES.distributor, b"", handlers.next_hop(e), e.body), NOW)
+    for tag in range(1, 10):
+        assert not arrive(tag, NOW + 8_000).publish
+    assert flow.ledger.holding == 9 and flow.held == 9
+    [back] = [p.payload.forward for p in arrive(10, NOW + 8_000).publish]
+    assert back.way is Way.RECHECK and flow.ledger.holding == 9
+    assert not arrive(11, NOW + 2_000).publish and flow.ledger.holding == 10  # (due within two units: held)
+    [due] = [p.payload.forward for p in arrive(12, NOW).publish]
+    assert due.way is Way.DELIVERED

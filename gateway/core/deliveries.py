@@ -59,6 +59,7 @@ class Deliveries(Generic[P, H]):
         self._done: Set[int] = set()  # outstanding and done: to acknowledge
         self._fences = 0  # outstanding fences
         self._holds: Holds[int, H] = Holds()  # a delivery's message, due at its time
+        self._holding = 0  # deliveries with a message held: each keeps a place of the prefetch
         self._window: Window[P] = Window()
 
     # -- queries --------------------------------------------------------------------------
@@ -72,6 +73,12 @@ class Deliveries(Generic[P, H]):
     def held(self) -> int:
         """Messages held until their time."""
         return len(self._holds)
+
+    @property
+    def holding(self) -> int:
+        """Deliveries with a message held until its time (each one counts against the
+        consumer's prefetch until its last message is released)."""
+        return self._holding
 
     def next_due(self) -> Optional[int]:
         """When the first held message is due, if any (on the clock the holds were given in:
@@ -118,7 +125,9 @@ class Deliveries(Generic[P, H]):
 
     def hold(self, tag: int, due_ms: int, message: H) -> None:
         """One of its messages waits until `due_ms`."""
-        self._deliveries[tag].holds += 1
+        d = self._deliveries[tag]
+        d.holds += 1
+        self._holding += d.holds == 1
         self._holds.add(due_ms, tag, message)
 
     def due(self, now_ms: int) -> List[Tuple[int, H]]:
@@ -131,7 +140,9 @@ class Deliveries(Generic[P, H]):
 
     def _released(self, held: List[Tuple[int, H]]) -> List[Tuple[int, H]]:
         for tag, _ in held:
-            self._deliveries[tag].holds -= 1
+            d = self._deliveries[tag]
+            d.holds -= 1
+            self._holding -= d.holds == 0
         return held
 
     def owe(self, tags: Iterable[int]) -> None:
@@ -163,6 +174,7 @@ class Deliveries(Generic[P, H]):
         self._fences -= d.fence
         if d.holds:
             self._holds.discard(tag)
+            self._holding -= 1
         self._done.discard(tag)
 
     def acks(self) -> Tuple[Optional[int], List[int], List[int]]:
@@ -273,6 +285,7 @@ class Deliveries(Generic[P, H]):
         and none of their held messages will be released."""
         self._deliveries.clear()
         self._holds.drain()
+        self._holding = 0
         self._done.clear()
         self._fences = 0
         self._window.forget()

@@ -302,15 +302,26 @@ def max_hold_ms(chain: ChainSettings, lead_ms: int) -> int:
     return max(10 * (chain.resolution_ms + lead_ms), 60_000)
 
 
+def crowded_at(prefetch: int) -> Optional[int]:
+    """How many deliveries holding messages leave too little of a distributor's prefetch for
+    what falls due meanwhile (a tenth of it, at least one, kept free); None: no prefetch limit."""
+    return None if prefetch <= 0 else max(1, prefetch - max(1, prefetch // 10))
+
+
 class Distributor:
     def __init__(self, chain: ChainSettings, lead_ms: int, stamp_due_at: bool = False,
-                 cancelled: Optional[Cancelled] = None) -> None:
+                 cancelled: Optional[Cancelled] = None, crowded: Callable[[], bool] = lambda: False) -> None:
         self.chain, self.lead_ms, self.stamp = chain, lead_ms, stamp_due_at
         self.cancelled = cancelled
         # A message should reach us at most one unit (plus the lead) before it is due. One
         # much earlier (clocks far apart, or published here by hand) goes back into the
         # chain instead of sitting in our memory.
         self.max_hold_ms = max_hold_ms(chain, lead_ms)
+        # While what it holds takes nearly all of its prefetch (the shorter path's carriers,
+        # held for seconds), a message due later than this goes back into the chain instead:
+        # the broker keeps delivering what falls due, rather than waiting for a place.
+        self.crowded = crowded
+        self.crowded_hold_ms = 2 * (chain.resolution_ms + lead_ms)
 
     def __call__(self, d: Delivery, now: int) -> List[Action]:
         try:
@@ -326,7 +337,7 @@ class Distributor:
         return forward.entry is None or self.cancelled is None or not self.cancelled(forward.entry, "release")
 
     def release(self, e: Entry, now: int) -> Forward:
-        if e.due_ms - now > self.max_hold_ms:
+        if e.due_ms - now > self.max_hold_ms or (e.due_ms - now > self.crowded_hold_ms and self.crowded()):
             exchange, key, _ = route(self.chain, e.due_ms - now, self.lead_ms)
             return Forward(exchange, key, next_hop(e), e.body, Way.RECHECK, entry=e)
         if e.exchange is not None:  # a retry, back to its queue (no due-time stamp: not scheduled by its publisher)

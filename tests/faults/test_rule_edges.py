@@ -1,4 +1,4 @@
-"""The rule failures issue 49 reported, end to end on every suite broker (3.10 without the
+"""Group cancels at their edges, end to end on every suite broker (3.10 without the
 arrival stamp, 4.3 with it): each test failed on the code before b938cba/7fb1d2d (and
 f1b4631 for the pattern) and passes now.
 

@@ -110,6 +110,7 @@ class Pipe:
         self.flow = Flow(queue, names, handler, Telemetry(queue, metrics, self._log), batcher, still_wanted, prefetch,
                          recorder)
         metrics.held.labels(queue).set_function(lambda: self.flow.held)
+        metrics.held_deliveries.labels(queue).set_function(lambda: self.flow.ledger.holding)
         self._consume: Optional[Channel] = None
         self._publish: Optional[Channel] = None
         self._consumer_tag: Optional[str] = None

@@ -24,7 +24,8 @@ from gateway.broker.run.retrying import counting_retries
 from gateway.clock import wall_ms
 from gateway.core.cancels import Sequencer
 from gateway.core.carrier import Batcher
-from gateway.core.handlers import CheckIn, Distributor, Parking, Retry, Returning, max_hold_ms
+from gateway.core.deliveries import Deliveries
+from gateway.core.handlers import CheckIn, Distributor, Parking, Retry, Returning, crowded_at, max_hold_ms
 from gateway.core.index_records import Consumers, Recorder
 from gateway.health import Health
 from gateway.metrics import Metrics
@@ -35,6 +36,11 @@ STOP_POLL_S = 0.2
 STOP_GRACE_S = 10.0
 STABLE_S = 30.0  # a connection up this long (and consuming) resets the backoff
 CATCH_UP_S = 60.0  # the other consumers wait at most this long for check-in's backlog
+
+
+def crowding(ledger: Deliveries, room: int) -> Callable[[], bool]:
+    """Whether the deliveries holding messages take the prefetch's room (handlers.crowded_at)."""
+    return lambda: ledger.holding >= room
 
 
 class Session:
@@ -108,9 +114,12 @@ class Session:
                           self.sequence, s.retry_queues, s.hold_within_ms, s.hold_messages)
             pipe(names.retry, counting_retries(retry, self.metrics), s.prefetch, batched=True)
         if s.role in ("all", "distributor"):
+            room = crowded_at(s.distributor_prefetch)
             for queue in distributors:
-                pipe(queue, Distributor(chain, s.lead_ms, s.stamp_due_at, self.judge),
-                     s.distributor_prefetch)
+                distributor = Distributor(chain, s.lead_ms, s.stamp_due_at, self.judge)
+                pipe(queue, distributor, s.distributor_prefetch)
+                if room is not None:
+                    distributor.crowded = crowding(self.pipes[-1].flow.ledger, room)
             pipe(names.parking, Parking(names), s.prefetch)
         if self.beats is not None:
             held = [p.flow for p in self.pipes if p.queue in distributors]
