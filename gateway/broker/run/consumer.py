@@ -164,9 +164,12 @@ class Pipe:
         self._do(Effects())  # (an empty queue: caught up at once)
 
     def _on_cancelled(self, frame: object) -> None:
-        # The broker cancelled our consumer (its queue was deleted, or its node went away):
-        # start over on a fresh connection, where the worker finds out what is wrong.
-        self._log.warning("consumer_cancelled_by_broker")
+        # The broker cancelled our consumer (its queue was deleted, or its node went away, or
+        # on RabbitMQ 4 a delivery was held past a consumer timeout that ignores ours): start
+        # over on a fresh connection, where the worker finds out what is wrong.
+        self._log.warning("consumer_cancelled_by_broker",
+                          why="its queue deleted, its node gone, or (RabbitMQ 4) a delivery held longer than "
+                              "the queue's consumer timeout (a policy's consumer-timeout, or x-consumer-timeout)")
         self.consuming = False
         if self._connection.is_open:
             self._connection.close()
