@@ -36,7 +36,8 @@ def test_count_sorts_every_key_once():
 
 
 def test_what_is_published_is_the_entry_in_the_gateways_format():
-    props = wire.Properties.build(message_id=b"m-1", user_id=b"alice", headers=wire.Table([wire.long("x-delay", 5)]))
+    props = wire.Properties.build(message_id=b"m-1", user_id=b"alice",
+                                  headers=wire.Table([wire.long("x-delay", 50_000)]))
     entry = PluginMessage(NOW + 60_000, b"order.1", props.raw, b"body", "ref")
     read = cancels.Sequencer()
     [(exchange, key, sent, body), (_, _, again, _)] = list(outgoing(held_as_gateway([entry, entry], read, NOW),
@@ -47,10 +48,20 @@ def test_what_is_published_is_the_entry_in_the_gateways_format():
     assert inside.user == props.replace(user_id=None)  # every other byte as the plugin held it
     # Taken in when the plugin took it in (its due time less its x-delay): a cancel recorded
     # before that does not cancel it, one after does; each message its own read time.
-    published_us = (NOW + 60_000 - 5) * 1000
+    published_us = (NOW + 60_000 - 50_000) * 1000  # (the test's "now" is the move's: it was published before)
+    entry_now = PluginMessage(NOW + 60_000, b"order.1", props.raw, b"body", "ref")
+    [held] = held_as_gateway([entry_now], read, NOW + 10_000)
+    assert held.accepted_us == published_us
+    [(_, _, sent, _), (_, _, again, _)] = list(outgoing(held_as_gateway([entry, entry], read, NOW + 10_000),
+                                                        "delay.distributor"))
+    inside = Inside(sent)
     assert inside.accepted_us == published_us and Inside(again).accepted_us == published_us + 1
     assert cancels.after(cancels.Time(published_us + 2), cancels.Time(inside.accepted_us))
     assert not cancels.after(cancels.Time(published_us - 1), cancels.Time(inside.accepted_us))
+    # an x-delay that would put its publish after now (not the plugin's sum): not after now
+    [later] = held_as_gateway([PluginMessage(NOW + 60_000, b"order.3", wire.Properties.build(
+        headers=wire.Table([wire.long("x-delay", 5)])).raw, b"", "ref")], read, NOW)
+    assert later.accepted_us == NOW * 1000
     # without an integer x-delay, when it was published cannot be known: before every cancel
     for headers in (None, wire.Table([wire.longstr("x-delay", "5")]), wire.Table([wire.long("x-delay", -5)])):
         blind = PluginMessage(NOW + 60_000, b"order.2", wire.Properties.build(headers=headers).raw, b"", "ref")
@@ -105,7 +116,8 @@ def test_the_moved_messages_entries_name_them_in_the_index_until_due():
     plugin = [PluginMessage(NOW + 60_000, b"order.1", props.raw, b"body", "a"),
               PluginMessage(NOW + 400 * 86_400_000, b"order.2", props.raw, b"body", "b")]
     held = held_as_gateway(plugin, cancels.Sequencer(), NOW)
-    records = list(index_entries(held, "delay.waiting", 11, NOW))
+    records = list(index_entries(held, "delay.waiting", 11, NOW, "delay-gateway"))
+    assert {props.get("user_id") for _, _, props, _ in records} == {b"delay-gateway"}  # (signed: writers.py)
     assert [key for _, key, _, _ in records] == ["03", "10"]  # (1 minute; 400 days: the top band of 11)
     listed = [m for _, _, _, body in records for m in index_records.entries(body)]
     assert [(m.routing_key, m.due_ms, m.until_ms, m.read_us) for m in listed] == \

@@ -19,7 +19,8 @@ def test_a_record_is_signed_with_the_user_and_read_back_by_whom_it_names():
 
 def test_a_reader_of_the_cancellations_keeps_what_the_gateway_would():
     """Signed by the gateway user: everything. Unsigned (0.1.0 wrote cancels and marks so):
-    cancels by id, marks and tallies, never a rule. Another user's: nothing but the offset."""
+    cancels by id and marks, never a rule, tally or reservation. Another user's: nothing but the
+    offset."""
     offset = long("x-stream-offset", 7)
     cancel = cancels.record(b"order-1", Time(5, 4))
     cancel = cancel.replace(headers=cancel.headers.with_entry(offset))
@@ -34,8 +35,8 @@ def test_a_reader_of_the_cancellations_keeps_what_the_gateway_would():
         assert (cancels.read_record(as_read(cancel)) is not None) == (kept != "offset")
         assert (rules.read_record(as_read(rule), body) is not None) == (kept == "all")
         assert (cancels.read_mark(as_read(mark)) == b"token") == (kept != "offset")
-        assert (rules.read_tally(as_read(tally)) is not None) == (kept != "offset")
-        assert (cancels.read_reservation(as_read(reservation)) == 123) == (kept != "offset")
+        assert (rules.read_tally(as_read(tally)) is not None) == (kept == "all")
+        assert (cancels.read_reservation(as_read(reservation)) == 123) == (kept == "all")
         assert as_read(rule).get("x-stream-offset") == 7
 
 

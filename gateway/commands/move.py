@@ -44,11 +44,12 @@ from gateway.broker.plumbing.amqp import blocking_channel
 from gateway.broker.tools.plugin_table import REFS_PER_REMOVE, PluginMessage, PluginError, PluginTables, Probe, Waiting
 from gateway.broker.tools.window import Outgoing, PublishError, WindowPublisher
 from gateway.clock import wall_ms
-from gateway.core import cancels, envelope, index_records
+from gateway.core import cancels, envelope, index_records, writers
 from gateway.core.carrier import Entry
 from gateway.core.wire import Properties
 from topology.index_bands import band, band_key, bands
 from gateway.settings import Settings, Tls, argument, integer
+from gateway.urls import user_of
 from gateway.times import exact_duration
 
 MINUTE, HOUR, DAY = 60_000, 3_600_000, 86_400_000
@@ -107,18 +108,19 @@ def held_as_gateway(entries: Sequence[PluginMessage], read: cancels.Sequencer, n
     out = []
     for n, e in enumerate(entries):
         user = envelope.for_pick_up(Properties.parse(e.properties))
-        published = published_ms(e.due_ms, user)
+        published = published_ms(e.due_ms, user, now_ms)
         read_us = -read(now_ms) if published is None else published * 1000 + n % 1000
         out.append(Entry(e.routing_key, user, e.body, e.due_ms, read_us))
     return out
 
 
-def published_ms(due_ms: int, user: Properties) -> Optional[int]:
+def published_ms(due_ms: int, user: Properties, now_ms: int) -> Optional[int]:
     """When the plugin took a message in: its due time less its x-delay (an integer, as the
-    plugin reads it), on the plugin's node's clock; None where it does not say."""
+    plugin reads it), on the plugin's node's clock, and not after now; None where it does not
+    say."""
     delay = user.headers.get("x-delay")
     if isinstance(delay, int) and not isinstance(delay, bool) and 0 <= delay <= due_ms:
-        return due_ms - delay
+        return min(due_ms - delay, now_ms)
     return None
 
 
@@ -128,7 +130,8 @@ def outgoing(entries: Sequence[Entry], distributor: str) -> Iterator[Outgoing]:
         yield distributor, "", envelope.inside(e.user, e.routing_key, e.due_ms, accepted_us=e.accepted_us), e.body
 
 
-def index_entries(entries: Sequence[Entry], exchange: str, bands: int, now_ms: int) -> Iterator[Outgoing]:
+def index_entries(entries: Sequence[Entry], exchange: str, bands: int, now_ms: int,
+                  user: Optional[str] = None) -> Iterator[Outgoing]:
     """Their entries in the index of what waits, a record per band of the chain's `bands`
     (gateway/core/index_records.py): each waits until due (a wait longer than the top band's span
     is kept there until the message's first lap gives it an entry of its own)."""
@@ -137,7 +140,10 @@ def index_entries(entries: Sequence[Entry], exchange: str, bands: int, now_ms: i
         b = min(band(max(0, e.due_ms - now_ms)), bands - 1)
         by_band.setdefault(band_key(b), []).append(index_records.entry_record(e, e.due_ms))
     for key, records in by_band.items():
-        yield exchange, key, Properties.build(delivery_mode=2), index_records.pack_entries(records)
+        props = Properties.build(delivery_mode=2)
+        # (signed by the user the move logs in as: readers trust the gateway user's: writers.py)
+        yield exchange, key, props if user is None else writers.signed(props, user), \
+            index_records.pack_entries(records)
 
 
 # -- command line ---------------------------------------------------------------------------
@@ -259,7 +265,8 @@ def move(tables: PluginTables, probe: Probe, urls: Sequence[str], tls: Tls, chai
                             unroutable=f"{chain.names.distributor} routed a message to no queue",
                             unroutable_hint="run `delay-gateway declare` with the same --prefix",
                             queue=chain.names.distributor).run()
-            WindowPublisher(urls, index_entries(gateway_format, chain.names.waiting, bands(chain), wall_ms()),
+            WindowPublisher(urls, index_entries(gateway_format, chain.names.waiting, bands(chain), wall_ms(),
+                                                user_of(urls[0])),
                             "delay-gateway move-from-plugin", tls,
                             unroutable=f"{chain.names.waiting} routed an entry of the index to no stream",
                             unroutable_hint="run `delay-gateway declare` with this version and the same --prefix",

@@ -13,9 +13,8 @@ user of the first URL):
   ignored, and counted, so that an answer can say so;
 - unsigned: written by a version before 1.0 (or by a tool that does not sign). A gateway
   still reads the unsigned cancels by id and marks of the cancellations stream (0.1.0 wrote
-  them: a rolling upgrade keeps its cancels; tallies and read-time reservations too, which
-  the follower appends unsigned so far); no release
-  wrote rules unsigned, so an unsigned rule is ignored. A command reads unsigned records of
+  them: a rolling upgrade keeps its cancels); no release wrote rules, tallies or read-time
+  reservations unsigned, so unsigned ones are ignored. A command reads unsigned records of
   the index (0.1.0 wrote them) but never lets one hide a message (index_streams.py), and says
   its answer is not exact (`UNTRUSTED`).
 """
@@ -24,7 +23,7 @@ import enum
 from dataclasses import dataclass
 from typing import Optional
 
-from gateway.core import cancels, rules
+from gateway.core import cancels
 from gateway.core.wire import Properties, Table
 
 USER_ID = "user_id"
@@ -32,11 +31,10 @@ UNTRUSTED = "records from before 1.0 or from another user"
 # What a reader keeps of an unsigned record of the cancellations stream: a cancel by id (and
 # its times), a mark, a tally (rules.TALLY's headers), and what the broker adds.
 _STREAM_HEADERS = ("x-stream-offset", "timestamp_in_ms")
-# (Tallies and read-time reservations: until the follower signs what it appends, which it
-# does not yet.)
+# (Cancels by id and marks: 0.1.0 wrote them unsigned. Tallies and read-time reservations are
+# 1.0's, signed: a forged reservation would hold every later gateway's read times ahead.)
 _UNSIGNED_CANCELLATIONS = _STREAM_HEADERS + (cancels.RECORD_ID, cancels.RECORD_AT, cancels.RECORD_ARRIVED,
-                                             cancels.RECORD_MARK, rules.RECORD_TALLY, rules.TALLY_GATEWAY,
-                                             rules.TALLY_REMOVED, cancels.RECORD_RESERVED)
+                                             cancels.RECORD_MARK)
 
 
 class Writer(enum.Enum):

@@ -42,10 +42,12 @@ EXCHANGE = "plugin.delayed"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # What publishers send through the plugin: headers of every AMQP type the gateway keeps
-# exactly, and the other properties; the table's entries use them in turn.
+# exactly, and the other properties; the table's entries use them in turn. (A moved message
+# counts as published at its due time less its x-delay: 60 s puts every near one's publish
+# before the test fills the tables, as a real one's would be.)
 TEMPLATES = [
     wire.Properties.build(content_type=b"application/json", delivery_mode=2, headers=wire.Table([
-        wire.long("x-delay", 45_000), wire.longstr("tenant", b"acme"),
+        wire.long("x-delay", 60_000), wire.longstr("tenant", b"acme"),
         wire.TableField(b"short", b"s", (-7).to_bytes(2, "big", signed=True)),
         wire.TableField(b"flag", b"t", b"\x01")])),
     wire.Properties.build(priority=3, correlation_id=b"corr-1", reply_to=b"replies", timestamp=1_700_000_000,

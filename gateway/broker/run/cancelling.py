@@ -31,7 +31,7 @@ import structlog
 from pika.exceptions import AMQPError, ChannelClosedByBroker
 
 from gateway.broker.plumbing import lazy_properties, wire_connection
-from gateway.broker.plumbing.amqp import Trouble, classify, parameters
+from gateway.broker.plumbing.amqp import Trouble, classify, login_user, parameters
 from gateway.broker.run import launch
 from gateway.clock import wall_ms
 from gateway.core import cancels, envelope, index_records, rules, writers
@@ -42,6 +42,7 @@ from gateway.core.effects import Handler
 from gateway.core.carrier import Entry
 from gateway.core.cancels import Store
 from gateway.core.rules import Rules
+from gateway.core.wire import Properties
 from gateway.metrics import Metrics
 from gateway.settings import Settings
 from gateway.urls import redact
@@ -68,6 +69,13 @@ def first_handle_of(entry: Entry) -> bytes:
     if entry.accepted_us is None:
         return b""
     return cancels.handle(entry.accepted_us, index_records.first_checksum(entry.routing_key)).encode("ascii")
+
+
+def signed(props: Properties, connection: object) -> Properties:
+    """What the follower appends, signed by the user it logged in as (writers.py: readers trust
+    only the gateway user's records); unsigned where the login names no user (EXTERNAL)."""
+    user = login_user(connection)
+    return props if user is None else writers.signed(props, user)
 
 
 def taken_in_at(entry: Entry) -> Optional[cancels.Time]:
@@ -256,7 +264,8 @@ class Follower:
             self._writer = connection.channel()
             self._writer.confirm_delivery()
         self._writer.basic_publish(self.names.cancellations, "", b"",
-                                   lazy_properties.WireProperties(cancels.reservation(until)), mandatory=True)
+                                   lazy_properties.WireProperties(signed(cancels.reservation(until), connection)),
+                                   mandatory=True)
         self.sequence.reserved(until)
 
     def _now_ready(self, connection) -> None:
@@ -281,7 +290,8 @@ class Follower:
         channel = connection.channel()
         for name, removed in changed.items():
             channel.basic_publish(self.names.cancellations, "", b"",
-                                  lazy_properties.WireProperties(rules.tally_record(name, self.id, removed)))
+                                  lazy_properties.WireProperties(signed(rules.tally_record(name, self.id, removed),
+                                                                        connection)))
         channel.close()
         self._published.update(changed)
 
@@ -309,7 +319,8 @@ class Follower:
             publisher = connection.channel()
             publisher.confirm_delivery()
             publisher.basic_publish(self.names.cancellations, "", b"",
-                                    lazy_properties.WireProperties(cancels.mark(self._mark)), mandatory=True)
+                                    lazy_properties.WireProperties(signed(cancels.mark(self._mark), connection)),
+                                    mandatory=True)
             publisher.close()
         self._writer = None
         while not self.stop.is_set() and not ended:

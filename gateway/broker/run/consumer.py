@@ -93,9 +93,11 @@ class Pipe:
                  on_fatal: Optional[Callable[[Exception], None]] = None,
                  batcher: Optional[Batcher] = None, still_wanted: Optional[Callable[[Forward], bool]] = None,
                  on_caught_up: Optional[Callable[[], None]] = None, recorder: Optional[Recorder] = None,
-                 timeout_ms: int = CONSUMER_TIMEOUT_MS) -> None:
+                 timeout_ms: Optional[int] = CONSUMER_TIMEOUT_MS) -> None:
         self._connection, self.queue, self._prefetch, self._clock = connection, queue, prefetch, clock
-        self._timeout_ms = timeout_ms  # (x-consumer-timeout: longer than anything this consumer holds)
+        # (x-consumer-timeout: longer than anything this consumer holds; None: not asked for, on
+        # a classic queue, which RabbitMQ 4.3 refuses it on and times out no consumer of)
+        self._timeout_ms = timeout_ms
         # holds are timed on a steady clock (flow.Flow): the wall clock's own, unless given another
         self._steady = steady_ms if clock is wall_ms else clock
         self._cork = wire_connection.cork(connection)  # what an event makes us send goes out in one write
@@ -152,7 +154,8 @@ class Pipe:
             channel.queue_declare(self.queue, passive=True, callback=lambda frame: self._counted(channel, frame))
             return
         self._consumer_tag = channel.basic_consume(self.queue, self._on_message, callback=lambda _: self._consuming(),
-                                                   arguments={CONSUMER_TIMEOUT: self._timeout_ms})
+                                                   arguments={CONSUMER_TIMEOUT: self._timeout_ms}
+                                                   if self._timeout_ms else {})
 
     def _counted(self, channel: Channel, frame: Any) -> None:
         self._backlog = frame.method.message_count

@@ -86,7 +86,8 @@ class Session:
                 else None
             # (without the index: no entries, but the done keys of what others may have listed)
             recorder = Recorder(bands(chain), chain.meditation_ms, entries=s.pending_index)
-            timeout_ms = max(CONSUMER_TIMEOUT_MS, 2 * max_hold_ms(chain, s.lead_ms))
+            # (the exits of a classic chain are classic queues: no consumer timeout there)
+            timeout_ms = None if queue in self.exits else max(CONSUMER_TIMEOUT_MS, 2 * max_hold_ms(chain, s.lead_ms))
             self.pipes.append(Pipe(connection, queue, handler, prefetch, self.metrics, names, timeout_ms=timeout_ms,
                                    on_fatal=self._on_fatal, batcher=batcher, still_wanted=still_wanted,
                                    on_caught_up=on_caught_up, recorder=recorder))
