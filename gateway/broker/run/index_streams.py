@@ -29,7 +29,7 @@ import datetime
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import structlog
 from pika.exceptions import AMQPError, ChannelClosedByBroker
@@ -123,6 +123,19 @@ class Beats:
         """The connection is gone."""
         self._channel = None
         self._prober = None
+
+
+def looked(connection, names: Names) -> Optional[Dict[str, Place]]:
+    """The queues where messages wait for a gateway, as the broker says now, where this reader
+    may look (a passive declare needs configure permission: an operator's, the gateway's);
+    None where it may not."""
+    prober = Prober(connection)
+    try:
+        return seen_queues(prober, names).places()
+    except Unknown:
+        return None
+    finally:
+        prober.close()
 
 
 def seen_queues(prober: Prober, names: Names) -> index_records.Seen:
@@ -302,7 +315,9 @@ def read(connection, chain: ChainSettings, trusted: str, now_ms: int, make_view:
     # are not taken from one (no version that wrote them unsigned counted), and a done key
     # never hides a message (an entry may list one): the answer says it read them.
     reader.read(DONE, now_ms - index_records.LIVE_MS - CLOCKS_MS, on_beat, lambda body: on_beat(body, False))
-    places, unseen = listing.seen(now_ms, recent)
+    places, unseen = looked(connection, names), ""
+    if places is None:  # (a reader with read permission only: what the gateways last saw)
+        places, unseen = listing.seen(now_ms, recent)
     at = listing.horizon(now_ms, recent, places) if places is not None \
         else Horizon(now_ms - RETENTION_SLACK_MS, False, unseen)
     view = make_view(at)
