@@ -275,3 +275,11 @@ def test_what_can_wait_unlisted_is_said_until_it_cannot():
     assert len(blind) == 1 and "--no-pending-index" in blind[0].why
     before = Gap("messages scheduled before the index", NOW + 1)
     assert listing.gaps(NOW, live, Place(0, 2), [before, Gap("over", NOW - 1)]) == [before]
+    # a gateway that held messages read and not sent on yet, or one the broker blocks: said
+    flagged = dataclasses.replace(live[0], flags=index_records.INDEXES | index_records.READING | index_records.BLOCKED)
+    said = [g.why for g in listing.gaps(NOW, [flagged], Place(0, 2), [])]
+    assert len(said) == 2 and "held messages they had read and not sent on yet" in said[0]
+    assert "blocks 1 gateway(s) (a resource alarm)" in said[1]
+    body = index_records.pack_beat(b"g" * 16, 3, NOW, NOW, Consumers(1, 1, 1), flagged.flags)
+    read_back = index_records.beat(body)
+    assert read_back is not None and read_back.reading and read_back.blocked and read_back.indexes

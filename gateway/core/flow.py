@@ -92,6 +92,13 @@ class Flow:
         return self.ledger.held
 
     @property
+    def reading(self) -> int:
+        """Deliveries with messages read and not yet in a sent publish (waiting for company in
+        a carrier, or behind a fence): no entry of the index lists them yet. (One `len`: other
+        threads ask.)"""
+        return len(self._unsent)
+
+    @property
     def unsettled_fences(self) -> int:
         """Cancels read and not yet acknowledged (their records not all confirmed)."""
         return self.ledger.fences

@@ -65,6 +65,8 @@ HAS_ID = 2  # flags: the message has a message id
 ROLE_CHECK_IN, ROLE_DISTRIBUTOR = 1, 2  # a beat's roles, as bits
 INDEXES = 1  # a beat's flags: this gateway writes entries (not --no-pending-index)
 SEEN = 2  # a beat's flags: it carries what the gateway saw of the queues (`Seen`)
+READING = 4  # a beat's flags: its check-in holds messages it read and has not sent on yet (unlisted)
+BLOCKED = 8  # a beat's flags: the broker blocks its publishes (a resource alarm)
 
 
 def key_of(read_us: int, crc: int) -> int:
@@ -296,6 +298,14 @@ class Beat:
     @property
     def indexes(self) -> bool:
         return bool(self.flags & INDEXES)
+
+    @property
+    def reading(self) -> bool:
+        return bool(self.flags & READING)
+
+    @property
+    def blocked(self) -> bool:
+        return bool(self.flags & BLOCKED)
 
 
 def beat(body: bytes) -> Optional[Beat]:

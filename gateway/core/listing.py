@@ -137,6 +137,14 @@ def gaps(now_ms: int, beats: Iterable[Beat], check_in: Place, unlisted: Iterable
     blind = sum(1 for b in live if not b.indexes and b.consumers.check_in)
     if blind:
         out.append(Gap(f"{blind} gateway(s) run with --no-pending-index: what they send on is not listed"))
+    reading = sum(1 for b in live if b.reading)
+    if reading:
+        out.append(Gap(f"{reading} gateway(s) held messages they had read and not sent on yet (waiting for "
+                       "company in a carrier, or behind a cancel): listed once sent on, within the carrier wait"))
+    blocked = sum(1 for b in live if b.blocked)
+    if blocked:
+        out.append(Gap(f"the broker blocks {blocked} gateway(s) (a resource alarm): messages may wait past due in "
+                       "the chain, and are not listed once more than a minute overdue"))
     out += [g for g in unlisted if g.until_ms is None or g.until_ms > now_ms]
     return out
 

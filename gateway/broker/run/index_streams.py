@@ -77,6 +77,10 @@ class Beats:
             | (index_records.ROLE_DISTRIBUTOR if role in ("all", "distributor") else 0)
         self.flags = index_records.INDEXES if indexes else 0
         self.low: Callable[[], Optional[int]] = lambda: None
+        # (set by the worker's session, read here: messages check-in read and has not sent on
+        # yet, and whether the broker blocks its publishes; readers say the answer is not exact)
+        self.reading: Callable[[], bool] = lambda: False
+        self.blocked: Callable[[], bool] = lambda: False
         self.consumers = Consumers()
         self._channel: Any = None
         self._prober: Optional[Prober] = None
@@ -94,8 +98,10 @@ class Beats:
         try:
             if self._channel is None or not self._channel.is_open:
                 self._channel = connection.channel()
+            flags = self.flags | (index_records.READING if self.reading() else 0) \
+                | (index_records.BLOCKED if self.blocked() else 0)
             self._channel.basic_publish(self.names.waiting, DONE, index_records.pack_beat(
-                self.id, self.roles, now if low is None else min(low, now), now, self.consumers, self.flags, seen),
+                self.id, self.roles, now if low is None else min(low, now), now, self.consumers, flags, seen),
                 lazy_properties.WireProperties(record_properties(connection)))
         except ChannelClosedByBroker as exc:  # the exchange is missing: an older topology
             self._channel = None

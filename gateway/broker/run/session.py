@@ -126,6 +126,9 @@ class Session:
             held = [p.flow for p in self.pipes if p.queue in distributors]
             # (read from the upkeep thread: the earliest due time of a heap, one list index)
             self.beats.low = lambda: min((t for t in (h.held_due() for h in held) if t is not None), default=None)
+            taking = [p.flow for p in self.pipes if p.queue in (names.check_in, names.retry) or p.queue in returning]
+            self.beats.reading = lambda: any(f.reading for f in taking)
+            self.beats.blocked = lambda: self.blocked
             consumed = [p.queue for p in self.pipes]
             self.beats.count(Consumers(sum(q in (names.check_in, names.retry) for q in consumed),
                                        sum(q in returning for q in consumed), sum(q in distributors for q in consumed)))
