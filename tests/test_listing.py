@@ -264,6 +264,17 @@ def test_what_the_queues_hold_is_what_the_newest_live_beat_saw():
     assert "a version before 1.0" in listing.seen(NOW, [beat(0, 3, NOW - 1000)])[1]
 
 
+def test_a_gateway_of_0_1_0_reading_check_in_is_told_until_its_consumers_are_gone():
+    """`pending cancel` refuses while one may read check-in (it would deliver a rule): its DGB1
+    beat is live, and the broker counts more consumers of check-in than the later gateways."""
+    old = dataclasses.replace(beat(0, 3, NOW - 1000, Consumers(1, 1, 1)), first_layout=True)
+    new = beat(1, 3, NOW - 1000, Consumers(1, 1, 1))
+    assert listing.earlier_check_in(NOW, [old, new], {"check_in": Place(0, 2)}) == 1
+    assert listing.earlier_check_in(NOW, [old, new], None) == 1  # (not known: still said)
+    assert listing.earlier_check_in(NOW, [old, new], {"check_in": Place(0, 1)}) == 0  # it stopped
+    assert listing.earlier_check_in(NOW, [new], {"check_in": Place(0, 1)}) == 0
+
+
 def test_what_can_wait_unlisted_is_said_until_it_cannot():
     live = [beat(0, 3, NOW - 1000, Consumers(2, 1, 1))]
     assert listing.gaps(NOW, live, Place(0, 2), []) == []

@@ -154,9 +154,11 @@ def test_a_beat_carries_what_its_gateway_saw_of_the_queues():
 
 
 def test_a_beat_of_an_earlier_version_stands_for_one_consumer_of_each_kind_its_roles_run():
-    """Before 1.0 a beat (DGB1) did not count consumers; a gateway then always wrote entries."""
+    """Before 1.0 a beat (DGB1) did not count consumers; a gateway then always wrote entries
+    (and took a rule for a message: `first_layout`)."""
     old = b"DGB1" + b"g" * 16 + bytes([3]) + (NOW - 5).to_bytes(8, "big") + NOW.to_bytes(8, "big")
-    assert index_records.beat(old) == index_records.Beat(b"g" * 16, 3, NOW - 5, NOW, Consumers(1, 1, 1))
+    assert index_records.beat(old) == index_records.Beat(b"g" * 16, 3, NOW - 5, NOW, Consumers(1, 1, 1),
+                                                         first_layout=True)
     distributor_only = old[:20] + bytes([index_records.ROLE_DISTRIBUTOR]) + old[21:]
     assert index_records.beat(distributor_only).consumers == Consumers(0, 0, 1) and index_records.beat(old).indexes
 

@@ -431,6 +431,11 @@ def cancel_selected(args: Options, channel, names, trusted: str, select: Selecti
         print("\n".join(table(view.listed(), now_ms)))
     for note in notes(found):
         print(f"note: {note}")
+    if args.yes and found.earlier:
+        print(f"delay-gateway pending cancel: error: {found.earlier} gateway(s) of version 0.1.0 read check-in: "
+              "such a gateway takes a rule for a message due now and delivers it; publish group cancels once the "
+              "last one has stopped (docs/upgrading.md): nothing cancelled", file=sys.stderr)
+        return 2
     if args.expect is not None and not found.exact:
         print(f"delay-gateway pending cancel: error: the listing is not exact ({'; '.join(found.reasons())}), so "
               f"--expect {args.expect} cannot be checked: nothing cancelled; try again once it is, or drop --expect",

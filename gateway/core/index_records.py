@@ -294,6 +294,7 @@ class Beat:
     consumers: Consumers = Consumers()
     flags: int = INDEXES
     seen: Optional[Seen] = None  # what it saw of the queues (DGB3 with SEEN)
+    first_layout: bool = False  # a DGB1 beat: a gateway of 0.1.0 (it takes a rule for a message)
 
     @property
     def indexes(self) -> bool:
@@ -324,7 +325,8 @@ def beat(body: bytes) -> Optional[Beat]:
     if body.startswith(BEAT) and len(body) == len(BEAT) + _BEAT.size:
         gateway, roles, low, at = _BEAT.unpack_from(body, len(BEAT))
         check_in = 1 if roles & ROLE_CHECK_IN else 0
-        return Beat(gateway, roles, low, at, Consumers(check_in, check_in, 1 if roles & ROLE_DISTRIBUTOR else 0))
+        return Beat(gateway, roles, low, at, Consumers(check_in, check_in, 1 if roles & ROLE_DISTRIBUTOR else 0),
+                    first_layout=True)
     return None
 
 

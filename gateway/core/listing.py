@@ -108,6 +108,18 @@ def seen(now_ms: int, beats: Iterable[Beat]) -> Tuple[Optional[Dict[str, Place]]
                   "messages wait unread in check-in, the distributor or the returning queue is not known")
 
 
+def earlier_check_in(now_ms: int, beats: Iterable[Beat], places: Optional[Dict[str, Place]]) -> int:
+    """How many gateways of 0.1.0 (DGB1 beats) may still read check-in: each beat within
+    LIVE_MS, unless the broker's count of check-in's consumers shows that the later gateways
+    account for all of them (a stopped one beats no more, but its last beat stays live a while)."""
+    live = live_beats(now_ms, beats)
+    earlier = sum(1 for b in live if b.first_layout and b.consumers.check_in)
+    if earlier and places is not None and places["check_in"].consumers <= sum(
+            b.consumers.check_in for b in live if not b.first_layout):
+        return 0
+    return earlier
+
+
 def read_from_ms(b: int, at: Horizon) -> int:
     """Where a reader starts reading band b (by the time entries were written)."""
     return at.at_ms - span_ms(b)

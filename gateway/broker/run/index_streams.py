@@ -266,6 +266,7 @@ class Found:
     unread_check_in: Optional[int]  # messages in check-in no gateway has read yet (not listed); None: unknown
     gaps: List[Gap] = field(default_factory=list)
     records: int = 0
+    earlier: int = 0  # gateways of 0.1.0 that beat lately (they take a rule for a message)
 
     @property
     def exact(self) -> bool:
@@ -336,7 +337,8 @@ def read(connection, chain: ChainSettings, trusted: str, now_ms: int, make_view:
     view.finish()
     check_in = places["check_in"] if places is not None else Place(0, 0)
     gaps = listing.gaps(now_ms, recent, check_in, unlisted) + reader.gaps()
-    found = Found(at, there, check_in.ready if places is not None else None, gaps, reader.records)
+    earlier = listing.earlier_check_in(now_ms, recent, places)
+    found = Found(at, there, check_in.ready if places is not None else None, gaps, reader.records, earlier)
     return view, found
 
 
