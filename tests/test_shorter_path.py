@@ -10,7 +10,7 @@ from topology import ChainSettings
 
 from gateway.core import carrier, handlers, retries
 from gateway.core.actions import Enqueue
-from gateway.core.carrier import Entry
+from gateway.core.carrier import Batcher, Entry
 from gateway.core.flow import Flow
 from gateway.core.inputs import Delivery
 from gateway.core.routes import Way
@@ -133,3 +133,19 @@ def test_what_the_distributor_holds_never_takes_the_room_of_what_falls_due():
     assert not arrive(11, NOW + 2_000).publish and flow.ledger.holding == 10  # (due within two units: held)
     [due] = [p.payload.forward for p in arrive(12, NOW).publish]
     assert due.way is Way.DELIVERED
+
+
+def test_what_goes_to_be_held_travels_in_carriers_of_one_due_second():
+    """A carrier is acknowledged once its last message is released, and after a crash of the
+    distributor the broker hands it back whole: so what goes to the distributor to be held
+    travels with what is due within the same second only, and one crash repeats about a
+    second of releases, not everything the carrier held."""
+    check_in = handlers.CheckIn(CHAIN, 50, wait_ms=200, hold_within_ms=10_000)
+    flow = Flow(NAMES.check_in, NAMES, check_in, _Quiet(), Batcher(100, 10**6, 200))
+    flow.publishing_opened(NOW)
+    for tag, delay in enumerate((2_100, 5_100, 2_200, 2_900, 5_999), start=1):
+        assert not flow.delivered(tag, message(delay), NOW).publish  # (waiting for company)
+    sent = [p.payload.forward for p in flow.tick(NOW + 200).publish]
+    dues = sorted(sorted(e.due_ms - NOW for e in handlers.entries(Delivery(f.exchange, f.routing_key, f.props, f.body)))
+                  for f in sent)
+    assert all(f.way is Way.DISTRIBUTOR for f in sent) and dues == [[2_100, 2_200, 2_900], [5_100, 5_999]]

@@ -51,6 +51,11 @@ RETRY_REFUSED_MS = 1000
 # failover a channel opened while a quorum queue's leader was moving can keep being refused
 # while a fresh channel is accepted (seen on 3.10.8 with a 3-node cluster).
 REFUSED_RECONNECT = 3
+# What goes to the distributor to be held travels in carriers of messages due within the same
+# second: the distributor acknowledges a carrier once its last message is released, and after
+# its crash the broker hands the whole carrier back, to be released again: so what one crash
+# can repeat is about a second of releases and what was in flight, not what was held.
+HOLD_BUCKET_MS = 1000
 
 
 class Flow:
@@ -156,7 +161,8 @@ class Flow:
                 continue
             self._observer.forwarded(action)
             if isinstance(action, Enqueue):
-                route = (action.exchange, action.routing_key, action.way, action.entry.exchange)
+                bucket = action.entry.due_ms // HOLD_BUCKET_MS if action.way is Way.DISTRIBUTOR else 0
+                route = (action.exchange, action.routing_key, action.way, action.entry.exchange, bucket)
                 for batch in self._batcher.add(route, tag, action.entry, now, action.send_by_ms):
                     self._flush_batch(batch, now, out)
             elif action.fence:
@@ -306,7 +312,7 @@ class Flow:
             self._flush_at = now + ACK_FLUSH_MS
 
     def _flush_batch(self, batch: Batch, now: int, out: Effects) -> None:
-        exchange, key, way, _ = batch.key
+        exchange, key, way = batch.key[:3]
         self._observer.batched(way, len(batch.items))
         self._send([tag for tag, _ in batch.items],
                    handlers.carry(exchange, key, way, [e for _, e in batch.items]), batch.items, now, out)

@@ -25,6 +25,8 @@ class Way(str, Enum):
 STAYS = (Way.CHAIN, Way.MEDITATION, Way.DISTRIBUTOR)
 LEAVES = (Way.DELIVERED, Way.RETRIED, Way.PARKED)  # sent on to leave the gateway
 
-# A carrier batch's route (carrier.Batcher): exchange, routing key, way, and the messages'
-# own destination
-Route = Tuple[str, bytes, Way, Optional[str]]
+# A carrier batch's route (carrier.Batcher): exchange, routing key, way, the messages' own
+# destination, and for what the distributor will hold, the second they are due in
+# (flow.HOLD_BUCKET_MS): a carrier is acknowledged once its last message is released, and one
+# the distributor held when it died comes back whole, so its messages are due close together.
+Route = Tuple[str, bytes, Way, Optional[str], int]
