@@ -8,7 +8,7 @@ import itertools
 import threading
 import time
 import uuid
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import pika
 import structlog
@@ -62,27 +62,49 @@ def wait_for_check_in(url: str, settings: Settings, cancels: cancelling.Follower
                       health: Health) -> None:
     """A distributor of its own (`--role distributor`) about to consume: once check-in has
     recorded every cancel queued in it now (after an outage: cancels published meanwhile),
-    as a gateway of every role waits for its own check-in (session.py). It cancels an id no
-    message has, which queues behind them, and waits until it is recorded: at most CATCH_UP_S
-    (check-in may not run at all)."""
+    as a gateway of every role waits for its own check-in (session.py). Nothing queued and no
+    check-in consumer: nothing to wait for. Else it waits for a check-in consumer (the other
+    process may start after it), then cancels an id no message has, which queues behind them,
+    and waits until that is recorded: at most CATCH_UP_S in all (check-in may not run at all;
+    then it publishes nothing)."""
     log = structlog.get_logger("gateway")
+    names = settings.chain.names
+    deadline = time.monotonic() + CATCH_UP_S
+    health.ready(False, "waiting for check-in to record the cancels queued in it")
+
+    def check_in() -> Tuple[int, int]:
+        with blocking_channel(url, "delay-gateway gate", settings.tls) as channel:
+            ok = channel.queue_declare(names.check_in, passive=True).method
+            return ok.message_count, ok.consumer_count
+    ready, consumers = check_in()
+    if not consumers and not ready:
+        return
+    if not consumers:
+        log.info("check_in_gate", waiting="for a check-in consumer to record the cancels queued in check-in",
+                 ready=ready)
+    while not consumers:
+        if stop.wait(0.5) or time.monotonic() > deadline:
+            if not stop.is_set():
+                log.warning("check_in_catch_up_slow", waited_s=CATCH_UP_S,
+                            cancels=f"releasing what is due before a check-in consumer recorded the cancels queued "
+                                    f"in check-in ({ready} message(s) wait there, none consumes it)")
+            return
+        ready, consumers = check_in()
     gate = GATE_ID + uuid.uuid4().hex
     try:
         with blocking_channel(url, "delay-gateway gate", settings.tls) as channel:
             channel.confirm_delivery()
-            channel.basic_publish(settings.chain.names.cancel, "", b"", pika.BasicProperties(
-                message_id=gate, delivery_mode=2), mandatory=True)
+            channel.basic_publish(names.cancel, "", b"", pika.BasicProperties(message_id=gate, delivery_mode=2),
+                                  mandatory=True)
     except pika.exceptions.UnroutableError:
-        log.warning("check_in_gate_unroutable", exchange=settings.chain.names.cancel,
+        log.warning("check_in_gate_unroutable", exchange=names.cancel,
                     cancels="not waiting for check-in: declare the topology")
         return
-    health.ready(False, "waiting for check-in to record the cancels queued in it")
-    deadline = time.monotonic() + CATCH_UP_S
     while not stop.is_set() and cancels.store.get(gate.encode()) is None:
         if time.monotonic() > deadline:
             log.warning("check_in_catch_up_slow", waited_s=CATCH_UP_S,
-                        cancels="releasing what is due before check-in recorded the cancels queued in it (no "
-                                "check-in consumer running, or a backlog)")
+                        cancels="releasing what is due before check-in recorded the cancels queued in it (a "
+                                "backlog)")
             return
         stop.wait(0.05)
 
