@@ -121,6 +121,8 @@ def parser(environ) -> argparse.ArgumentParser:
                         "alternating: what keeping it costs")
     p.add_argument("--flow-seconds", type=_positive(float), default=3600.0,
                    help="waiting: how long the paced flow (--rate) passes beside what waits (default 3600)")
+    p.add_argument("--holding-sizes", type=_rates, default=[1024, 10240],
+                   help="holding: the body sizes, bytes, comma-separated (default 1024,10240)")
     p.add_argument("--check-every", type=_positive(float), default=300.0,
                    help="waiting: time `pending count` and `pending list` this often during the flow (default 300)")
     return p
@@ -229,7 +231,7 @@ def main(argv: Optional[Sequence[str]] = None, environ=None) -> int:
                   max_in_memory_length=args.max_in_memory_length, index_off=args.compare_index, log=log,
                   extra={"flow_seconds": args.flow_seconds, "check_every": args.check_every,
                          "ceiling_rates": args.ceiling_rates, "ceiling_seconds": args.ceiling_seconds,
-                         "idle_window": args.idle_window})
+                         "idle_window": args.idle_window, "holding_sizes": args.holding_sizes})
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": machine(), "rabbitmq": broker.version(), "url": where,
             "command": "python -m bench " + shlex.join(sys.argv[1:] if argv is None else argv),

@@ -156,6 +156,16 @@ def markdown(results: Dict[str, List[dict]], meta: dict) -> str:
                 _g(r, "queue_writes_per_message"), _g(r, "wal_writes_per_message"),
                 _g(r, "mnesia_log_writes_per_message"), _g(r, "broker_cpu_us_per_message")]))
         lines.append("")
+    if results.get("holding"):
+        head = ["holding: target", "body B", "messages", "carriers of", "held", "deliveries", "RSS at rest MiB",
+                "holding MiB", "after MiB", "B per held message", "x its body", "B per held delivery"]
+        lines += [_row(head), "|" + "---|" * len(head)]
+        for r in results["holding"]:
+            lines.append(_row([r["label"], r["size"], r["messages"], r["carriers"], f"{r['held']:.0f}",
+                               f"{r['held_deliveries']:.0f}", r["rss_rest_mib"], r["rss_holding_mib"],
+                               r["rss_after_mib"], _g(r, "bytes_per_held_message"), _g(r, "per_message_over_size"),
+                               _g(r, "bytes_per_held_delivery")]))
+        lines.append("")
     if results.get("roles"):
         lines += ["| role alone | queue type | zero bits | timed messages | seconds | msg/s | CPU µs/msg | "
                   "msg/s per CPU core |", "|---|---|---|---|---|---|---|---|"]

@@ -5,7 +5,7 @@ Each scenario takes the run's `Context` and returns a list of JSON-able dicts, o
 
 from .baselines import floor, hops, naive
 from .ceilings import ceiling, steady
-from .memory import pending
+from .memory import holding, pending
 from .quiet import idle, trickle
 from .roles import roles
 from .side_by_side import at_once, burst, paced
@@ -13,7 +13,7 @@ from .at_scale import waiting
 
 SCENARIOS = {"paced": paced, "burst": burst, "at-once": at_once, "pending": pending, "steady": steady,
              "roles": roles, "ceiling": ceiling, "hops": hops, "idle": idle, "trickle": trickle, "naive": naive,
-             "floor": floor, "waiting": waiting}
+             "floor": floor, "waiting": waiting, "holding": holding}
 # Names for several at once.
 GROUPS = {"issue": ["paced", "burst", "at-once", "floor", "ceiling", "idle", "trickle"],
-          "all": [s for s in SCENARIOS if s not in ("pending", "waiting")]}
+          "all": [s for s in SCENARIOS if s not in ("pending", "waiting", "holding")]}

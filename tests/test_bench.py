@@ -105,6 +105,21 @@ def test_every_other_scenario_runs(broker, tmp_path):
     assert "ceiling: target" in md and "idle: target" in md and "trickle:" in md
 
 
+def test_holding_measures_what_a_held_message_costs(broker, tmp_path):
+    """holding at a tiny size: a fresh gateway per run holds every message on the shorter
+    path, in carriers and alone, and says what each cost in RSS (about 30 s)."""
+    proc = bench(tmp_path, "holding", "--messages", "100", "--holding-sizes", "1024",
+                 "--min-delay", "4000", "--max-delay", "5000", "--rabbitmqctl", "none")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads((tmp_path / "out" / "results.json").read_text())["results"]["holding"]
+    assert [r["carriers"] for r in runs] == ["default", "1"]
+    for r in runs:
+        assert r["straight_to_distributor"] == r["held"] == 100, r
+        assert 0 < r["rss_rest_mib"] <= r["rss_holding_mib"] and r["bytes_per_held_message"] is not None, r
+    assert runs[1]["held_deliveries"] == 100 and runs[0]["held_deliveries"] < 100
+    assert "holding: target" in (tmp_path / "out" / "results.md").read_text()
+
+
 def test_kombu_chain_side_by_side_and_the_floor(broker, broker_ctl, tmp_path):
     """--compare-kombu: Celery's native delayed delivery, declared by kombu's own function,
     alternates with the gateway on the same load (nothing early: whole seconds rounded up);
@@ -210,5 +225,5 @@ def test_usage_errors_are_one_line_and_exit_2(argv, capsys):
 
 def test_scenario_groups():
     assert cli.expand(["issue", "paced"]) == ["paced", "burst", "at-once", "floor", "ceiling", "idle", "trickle"]
-    assert "pending" not in cli.expand(["all"])
+    assert "pending" not in cli.expand(["all"]) and "holding" not in cli.expand(["all"])
     assert Load("paced", 1, (1, 2)).rate is None
