@@ -129,7 +129,7 @@ def _holding_run(ctx: Context, target: Target, size: int, n: int, carriers: str,
         procs = psutil_processes(ctx, system)
 
         def metric(name: str) -> float:
-            return sum(p.metric(name) for p in system.processes)
+            return sum(p.metric(name, strict=True) for p in system.processes)
 
         time.sleep(5)  # (its start-up settles: the first upkeep pass, the follower's catch-up)
         rest = 0
@@ -158,7 +158,7 @@ def _holding_run(ctx: Context, target: Target, size: int, n: int, carriers: str,
         holding_rss, held, deliveries = max(samples) if samples else (_rss(procs), 0.0, 0.0)
         # (what check-in sent straight to the distributor: all of them, unless the rate rule or crowding
         # sent some down the chain)
-        straight = sum(p.metric("delay_gateway_batched_messages_total", outcome="distributor")
+        straight = sum(p.metric("delay_gateway_batched_messages_total", strict=True, outcome="distributor")
                        for p in system.processes)
         deadline = time.monotonic() + (hi - (now_ms() - t0)) / 1000 + 30
         while metric("delay_gateway_held_messages") > 0 and time.monotonic() < deadline:

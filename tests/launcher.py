@@ -174,15 +174,24 @@ class GatewayProcess:
     def ready(self) -> bool:
         return self.get("/readyz")[0] == 200
 
-    def metric(self, name: str, **labels: str) -> float:
+    def metric(self, name: str, strict: bool = False, **labels: str) -> float:
         """The sum of the samples on /metrics of `name` that carry these labels (others, such
-        as `vhost`, of any value); 0 when there are none."""
-        return sum(value for have, value in self.samples(name) if labels.items() <= have.items())
+        as `vhost`, of any value); 0 when there are none. `strict`: see `samples`."""
+        return sum(value for have, value in self.samples(name, strict) if labels.items() <= have.items())
 
-    def samples(self, name: str) -> List[Tuple[Dict[str, str], float]]:
-        """Every sample of one metric on /metrics, with its labels (empty when it does not answer)."""
+    def samples(self, name: str, strict: bool = False) -> List[Tuple[Dict[str, str], float]]:
+        """Every sample of one metric on /metrics, with its labels (empty when it does not
+        answer; `strict`: asked up to 5 times, then an error, for a figure that must not read
+        a busy machine's late answer as 0)."""
+        status, text = self.get("/metrics")
+        for _ in range(4 if strict else 0):
+            if status == 200:
+                break
+            status, text = self.get("/metrics")
+        if strict and status != 200:
+            raise RuntimeError(f"/metrics of the gateway (pid {self.proc.pid}) did not answer: {text}")
         out = []
-        for line in self.get("/metrics")[1].splitlines():
+        for line in text.splitlines():
             if not line.startswith(name) or line.startswith("#"):
                 continue
             sample, _, value = line.rpartition(" ")

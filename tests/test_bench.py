@@ -109,7 +109,7 @@ def test_holding_measures_what_a_held_message_costs(broker, tmp_path):
     """holding at a tiny size: a fresh gateway per run holds every message on the shorter
     path, in carriers and alone, and says what each cost in RSS (about 30 s)."""
     proc = bench(tmp_path, "holding", "--messages", "100", "--holding-sizes", "1024",
-                 "--min-delay", "4000", "--max-delay", "5000", "--rabbitmqctl", "none")
+                 "--min-delay", "6000", "--max-delay", "7000", "--rabbitmqctl", "none")
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = json.loads((tmp_path / "out" / "results.json").read_text())["results"]["holding"]
     assert [r["carriers"] for r in runs] == ["default", "1"]
