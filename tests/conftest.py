@@ -72,16 +72,8 @@ def broker_label(item) -> str:
 BROKER_FIXTURES = {"broker", "make_chain", "run_gateway", "own_cluster", "own_node", "node_chain"}
 
 
-# The gateways tests start take the chain for every wait longer than about a unit, as the
-# tests were written for (what waits in a level, laps meditation, ...). The shorter path,
-# the default, is tested where a test says `--hold-within-ms` (tests/test_shorter_path_e2e.py).
-CHAIN_PATH = {"DELAY_GATEWAY_HOLD_WITHIN_MS": "0"}
-
-
 def pytest_configure(config):
     config.delay_gateway_brokers = brokers_wanted()
-    for name, value in CHAIN_PATH.items():
-        os.environ.setdefault(name, value)
 
 
 def pytest_report_header(config):

@@ -27,6 +27,13 @@ RMQ4 = ("rmq4.3", "rmq4.0")  # the 4.x brokers: 3.12+ features (the arrival stam
 # tests that want no warning from a run leave these aside.
 START_NOTICES = ("arrival_stamp_off", "cancels_need_one_check_in_consumer")
 
+# The gateways tests start run the defaults: what is due within 10 s (--hold-within-ms) goes
+# from check-in straight to the distributor, which holds it (the shorter path). A test about
+# what waits in the chain's levels or meditation (a level's TTL, laps, the chain's exits,
+# per-level counts) passes these flags, with a comment saying why: then only what is due
+# within about a unit skips the chain.
+CHAIN_PATH = ("--hold-within-ms", "0")
+
 # The broker of the test running now (tests/conftest.py sets it from the `broker` fixture,
 # which is parametrized over the broker versions); None means the main one.
 _current_url: Optional[str] = None

@@ -9,14 +9,14 @@ says at start that x-delay counts from arrival (and gives no warning). About 2 s
 import pytest
 import pika
 
-from .support import Receiver, connect, now_ms
+from .support import CHAIN_PATH, Receiver, connect, now_ms
 from .support import RMQ4
 
 
 @pytest.mark.brokers(*RMQ4, reason='message interceptors exist from 3.12 on')
 def test_the_receiver_sees_the_stamp_of_the_original_publish(make_chain, run_gateway):
     chain = make_chain(max_level=3, resolution_ms=100)
-    gateway = run_gateway(chain)
+    gateway = run_gateway(chain, *CHAIN_PATH)  # (every hop keeps the first stamp: levels and a meditation lap too)
     [said] = gateway.events("arrival_stamp")
     assert said["state"] == "on" and said["x_delay_counts_from"] == "arrival" and said["cancels"] == "exact", said
     assert gateway.events("arrival_stamp_off") == gateway.events("cancels_need_one_check_in_consumer") == []

@@ -3,7 +3,9 @@
 and nothing else is touched.
 
 A small chain (3 levels x 100 ms: 700 ms at most; longer delays lap meditation) makes every
-place a message can be reachable within a few seconds.
+place a message can be reachable within a few seconds. The gateways run the defaults (what is
+due within 10 s is held by the distributor from check-in on), but where the test is about
+the chain and meditation (CHAIN_PATH).
 """
 
 import contextlib
@@ -19,8 +21,8 @@ import pytest
 
 from topology import ChainSettings
 
-from .support import (ROOT, GatewayProcess, Receiver, broker_url, connect, drain, main_broker_url, now_ms,
-                      parked_report, publish_sentinel, wait_until)
+from .support import (CHAIN_PATH, ROOT, GatewayProcess, Receiver, broker_url, connect, drain, main_broker_url,
+                      now_ms, parked_report, publish_sentinel, wait_until)
 
 SMALL = dict(max_level=3, resolution_ms=100)
 
@@ -83,7 +85,7 @@ def cli(chain: ChainSettings, *args: str, stdin: Optional[str] = None) -> subpro
 
 def test_a_cancel_wins_in_meditation_the_chain_a_carrier_and_the_distributors_hold(chain, run_gateway):
     c = chain()
-    gateway = run_gateway(c, "--lead-ms", "1500")
+    gateway = run_gateway(c, *CHAIN_PATH, "--lead-ms", "1500")  # (the chain and meditation: where they wait)
     receiver = Receiver(c)
     # With a lead of 1500 ms: 1700 ms goes to the distributor at once and is held; 2600 ms
     # waits in the chain (in a carrier with its twin); 5000 ms laps meditation first.

@@ -7,7 +7,8 @@ import pytest
 
 from gateway.broker.plumbing import lazy_properties
 
-from .support import Receiver, connect, drain, now_ms, publish_sentinel, same_entries, sent_headers, wait_until
+from .support import CHAIN_PATH, Receiver, connect, drain, now_ms, publish_sentinel, same_entries, sent_headers, \
+    wait_until
 
 # quorum/queue (the default) and classic/exchange use every broker feature the four modes
 # use (quorum and classic v2 queues, pass queues, exchange-to-exchange bindings); the other
@@ -53,8 +54,9 @@ def delayed(ms, **properties):
 
 def test_every_kind_of_delay_arrives_in_due_order_never_early(chain, run_gateway):
     # Without carriers, so that a message's route is exactly its delay's (the carrier wait
-    # would be planned in as well): carriers have tests of their own.
-    run_gateway(chain, "--lead-ms", str(LEAD_MS), "--stamp-due-at", "--carrier-wait-ms", "0")
+    # would be planned in as well): carriers have tests of their own. On the chain path: the
+    # routes through each level and meditation are the test's point.
+    run_gateway(chain, *CHAIN_PATH, "--lead-ms", str(LEAD_MS), "--stamp-due-at", "--carrier-wait-ms", "0")
     receiver = Receiver(chain)
     # Units in the chain = (delay - lead) // 100: none (0, 550); level 0 only (600);
     # level 2 only (900); levels 0 and 2 (1050); the chain's maximum, 7 (1200); and three
@@ -90,7 +92,7 @@ def test_a_burst_published_in_reverse_comes_out_in_due_order(chain, run_gateway)
 
 
 def test_what_the_user_sent_survives_exactly(chain, run_gateway):
-    run_gateway(chain)
+    run_gateway(chain, *CHAIN_PATH)  # (through levels and meditation, whose dead-lettering adds x-death)
     receiver = Receiver(chain)
     body = bytes(range(256)) * 3
     headers = {"x-delay": 900, "tenant": "acme", "n": -7, "big": 2**40, "f": 1.5, "list": [1, "two", b"3"],
@@ -113,7 +115,7 @@ def test_what_the_user_sent_survives_exactly(chain, run_gateway):
 
 
 def test_a_short_expiration_does_not_cut_the_delay_short(chain, run_gateway):
-    run_gateway(chain)
+    run_gateway(chain, *CHAIN_PATH)  # (an expiration would bite where it waits in a queue: meditation, the levels)
     receiver = Receiver(chain)
     sent = publish(chain, [("e", b"e", delayed(1500, expiration="200"))])
     [m] = receiver.collect(1, timeout=10)
@@ -146,8 +148,8 @@ def test_unreadable_delays_are_parked_with_a_reason(chain, run_gateway):
 def test_a_due_message_nobody_is_bound_for_is_parked(chain, run_gateway):
     gateway = run_gateway(chain)
     receiver = Receiver(chain, pattern="bound.#")
-    # long enough to pass through the chain (lead 50 + carrier wait 200 + a unit), so the
-    # message reaches the distributor that consumes this chain's exit
+    # due within the hold: straight to the distributor, which holds it until due (the
+    # distributor that consumes this chain's exit is test_every_kind_of_delay's)
     publish(chain, [("unbound.key", b"lost?", delayed(800)), ("bound.key", b"fine", delayed(900))])
     assert [m.body for m in receiver.collect(1, timeout=10)] == [b"fine"]
     [(method, properties, body)] = wait_parked(chain, 1)
@@ -156,7 +158,7 @@ def test_a_due_message_nobody_is_bound_for_is_parked(chain, run_gateway):
     assert chain.names.pick_up in properties.headers["x-gateway-error"]
     # parked the same way as an unreadable header: one log line and the counter beside it
     [logged] = [e for e in gateway.events("parked") if e.get("routing_key") == "unbound.key"]
-    distributor = chain.names.exit_distributor(chain.queue_type)
+    distributor = chain.names.distributor
     assert logged["queue"] == distributor and "no queue bound" in logged["reason"]
     assert gateway.metric("delay_gateway_parked_total", queue=distributor) == 1
 

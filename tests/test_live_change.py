@@ -21,10 +21,12 @@ from topology.broker.inventory import Prober, read_registry
 from topology.registry import ChainKey, chain_queues, fold
 
 from .conftest import broker_label
-from .support import connect, declared, now_ms, remove, report_figures, unique_prefix, wait_until
+from .support import CHAIN_PATH, connect, declared, now_ms, remove, report_figures, unique_prefix, wait_until
 
 LEAD_MS = 50
-RETIRE = ("--retire-after", "1")
+# On the chain path: what waits in the old chain's levels and meditation, and its retirement,
+# are the test's point (on the shorter path little would wait there).
+RETIRE = (*CHAIN_PATH, "--retire-after", "1")
 BASE = dict(max_level=4, resolution_ms=100, queue_type="quorum", zero_bits="queue")
 # Each: the settings one after the other (gateways with each start while the previous still run).
 CHANGES = {

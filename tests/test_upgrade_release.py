@@ -15,6 +15,12 @@ in one of two ways:
   then SIGTERM the old one (the chart's order: its hook Job declares, then the Deployments
   roll with maxSurge 1, maxUnavailable 0).
 
+The new version runs the defaults: what is due within 10 s (at most 1,000 messages' worth at
+the rate) goes from its check-in straight to the distributor, which holds it until due. The
+old version's distributor holds such messages too (it holds anything due within a minute):
+in a rolling upgrade it takes its share of them from the distributor queue until SIGTERM,
+and hands back what it holds then.
+
 The new version then cancels by id some of what the old one scheduled (a publish to
 `<prefix>.cancel`), reschedules some (a cancel, then the same id published again), cancels
 by handle messages without an id that the old one scheduled (the handles from its `pending
@@ -450,11 +456,16 @@ def test_the_last_release_hands_over_to_this_version_under_load(broker, release,
         # The new version takes over, while messages are still being published.
         takeover_ms = now_ms()
         if mode == "stop-first":
+            old_held = old.metric("delay_gateway_held_messages")
             assert old.terminate(30) == 0, "".join(old.raw[-20:])
             new = GatewayProcess(chain, *args).wait_ready(60)
         else:
             assert declaring is not None and declaring.wait(120) == 0, declaring and declaring.communicate()
             new = GatewayProcess(chain, *args).wait_ready(60)
+            # (what the new check-in sends by the shorter path reaches the old distributor too)
+            wait_until(lambda: new.metric("delay_gateway_messages_total", queue=chain.names.check_in,
+                                          outcome="distributor") > 0, 10, 0.01, "the new version's shorter path")
+            old_held = old.metric("delay_gateway_held_messages")
             assert old.terminate(30) == 0, "".join(old.raw[-20:])
         took_over_ms = now_ms()
         phase("taken over")
@@ -533,6 +544,7 @@ def test_the_last_release_hands_over_to_this_version_under_load(broker, release,
         wait_until(lambda: far_counts.append(counted(chain, "far.#")) or far_counts[-1]["total"] == len(far), 30, 0.5,
                    fail=False)
         phase("far counted")
+        shorter = new.metric("delay_gateway_messages_total", outcome="distributor")  # (from check-in and returning)
     finally:
         for consumer in consumers:
             consumer.close()
@@ -592,11 +604,13 @@ def test_the_last_release_hands_over_to_this_version_under_load(broker, release,
         f"far_waiting={far_counts[-1]['total']} (exact: {far_counts[-1]['exact']}) "
         f"jobs={JOBS} retries={len(rejecter.got) - len(jobs)} wrong_attempts={len(wrong_attempts)} "
         f"retry_early={len(retry_early)} takeover_ms={took_over_ms - takeover_ms} "
+        f"old_held_at_sigterm={old_held:g} new_by_the_shorter_path={shorter:g} "
         f"late_p50_ms={lateness[len(lateness) // 2]} late_max_ms={lateness[-1]} "
         f"handle_listings={listings} far_counted={[c['total'] for c in far_counts]} "
         f"rule=({', '.join(re.findall(r'^removed so far: (.*)$', ruled[0].stdout, re.M))}) "
         f"seconds={seconds:.1f} ("
         + ", ".join(f"{name} {at:.1f}" for name, at in phases.items()) + ")"))
+    assert shorter > 0, "the new version sent nothing by the shorter path: the test ran the route of before"
     assert not lost, f"{len(lost)} lost: {lost[:5]}"
     assert not unknown, f"{len(unknown)} delivered that were never sent: {unknown[:5]}"
     assert not early, [(b, sent[b].not_before_ms - min(a.at_ms for a in arrivals[b])) for b in early[:5]]

@@ -10,7 +10,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence
 
 import pika
 from pika.exceptions import AMQPError
@@ -44,16 +44,21 @@ class Sent:
     delay_ms: int
 
 
-def publish(urls: Sequence[str], chain: ChainSettings, delays: Sequence[int], routing_key: str = "load",
-            body: bytes = b"x", absolute: bool = False) -> List[Sent]:
+def publish(urls: Sequence[str], chain: ChainSettings, delays: Iterable[int], routing_key: str = "load",
+            body: bytes = b"x", absolute: bool = False, rate: Optional[float] = None) -> List[Sent]:
     """Publish with confirms; a message counts as sent once the broker confirmed it (one it
     refuses is published again, with the same id). `absolute`: as `x-deliver-at`, so that
-    the due time is exactly the one the test knows, not counted from check-in."""
+    the due time is exactly the one the test knows, not counted from check-in. `rate`: at
+    most this many a second (`delays` may then be a generator that ends when the test says)."""
     sent: List[Sent] = []
     connection = connect_any(urls)
     channel = connection.channel()
     channel.confirm_delivery()
-    for delay in delays:
+    started = time.monotonic()
+    for n, delay in enumerate(delays):
+        ahead = started + n / rate - time.monotonic() if rate else 0
+        if ahead > 0:
+            time.sleep(ahead)  # (pacing the load, as a publisher does: not a wait)
         message_id = uuid.uuid4().hex
         for _attempt in range(50):
             before = now_ms()

@@ -1,7 +1,8 @@
 """A confirmed cancel wins through a gateway killed with SIGKILL, or whose connection the
 broker closes, at the worst moment: right after the cancels are confirmed, while the
-messages they cancel are in open carriers (not yet acknowledged), in the chain, lapping
-meditation, and held by the distributor. A rescheduled id arrives once, with its new body.
+messages they cancel are in open carriers (not yet acknowledged) and held by the distributor
+(the default path: due within 10 s, they go there from check-in), or, on the chain path,
+in the chain and lapping meditation too. A rescheduled id arrives once, with its new body.
 
 On every suite broker: the private node without the arrival stamp (3.10, and 4.3 with the
 interceptor off, as a broker has it by default), and the session's 4.3 node with the stamp
@@ -15,16 +16,19 @@ import pytest
 
 from topology import ChainSettings
 
-from ..support import GatewayProcess, Receiver, connect, now_ms, publish_sentinel, report_figures, wait_until
+from ..support import CHAIN_PATH, GatewayProcess, Receiver, connect, now_ms, publish_sentinel, report_figures, \
+    wait_until
 from .proxy import Proxy
 from ..support import RMQ4
 
 # 4 levels of 200 ms: the chain holds up to 3 s; longer delays lap meditation first.
 CHAIN = dict(max_level=4, resolution_ms=200)
-LEAD_MS = 1500  # the distributor holds what is due within 1.5 s (plus a unit)
+LEAD_MS = 1500  # on the chain path, the distributor holds what is due within 1.5 s (plus a unit)
 # Messages wait up to 1 s in an open carrier for company: the fresh ones are still there,
 # unacknowledged, when their cancels are read (which close the carriers at once).
 WAIT_MS = 1000
+# On the default path all three kinds are held by the distributor from check-in on; on the
+# chain path (a case of its own) they are held, in the chain, lapping meditation.
 KINDS = {"held": 2000, "chain": 3200, "meditating": 6000}
 FRESH_MS = 4000
 
@@ -73,12 +77,14 @@ def consumers(url: str, queues: List[str]) -> int:
 
 def run_case(url: str, chain: ChainSettings, how: str, label: str) -> None:
     args = ("--lead-ms", str(LEAD_MS), "--carrier-wait-ms", str(WAIT_MS))
+    if how.endswith("on-the-chain"):  # (the kinds in the chain and meditation: where they wait)
+        args += CHAIN_PATH
     receiver = Receiver(chain, url=url)
     proxy = Proxy(url)
     gateway = GatewayProcess(chain, *args, url=proxy.url).wait_ready()
     second = None
     try:
-        # In place before the cancels: held by the distributor, in the chain, in meditation.
+        # In place before the cancels: held by the distributor (and on the chain path in the chain, in meditation).
         placed = [(f"{kind}-{n}", delay, b"old") for kind, delay in KINDS.items() for n in range(4)]
         publish(url, chain, placed)
         wait_forwarded([gateway], chain, len(placed))
@@ -95,6 +101,7 @@ def run_case(url: str, chain: ChainSettings, how: str, label: str) -> None:
             # confirms, either side of the kill; what came before them may still wait in open carriers
             wait_until(lambda: gateway.metric("delay_gateway_cancellations_held") >= len(cancelled), 10,
                        interval=0.01, what=f"{len(cancelled)} cancels recorded in the stream")
+        held = gateway.metric("delay_gateway_held_messages")  # (what the crash hands back to the distributor queue)
         if how.startswith("kill"):
             gateway.kill()
             # down until the broker has handed back what it held, as a supervisor would see it
@@ -127,18 +134,20 @@ def run_case(url: str, chain: ChainSettings, how: str, label: str) -> None:
     duplicates = sum(len(v) - 1 for v in got.values())
     report_figures("cancel crash figures", f"cancel-{how} broker={label} cancelled={len(cancelled)} "
                                            f"cancelled_delivered={len(through)} lost={len(lost)} "
-                                           f"duplicates={duplicates} delivered={len(receiver.messages)}")
+                                           f"duplicates={duplicates} delivered={len(receiver.messages)} "
+                                           f"held_at_fault={held:g}")
+    assert held > 0 or how.endswith("on-the-chain"), "the distributor held nothing at the fault: it proved nothing"
     assert not through, f"cancelled but delivered: {through} ({got})"
     assert not lost, f"lost: {lost}"
     assert got["fresh-0"] == [b"new"] and got["held-0"] == [b"new"], got
 
 
 # SIGKILL as soon as the cancels are confirmed (some read, some not), or once the gateway
-# logged them recorded; the connections cut once recorded.
+# logged them recorded; the connections cut once recorded. Then the first on the chain path.
 HOW = ["kill", "kill-recorded", "connection-recorded"]
 
 
-@pytest.mark.parametrize("how", HOW)
+@pytest.mark.parametrize("how", HOW + ["kill-on-the-chain"])
 def test_a_confirmed_cancel_wins_through_a_crash_without_the_arrival_stamp(own_node, node_chain, how):
     run_case(own_node.url, node_chain(**CHAIN), how, own_node.runtime.label + " (no stamp)")
 

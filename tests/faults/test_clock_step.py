@@ -16,7 +16,7 @@ def test_a_wall_clock_stepped_forward_releases_nothing_early(make_chain, tmp_pat
     offset = tmp_path / "faketime"
     offset.write_text("+0s\n")
     receiver = Receiver(chain)
-    gateway = GatewayProcess(chain, "--hold-within-ms", "10000", env=clock_env(file=str(offset))).wait_ready()
+    gateway = GatewayProcess(chain, env=clock_env(file=str(offset))).wait_ready()
     try:
         t0 = now_ms()
         due = {f"m-{n}": t0 + 6_000 + n * 30 for n in range(100)}

@@ -32,7 +32,7 @@ def test_a_hold_longer_than_the_brokers_consumer_timeout(broker, request):
         with chains(node.url) as make:
             chain = make(**CHAIN)
             receiver = Receiver(chain, url=node.url)
-            gateway = GatewayProcess(chain, "--hold-within-ms", "10000", url=node.url).wait_ready()
+            gateway = GatewayProcess(chain, url=node.url).wait_ready()
             due = now_ms() + 8_000
             with connect(node.url) as c:
                 ch = c.channel()

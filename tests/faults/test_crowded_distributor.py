@@ -25,8 +25,7 @@ def publish(chain, messages) -> None:
 def test_what_falls_due_is_released_while_the_prefetch_is_full_of_held_messages(make_chain):
     chain = make_chain(**CHAIN)
     receiver = Receiver(chain)
-    gateway = GatewayProcess(chain, "--hold-within-ms", "10000", "--distributor-prefetch", "20",
-                             "--carrier-messages", "1").wait_ready()
+    gateway = GatewayProcess(chain, "--distributor-prefetch", "20", "--carrier-messages", "1").wait_ready()
     try:
         t0 = now_ms()
         held = [(f"held.{n}", t0 + 9_000) for n in range(40)]

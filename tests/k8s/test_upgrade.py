@@ -5,8 +5,10 @@ The chart is rendered for the old and the new values; tests/k8s/pods.py runs its
 containers as local processes with exactly their arguments and environment:
 1. install: 2 check-in and 2 distributor pods (each declares at start), then the
    post-install hook Job (`declare`);
-2. messages are published all along, with delays of up to 4 s: longer than the old
-   chain's maximum (1.4 s, 3 s), so some lap the meditation queue during the upgrade;
+2. messages are published all along, with delays of up to 4 s: those due within 2 s
+   (holdWithinMs) go from check-in straight to the distributor pods, which hold them as they
+   roll (the shorter path); the others wait in the old chain, and those longer than its
+   maximum (1.4 s, 3 s) lap its meditation queue during the upgrade;
 3. upgrade: the pre-upgrade hook Job declares the new chain beside the old one, then each
    Deployment rolls as its strategy says (maxSurge 1, maxUnavailable 0: a new pod must be
    ready, /readyz, before an old one gets SIGTERM), both Deployments at once;
@@ -101,8 +103,9 @@ def roll(kubelet: Kubelet, old_pods: list, deployment: dict, docs: list) -> list
                                                  "test_live_change.py's, on every version; 20 s")
 def test_helm_upgrade_changes_the_chain_without_losing_or_delaying_a_message(broker, tmp_path, old, new):
     prefix = unique_prefix()
-    # (holdWithinMs 0: the messages wait in the chain being changed, not on the shorter path)
-    common = {"prefix": prefix, "checkIn": {"replicas": 2}, "distributor": {"replicas": 2}, "holdWithinMs": 0,
+    # (holdWithinMs 2000, not the default 10 s: half the messages take the shorter path, held by
+    # the distributor pods as they roll, and half wait in the chain being changed, the test's point)
+    common = {"prefix": prefix, "checkIn": {"replicas": 2}, "distributor": {"replicas": 2}, "holdWithinMs": 2000,
               "test": {"delayMs": 500, "timeoutSeconds": 30}}
     old_values, new_values = {**common, **old}, {**common, **new}
     old_docs, new_docs = render(old_values), render(new_values)
