@@ -59,6 +59,7 @@ CLOCKS_MS = 60_000  # read this much earlier: the streams' chunk times are the b
 STALL_S = 60.0  # nothing at all from the broker for this long: the read fails
 QUIET_S = 0.3  # a stream whose end is not known is read until nothing came for this long
 PROGRESS_EVERY_S = 0.5
+READING_CLEARED_S = 1.0  # at most this often, a beat saying check-in no longer holds what it read
 RECORD = Properties.build(delivery_mode=2)
 DAY_MS = 86_400_000
 
@@ -85,11 +86,18 @@ class Beats:
         self._channel: Any = None
         self._prober: Optional[Prober] = None
         self._sent = 0.0
+        self._said_reading = False  # the last beat said check-in held messages it had read
         self._off = False
         self.log = structlog.get_logger("gateway").bind(part="upkeep")
 
     def maybe(self, connection) -> None:
-        if self._off or time.monotonic() - self._sent < index_records.BEAT_EVERY_MS / 1000:
+        if self._off:
+            return
+        since = time.monotonic() - self._sent
+        # (a beat that said check-in held what it had read is followed, within a second, by one
+        # saying it no longer does: until then readers call their answers inexact)
+        if since < index_records.BEAT_EVERY_MS / 1000 and not (
+                self._said_reading and since >= READING_CLEARED_S and not self.reading()):
             return
         self._sent = time.monotonic()
         seen = self.look(connection)
@@ -100,6 +108,7 @@ class Beats:
                 self._channel = connection.channel()
             flags = self.flags | (index_records.READING if self.reading() else 0) \
                 | (index_records.BLOCKED if self.blocked() else 0)
+            self._said_reading = bool(flags & index_records.READING)
             self._channel.basic_publish(self.names.waiting, DONE, index_records.pack_beat(
                 self.id, self.roles, now if low is None else min(low, now), now, self.consumers, flags, seen),
                 lazy_properties.WireProperties(record_properties(connection)))
