@@ -37,6 +37,7 @@ from gateway.core.routes import LEAVES, STAYS, Way
 from gateway.core.effects import Effects, Handler, Member, Observer, Payload, Sent
 from gateway.core.carrier import Batch, Batcher, Entry
 from gateway.core.deliveries import Deliveries, Outcome
+from gateway.core.stranded import Stranded
 from gateway.core.wire import Properties
 
 RECORD = Properties.build(delivery_mode=2)  # a record of what waits (streams keep everything anyway)
@@ -56,6 +57,8 @@ REFUSED_RECONNECT = 3
 # its crash the broker hands the whole carrier back, to be released again: so what one crash
 # can repeat is about a second of releases and what was in flight, not what was held.
 HOLD_BUCKET_MS = 1000
+# The member tag of a release from memory (stranded.Stranded): no delivery waits for it.
+STRANDED = -1
 
 
 class Flow:
@@ -63,8 +66,11 @@ class Flow:
 
     def __init__(self, queue: str, names: Names, handler: Handler, observer: Observer,
                  batcher: Optional[Batcher] = None, still_wanted: Optional[Callable[[Forward], bool]] = None,
-                 prefetch: int = 0, recorder: Optional[index_records.Recorder] = None) -> None:
+                 prefetch: int = 0, recorder: Optional[index_records.Recorder] = None,
+                 stranded: Optional[Stranded] = None) -> None:
         self._names, self._handler, self._observer = names, handler, observer
+        # what the process held when a channel of this queue was lost (None: it holds nothing)
+        self._stranded = stranded
         self._recorder = recorder  # the index of what waits (None: not kept)
         self._refused_records = 0
         # With this many deliveries outstanding the broker sends no more until we acknowledge
@@ -120,6 +126,9 @@ class Flow:
     def held_due(self) -> Optional[int]:
         """When the first held message is due (epoch ms, by the wall clock), if any."""
         due = self.ledger.next_due()
+        stranded = self._stranded.next_due(self._step) if self._stranded else None
+        if stranded is not None and (due is None or stranded < due):
+            due = stranded
         return None if due is None else due + self._step
 
     def _steady(self, now: int, steady: Optional[int]) -> None:
@@ -148,6 +157,9 @@ class Flow:
         except Exception as exc:  # a bug must not stop the gateway, nor lose the message
             self._observer.note("exception", "handler_failed", routing_key=envelope.readable_key(d.routing_key))
             actions = list(self._park(d, f"the gateway failed on it: {exc!r}"))
+        if self._stranded is not None:  # handed back by the broker: released from memory already, or ours again
+            actions = [Drop(a.entry) if not isinstance(a, Drop) and a.entry is not None
+                       and self._stranded.claim(a.entry) else a for a in actions]
         fence = any(isinstance(a, Forward) and a.fence for a in actions)
         self.ledger.received(tag, fence)
         if not actions:
@@ -247,6 +259,8 @@ class Flow:
         messages back to the distributor queue (for another gateway), wait for confirms."""
         out = Effects()
         self._draining = True
+        if self._stranded is not None:
+            self._stranded.clear()  # (the broker hands their originals to another gateway)
         for batch in self._batcher.drain():
             self._flush_batch(batch, now, out)
         # A held message is due within a unit or so: it goes back into the distributor
@@ -261,8 +275,19 @@ class Flow:
         self._maybe_finished(out)
         return out
 
-    def consuming_lost(self) -> None:
-        """The consuming channel is gone: its deliveries return to their queue by themselves."""
+    def consuming_started(self, now: int, steady: Optional[int] = None) -> None:
+        """Consuming (again): what a lost channel held may be handed back from now on."""
+        self._steady(now, steady)
+        if self._stranded is not None:
+            self._stranded.resumed(now - self._step)
+
+    def consuming_lost(self, now: int = 0) -> None:
+        """The consuming channel is gone: its deliveries return to their queue by themselves
+        (on RabbitMQ 4.3, from a node it cannot reach, only after a timeout: what they held
+        is kept, to be released from memory if they do not come back in time)."""
+        if self._stranded is not None:
+            self._stranded.lost([(f.not_before_ms - self._step, f) for _, f in self.ledger.drain_holds()
+                                 if f.not_before_ms is not None], now - self._step)
         self.ledger.lost()
         if self._recorder is not None:
             self._recorder.forget_tags()
@@ -278,6 +303,12 @@ class Flow:
     def _release_due(self, now: int, out: Effects) -> None:
         """Publish every held message whose time has come, in due order: by the steady clock,
         and by the wall clock too (one stepped back since: held again, that much longer)."""
+        if self._stranded:
+            released = sum(self._release_stranded(f, now, out) for f in self._stranded.due(now - self._step, now))
+            if released:
+                self._observer.note("warning", "released_from_memory", messages=released,
+                                    why="the broker has not handed back what a lost connection held (RabbitMQ "
+                                        "4.3 keeps it for consumer_disconnected_timeout after losing a node)")
         if self.ledger.next_due() is None:
             return
         for tag, action in self.ledger.due(now - self._step):
@@ -288,6 +319,20 @@ class Flow:
                 self._send([tag], action, [(tag, action.entry)], now, out)
             else:
                 self._drop(tag, action.entry, now, out)
+
+    def _release_stranded(self, forward: Forward, now: int, out: Effects) -> bool:
+        """Publish a message a lost channel held, from memory (stranded.Stranded): no delivery
+        waits for it; the broker's copy is dropped if it comes back after the confirm. False:
+        it was cancelled meanwhile (its copy is dropped as it comes back)."""
+        assert self._stranded is not None and forward.entry is not None
+        if self._still_wanted is not None and not self._still_wanted(forward):
+            self._stranded.dropped(forward.entry)
+            return False
+        self._observer.late(max(0, now - (forward.not_before_ms or now)))
+        self._apply(self.ledger.publish((), Payload(forward, [(STRANDED, forward.entry)]), ()), now, out)
+        if self._recorder is not None:
+            self._recorder.left([(STRANDED, forward.entry)], now)
+        return True
 
     def _drop(self, tag: int, entry: Optional[Entry], now: int, out: Effects) -> None:
         """One of the delivery's messages will not be published (it was cancelled): the index
@@ -410,6 +455,8 @@ class Flow:
         for pub in answer.confirmed:
             if not pub.returned:
                 self._observer.landed(pub.payload.forward)
+                if self._stranded is not None and pub.payload.members and pub.payload.members[0][0] == STRANDED:
+                    self._stranded.confirmed(pub.payload.forward.entry, now - self._step)  # type: ignore[arg-type]
         for pub in answer.dropped:
             self._refused_records += 1
             if self._refused_records == 1:  # said once: the same cause refuses them all
@@ -443,6 +490,8 @@ class Flow:
                           out: Effects) -> None:
         """Publish a parked copy of each message of a publication that cannot go on."""
         for tag, entry in pub.payload.members:
+            if tag == STRANDED and self._stranded is not None and entry is not None:
+                self._stranded.dropped(entry)  # (the broker's copy is parked as it comes back)
             if tag not in self.ledger:
                 continue
             copies = [parked(entry)] if entry is not None else self._park(self._delivered[tag], reason)

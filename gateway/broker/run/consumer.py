@@ -31,6 +31,7 @@ from gateway.core.carrier import Batcher
 from gateway.core.effects import Effects, Handler
 from gateway.core.flow import Flow
 from gateway.core.index_records import Recorder
+from gateway.core.stranded import Stranded
 from gateway.core.wire import Properties
 from gateway.metrics import Metrics
 
@@ -93,7 +94,7 @@ class Pipe:
                  on_fatal: Optional[Callable[[Exception], None]] = None,
                  batcher: Optional[Batcher] = None, still_wanted: Optional[Callable[[Forward], bool]] = None,
                  on_caught_up: Optional[Callable[[], None]] = None, recorder: Optional[Recorder] = None,
-                 timeout_ms: Optional[int] = CONSUMER_TIMEOUT_MS) -> None:
+                 timeout_ms: Optional[int] = CONSUMER_TIMEOUT_MS, stranded: Optional[Stranded] = None) -> None:
         self._connection, self.queue, self._prefetch, self._clock = connection, queue, prefetch, clock
         # (x-consumer-timeout: longer than anything this consumer holds; None: not asked for, on
         # a classic queue, which RabbitMQ 4.3 refuses it on and times out no consumer of)
@@ -110,7 +111,7 @@ class Pipe:
         # A debug event costs structlog's processors even when the level filters it out later.
         self._debug = logging.getLogger("gateway").isEnabledFor(logging.DEBUG)
         self.flow = Flow(queue, names, handler, Telemetry(queue, metrics, self._log), batcher, still_wanted, prefetch,
-                         recorder)
+                         recorder, stranded)
         metrics.held.labels(queue).set_function(lambda: self.flow.held)
         metrics.held_deliveries.labels(queue).set_function(lambda: self.flow.ledger.holding)
         self._consume: Optional[Channel] = None
@@ -163,6 +164,7 @@ class Pipe:
 
     def _consuming(self) -> None:
         self.consuming = True
+        self.flow.consuming_started(self._clock(), self._steady())
         self._log.info("consuming", prefetch=self._prefetch)
         self._do(Effects())  # (an empty queue: caught up at once)
 
@@ -179,7 +181,7 @@ class Pipe:
 
     def _on_consume_closed(self, channel: Channel, reason: Exception) -> None:
         self.consuming = False
-        self.flow.consuming_lost()
+        self.flow.consuming_lost(self._clock())
         self._cancel_timer()
         if self._on_stopped is not None:
             return self._finish()

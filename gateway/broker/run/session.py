@@ -7,7 +7,7 @@ stop coming (a broker that cannot act for its cluster). worker.run opens one aft
 import random
 import threading
 import time
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import pika
 import structlog
@@ -27,6 +27,7 @@ from gateway.core.carrier import Batcher
 from gateway.core.deliveries import Deliveries
 from gateway.core.handlers import CheckIn, Distributor, Parking, Retry, Returning, crowded_at, max_hold_ms
 from gateway.core.index_records import Consumers, Recorder
+from gateway.core.stranded import Stranded
 from gateway.health import Health
 from gateway.metrics import Metrics
 from gateway.settings import Settings
@@ -49,7 +50,7 @@ class Session:
     def __init__(self, url: str, settings: Settings, metrics: Metrics, health: Health,
                  stop: threading.Event, exits: Sequence[str] = (), judge: Optional[Judge] = None,
                  sequence: Optional[Sequencer] = None, beats: Optional[Beats] = None,
-                 on_ready: Optional[Callable[[], None]] = None) -> None:
+                 on_ready: Optional[Callable[[], None]] = None, stranded: Optional[Dict[str, Stranded]] = None) -> None:
         self.on_ready = on_ready  # called once consuming every queue (vhosts.py: a refused vhost is back)
         self.judge = judge  # whether a message was cancelled (cancelling.py); None: not asked
         self.sequence = sequence  # check-in's read times, one sequence for the process
@@ -64,6 +65,8 @@ class Session:
         self._opened_all = False
         self.check_in: Optional[CheckIn] = None
         self.beats = beats  # the index of what waits: this session says what its distributor holds
+        # per distributor queue, what the process held when a connection was lost (stranded.py)
+        self.stranded = stranded if stranded is not None else {}
 
     def run(self) -> None:
         """Returns when the connection closes."""
@@ -80,7 +83,8 @@ class Session:
         self.metrics.connections.inc()
         s, chain, names = self.settings, self.settings.chain, self.settings.chain.names
 
-        def pipe(queue: str, handler, prefetch: int, batched: bool = False, on_caught_up=None) -> None:
+        def pipe(queue: str, handler, prefetch: int, batched: bool = False, on_caught_up=None,
+                 stranded: Optional[Stranded] = None) -> None:
             batcher = Batcher(s.carrier_messages, s.carrier_bytes, s.carrier_wait_ms) if batched else None
             still_wanted = handler.still_wanted if isinstance(handler, Distributor) and self.judge is not None \
                 else None
@@ -90,7 +94,7 @@ class Session:
             timeout_ms = None if queue in self.exits else max(CONSUMER_TIMEOUT_MS, 2 * max_hold_ms(chain, s.lead_ms))
             self.pipes.append(Pipe(connection, queue, handler, prefetch, self.metrics, names, timeout_ms=timeout_ms,
                                    on_fatal=self._on_fatal, batcher=batcher, still_wanted=still_wanted,
-                                   on_caught_up=on_caught_up, recorder=recorder))
+                                   on_caught_up=on_caught_up, recorder=recorder, stranded=stranded))
 
         returning = [names.returning] + [q for q in self.exits if q.startswith(names.returning + ".")]
         distributors = [names.distributor] + [q for q in self.exits if q.startswith(names.distributor + ".")]
@@ -118,7 +122,7 @@ class Session:
             room = crowded_at(s.distributor_prefetch)
             for queue in distributors:
                 distributor = Distributor(chain, s.lead_ms, s.stamp_due_at, self.judge)
-                pipe(queue, distributor, s.distributor_prefetch)
+                pipe(queue, distributor, s.distributor_prefetch, stranded=self.stranded.setdefault(queue, Stranded()))
                 if room is not None:
                     distributor.crowded = crowding(self.pipes[-1].flow.ledger, room)
             pipe(names.parking, Parking(names), s.prefetch)

@@ -8,7 +8,7 @@ import itertools
 import threading
 import time
 import uuid
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import pika
 import structlog
@@ -24,6 +24,7 @@ from gateway.broker.run.index_streams import Beats, declare_noting
 from gateway.broker.run.reconnects import FATAL_ATTEMPTS, Reconnects
 from gateway.broker.run.session import CATCH_UP_S, Session
 from gateway.core.cancels import Sequencer
+from gateway.core.stranded import Stranded
 from gateway.exits import EXIT_NO_BROKER, EXIT_REFUSED
 from gateway.health import Health
 from gateway.metrics import Metrics
@@ -192,6 +193,7 @@ def run(settings: Settings, stop: threading.Event, metrics: Metrics, health: Hea
     urls = itertools.cycle(settings.urls)
     prepared = Preparation(settings, health, cancels)
     reconnects = Reconnects(settings.connect_timeout)
+    stranded: Dict[str, Stranded] = {}  # what a lost connection's distributor held, per queue (core/stranded.py)
     while not stop.is_set():
         url = next(urls)
         session = None
@@ -202,7 +204,7 @@ def run(settings: Settings, stop: threading.Event, metrics: Metrics, health: Hea
                 wait_for_check_in(url, settings, cancels, stop, health)
             session = Session(url, settings, metrics, health, stop, other_exits(url, settings),
                               cancels.judge(metrics) if cancels is not None else None, prepared.sequence,
-                              beats, refusals.back if refusals is not None else None)
+                              beats, refusals.back if refusals is not None else None, stranded)
             session.run()
             trouble = classify(session.error, url) if session.error is not None else None
         except TopologyConflict as exc:
