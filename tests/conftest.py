@@ -110,31 +110,39 @@ def pytest_collection_modifyitems(config, items):
     items[:] = sorted(keep, key=lambda item: LONGEST_FIRST.get(_file_of(item), len(LONGEST_FIRST)))
 
 
-# The files that take longest (seconds in a full run on 2 cores, 2026-11-27), in that order.
+# The files that take longest (seconds in a full run on 2 cores with 4 workers, 2026-11-28,
+# `--durations=0` summed per file), in that order; the others after them.
 LONGEST_FIRST = {name: rank for rank, name in enumerate([
-    "faults/test_cluster.py",  # 276
-    "test_pending.py",  # 240
-    "faults/test_broker.py",  # 199
-    "test_cancel_rules.py",  # 185
-    "test_delivery_e2e.py",  # 156
-    "faults/test_cancel_crash.py",  # 155
-    "test_bench.py",  # 144
-    "test_upgrade_release.py",  # 127 (4 cases of 25-35 s)
-    "test_vhosts.py",  # 125
-    "test_live_change.py",  # 122
-    "faults/test_move_from_plugin.py",  # 120
-    "test_list_after_crash.py",  # 120
-    "test_cancel_e2e.py",  # 115
-    "spark/test_schedule.py",  # 114
-    "faults/test_rule_edges.py",  # ~105 (118 alone, -n 0, 2026-11-28; 82-96 s with -n 2)
-    "faults/test_security.py",  # 67
-    "test_retry_e2e.py",  # 65
-    "faults/test_retry_faults.py",  # 62
-    "faults/test_refusals.py",  # 59
-    "spark/test_report.py",  # 58
-    "k8s/test_upgrade.py",  # 54
-    "test_status.py",  # 45
-    "faults/test_kill9.py",  # 41
+    "faults/test_cluster.py",  # 356
+    "faults/test_broker.py",  # 268
+    "test_pending.py",  # 263
+    "test_bench.py",  # 243
+    "test_cancel_rules.py",  # 219
+    "faults/test_cancel_crash.py",  # 213
+    "faults/test_security.py",  # 205
+    "test_delivery_e2e.py",  # 203
+    "faults/test_move_from_plugin.py",  # 167
+    "spark/test_schedule.py",  # 142
+    "test_vhosts.py",  # 141
+    "test_cancel_e2e.py",  # 134
+    "test_list_after_crash.py",  # 131
+    "test_upgrade_release.py",  # 129
+    "test_live_change.py",  # 127
+    "test_status.py",  # 119
+    "faults/test_refusals.py",  # 118
+    "faults/test_rule_edges.py",  # 112
+    "faults/test_retry_faults.py",  # 92
+    "test_shorter_path_e2e.py",  # 89
+    "test_retry_e2e.py",  # 86
+    "k8s/test_upgrade.py",  # 71
+    "faults/test_kill9.py",  # 59
+    "spark/test_units.py",  # 55
+    "faults/test_stamp_notice.py",  # 51
+    "test_cli_errors.py",  # 51
+    "faults/test_consumer_timeout.py",  # 49
+    "faults/test_parked.py",  # 49
+    "faults/test_clock_behind.py",  # 43
+    "test_broker_versions.py",  # 37
 ])}
 
 

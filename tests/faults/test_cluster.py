@@ -263,6 +263,8 @@ def test_cluster_survives_losing_the_leader(cluster, fault, fault_report):
         # Before the node is back: what the gateway held from it goes out from the gateway's
         # memory once the broker has not handed it back within seconds (RabbitMQ 4.3 would keep
         # it for consumer_disconnected_timeout, 60 s): nothing due stays undelivered for long.
+        # (A partition with Khepri leaves the gateway on the cut-off node, which stays up: it
+        # gets no deliveries and has nothing to release until the partition heals, below.)
         caught_up = wait_until(lambda: overdue(sent, sink) == 0, CAUGHT_UP_S, 0.2, fail=False)
         caught_up_s = round(time.monotonic() - fault_at, 1)
         action.end()
@@ -300,7 +302,8 @@ def test_cluster_survives_losing_the_leader(cluster, fault, fault_report):
     assert new_leader != leader and moved and code == 0, (new_leader, reconnected, code, victim_log, problems[-5:],
                                                                   "".join(gateway.raw)[-3000:])
     assert figures.early == 0, figures.early_ids
-    if not version.startswith("3.10."):  # (3.10: quorum dead-lettering may stall while the leader is away, below)
+    # (3.10: quorum dead-lettering may stall while the leader is away, below)
+    if not version.startswith("3.10.") and fault != "partition":
         assert caught_up, f"due messages still undelivered {CAUGHT_UP_S} s after the fault, the node still away"
     if not delivered:
         # Not delivered is not lost: the broker still holds each one in the chain's queues.
