@@ -160,3 +160,24 @@ def test_released_messages_are_forgotten_after_a_while_and_beyond_a_bound():
     s.confirmed(entry(1, NOW), GRACE_MS + REMEMBER_MS + 1)  # (a later confirm forgets what is older)
     assert not s.claim(entry(0, NOW)) and s.claim(entry(1, NOW))
     assert key_of(entry(0, NOW)) != key_of(entry(0, NOW + 1)) != key_of(entry(1, NOW))
+
+
+def test_a_release_not_confirmed_when_the_channel_was_lost_is_released_from_memory_too():
+    """It may never have reached the broker, which keeps its carrier back as it keeps the held
+    ones: released again after the grace (a duplicate if the first one had landed)."""
+    stranded = Stranded()
+    old = flow_with(stranded)
+    sent = old.delivered(1, carrier_of(entry(0, NOW)), NOW, steady=NOW)
+    assert released(sent) == [b"k.0"] and old.held == 0  # due: published at once, not confirmed
+    old.consuming_lost(NOW + 100)
+    assert len(stranded) == 1
+    new = flow_with(stranded)
+    new.consuming_started(NOW + 500, steady=NOW + 500)
+    assert released(new.tick(NOW + 500 + GRACE_MS, steady=NOW + 500 + GRACE_MS)) == [b"k.0"]
+    # one confirmed before the loss is not
+    stranded2 = Stranded()
+    done = flow_with(stranded2)
+    [pub] = done.delivered(1, carrier_of(entry(0, NOW)), NOW, steady=NOW).publish
+    done.confirmed(pub.seq, False, True, NOW + 10)
+    done.consuming_lost(NOW + 100)
+    assert len(stranded2) == 0

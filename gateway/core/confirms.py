@@ -71,6 +71,10 @@ class Window(Generic[P]):
     def inflight(self) -> List[Publication[P]]:
         return list(self._inflight.values())
 
+    def unconfirmed_all(self) -> List[Publication[P]]:
+        """Every publication not confirmed: sent, waiting to be sent, or suspected."""
+        return [*self._inflight.values(), *self._waiting, *self._suspects]
+
     def oldest(self) -> Optional[Publication[P]]:
         return next(iter(self._inflight.values()), None)
 

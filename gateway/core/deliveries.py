@@ -102,6 +102,10 @@ class Deliveries(Generic[P, H]):
         """Sent and not yet confirmed, in the order sent."""
         return self._window.inflight()
 
+    def not_confirmed(self) -> List[Publication[P]]:
+        """Every publication the broker has not confirmed (sent or not)."""
+        return self._window.unconfirmed_all()
+
     def waiting_for_confirm_ms(self, now_ms: int) -> int:
         """How long the oldest publish not yet confirmed has been waiting (0: none)."""
         pub = self._window.oldest()

@@ -286,8 +286,12 @@ class Flow:
         (on RabbitMQ 4.3, from a node it cannot reach, only after a timeout: what they held
         is kept, to be released from memory if they do not come back in time)."""
         if self._stranded is not None:
-            self._stranded.lost([(f.not_before_ms - self._step, f) for _, f in self.ledger.drain_holds()
-                                 if f.not_before_ms is not None], now - self._step)
+            # held, and released without a confirm yet (it may not have reached the broker)
+            unsure = [pub.payload.forward for pub in [*self.ledger.not_confirmed(), *(p for _, p in self._retries)]
+                      if pub.tags and pub.payload.forward.way in (Way.DELIVERED, Way.RETRIED)]
+            self._stranded.lost([(f.not_before_ms - self._step, f)
+                                 for f in [*(f for _, f in self.ledger.drain_holds()), *unsure]
+                                 if f.not_before_ms is not None and f.entry is not None], now - self._step)
         self.ledger.lost()
         if self._recorder is not None:
             self._recorder.forget_tags()
