@@ -11,6 +11,7 @@ see `Runtime`. The same Node and Cluster drive all of them.
 """
 
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -106,6 +107,26 @@ class Runtime:
                           self.root, f"{uid}:{gid}",
                           *[f"{k}={v}" for k, v in clean.items()], *argv],
                 dict(os.environ))
+
+
+def open_files_raised() -> None:
+    """In a node's process, before it runs the server: its open-files soft limit up to the hard
+    one. RabbitMQ 3.x reserves file handles against it, and a node that reserved them all
+    answers no one: at 1,024 that is about 309 quorum queues (six prefixes of the default
+    chain); scripts/ensure-rabbitmq does the same for the main node."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    n = hard if hard != resource.RLIM_INFINITY else 1_048_576
+    resource.setrlimit(resource.RLIMIT_NOFILE, (n, hard))
+
+
+def open_files_of(pid: int) -> tuple:
+    """(soft, hard) open-files limit of a process, as /proc says ("unlimited" kept as text)."""
+    with open(f"/proc/{pid}/limits") as f:
+        for line in f:
+            if line.startswith("Max open files"):
+                soft, hard = line.split()[3:5]
+                return soft, hard
+    raise NodeError(f"no open-files limit for process {pid}")
 
 
 HOST_RUNTIME = Runtime("rmq3.10")
@@ -233,7 +254,8 @@ class Node:
         log = open(os.path.join(self.dir, "log", "console.log"), "ab")
         argv, env = self.runtime.command([SERVER], self.env(), self.netns)
         self.process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True)
+                                        stdin=subprocess.DEVNULL, start_new_session=True,
+                                        preexec_fn=open_files_raised)
         self.await_startup(timeout)
         return self
 
