@@ -459,8 +459,10 @@ class Flow:
         for pub in answer.confirmed:
             if not pub.returned:
                 self._observer.landed(pub.payload.forward)
-                if self._stranded is not None and pub.payload.members and pub.payload.members[0][0] == STRANDED:
-                    self._stranded.confirmed(pub.payload.forward.entry, now - self._step)  # type: ignore[arg-type]
+                entry = pub.payload.forward.entry
+                if self._stranded is not None and entry is not None and pub.payload.members \
+                        and pub.payload.members[0][0] == STRANDED:
+                    self._stranded.confirmed(entry, now - self._step)
         for pub in answer.dropped:
             self._refused_records += 1
             if self._refused_records == 1:  # said once: the same cause refuses them all
