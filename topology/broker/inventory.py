@@ -254,6 +254,23 @@ def _close_all(connection, readers: Iterable[_Consumers]) -> None:
         connection.process_data_events(time_limit=0.002)
 
 
+def _missing(refused: BaseException) -> bool:
+    return isinstance(refused, ChannelClosedByBroker) and refused.reply_code == 404
+
+
+def _raise_first_refusal(connection, readers: List[_Consumers]) -> None:
+    """Raise the refusal of the first reader, in the caller's order, that the broker refused
+    (other than a 404), once each before it has answered: the refusals of streams opened at
+    once arrive in any order, and the one line should name the same stream every time."""
+    deadline = time.monotonic() + STALL_S
+    for reader in readers:
+        while reader.refused is None and not reader.ready and time.monotonic() < deadline:
+            connection.process_data_events(time_limit=0.005)
+        if reader.refused is not None and not _missing(reader.refused):
+            _close_all(connection, readers)
+            reader.check()
+
+
 def stream_ends(connection, streams: Sequence[str], wait_s: float = END_WAIT_S) -> Ends:
     """Where each stream ends as of now: all at once, each on a channel of its own (a missing
     stream's 404 closes its channel). Needs read permission on each (a refusal: Refused)."""
@@ -287,11 +304,10 @@ def stream_ends(connection, streams: Sequence[str], wait_s: float = END_WAIT_S) 
                     continue
                 if reader.refused is not None:
                     fixed.add(stream)
-                    if isinstance(reader.refused, ChannelClosedByBroker) and reader.refused.reply_code == 404:
+                    if _missing(reader.refused):
                         out.missing.add(stream)
                         continue
-                    _close_all(connection, readers.values())
-                    reader.check()
+                    _raise_first_refusal(connection, list(readers.values()))
                 elif stream in first:
                     if now - last[stream] >= END_QUIET_S or now - first[stream] >= END_BURST_S:
                         fixed.add(stream)
