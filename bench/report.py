@@ -182,6 +182,7 @@ def markdown(results: Dict[str, List[dict]], meta: dict) -> str:
             lines.append(_row([r["label"], r["seconds"], r["gateway_cpu_pct"], r["gateway_wakeups_per_s"],
                                _g(r, "gateway_rss_mib")]))
         lines.append("")
+    lines += footprint_lines(results.get("footprint", []))
     if results.get("hops"):
         lines += ["| broker alone | hops | messages | msg/s through all hops | hops/s | queue writes/s |",
                   "|---|---|---|---|---|---|"]
@@ -205,6 +206,20 @@ def markdown(results: Dict[str, List[dict]], meta: dict) -> str:
                          f"{e['ceiling_writes_per_s']:.0f} | {e['efficiency']:.0%} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def footprint_lines(runs: List[dict]) -> List[str]:
+    """What one prefix costs the broker at rest (the sums of every node of a cluster)."""
+    if not runs:
+        return []
+    lines = ["| footprint per prefix: chain | nodes | quorum | streams | classic | exchanges | bindings | "
+             "file handles (3.x) | prefixes the limit holds | open fds | processes | memory MiB | "
+             "CPU % of a core |", "|" + "---|" * 13]
+    for r in runs:
+        lines.append(_row([f"{r['queue_type']}/{r['zero_bits']}", r["nodes"], r["quorum"], r["stream"], r["classic"],
+                           r["exchanges"], r["bindings"], _g(r, "file_handles"), _g(r, "prefixes_the_limit_holds"),
+                           r["open_fds"], r["processes"], r["memory_mib"], r["cpu_pct"]]))
+    return lines + [""]
 
 
 def ceiling_lines(runs: List[dict]) -> List[str]:

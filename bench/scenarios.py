@@ -5,6 +5,7 @@ Each scenario takes the run's `Context` and returns a list of JSON-able dicts, o
 
 from .baselines import floor, hops, naive
 from .ceilings import ceiling, steady
+from .footprint import footprint
 from .memory import holding, pending
 from .quiet import idle, trickle
 from .roles import roles
@@ -13,7 +14,8 @@ from .at_scale import waiting
 
 SCENARIOS = {"paced": paced, "burst": burst, "at-once": at_once, "pending": pending, "steady": steady,
              "roles": roles, "ceiling": ceiling, "hops": hops, "idle": idle, "trickle": trickle, "naive": naive,
-             "floor": floor, "waiting": waiting, "holding": holding}
+             "floor": floor, "waiting": waiting, "holding": holding,
+             "footprint": footprint}
 # Names for several at once.
 GROUPS = {"issue": ["paced", "burst", "at-once", "floor", "ceiling", "idle", "trickle"],
-          "all": [s for s in SCENARIOS if s not in ("pending", "waiting", "holding")]}
+          "all": [s for s in SCENARIOS if s not in ("pending", "waiting", "holding", "footprint")]}

@@ -120,6 +120,25 @@ def test_holding_measures_what_a_held_message_costs(broker, tmp_path):
     assert "holding: target" in (tmp_path / "out" / "results.md").read_text()
 
 
+def test_footprint_counts_what_a_prefix_declares_and_leaves_nothing(broker, broker_ctl, tmp_path):
+    """footprint with one prefix of each zero-bits mode: what the broker itself counts matches
+    the topology model, 4.3 has no file-handle bookkeeping to report, and the chains are gone
+    afterwards (about 15 s)."""
+    proc = bench(tmp_path, "footprint", "--footprint-prefixes", "1", "--idle-window", "1",
+                 "--zero-bits", "queue,exchange", "--rabbitmqctl", shlex.join(broker_ctl.command()))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads((tmp_path / "out" / "results.json").read_text())["results"]["footprint"]
+    assert [(r["zero_bits"], r["quorum"], r["stream"], r["classic"], r["exchanges"], r["bindings"])
+            for r in runs] == [("queue", 48, 14, 0, 33, 63), ("exchange", 28, 14, 0, 33, 63)], runs
+    for r in runs:
+        assert r["nodes"] == 1 and r["file_handles"] is None and r["prefixes_the_limit_holds"] is None, r
+        assert r["processes"] > r["quorum"] and r["memory_mib"] > 0 and r["open_fds"] > 0, r
+        assert r["model"]["queues"] == r["quorum"] + r["stream"], r
+    assert "footprint per prefix" in (tmp_path / "out" / "results.md").read_text()
+    left = broker_ctl("list_queues", "name", "-q") + broker_ctl("list_exchanges", "name", "-q")
+    assert "bench-footprint" not in left, left
+
+
 def test_kombu_chain_side_by_side_and_the_floor(broker, broker_ctl, tmp_path):
     """--compare-kombu: Celery's native delayed delivery, declared by kombu's own function,
     alternates with the gateway on the same load (nothing early: whole seconds rounded up);

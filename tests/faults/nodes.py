@@ -443,8 +443,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("DELAY_GATEWAY_URL=" + ",".join(cluster.urls), flush=True)
         print(f"# RabbitMQ {cluster.version}, metadata store {cluster.metadata_store()}", flush=True)
         for node in cluster.nodes:
-            ctl, _ = runtime.command([CTL, "-n", node.node, "cluster_status"], node.env())
-            print(f"# {node.node}: {shlex.join(ctl)}", flush=True)
+            ctl, _ = runtime.command([CTL, "-n", node.node], node.env())
+            if not runtime.chroot:  # the cookie is in the nodes' own HOME
+                ctl = ["env", f"HOME={cluster.home}", *ctl]
+            print(f"# {node.node}: rabbitmqctl is {shlex.join(ctl)}", flush=True)
         print("# Ctrl-C stops and removes them", flush=True)
         while not stop:  # until stopped (the command's own life, not a test's wait)
             time.sleep(0.5)
