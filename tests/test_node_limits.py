@@ -4,7 +4,14 @@ RabbitMQ 3.x reserves file handles against it, and a node that has reserved them
 no one, not even rabbitmqctl. At 1,024, the limit `su rabbitmq` gives by default, that is
 about 309 quorum queues: the seventh prefix of the default chain wedges the node."""
 
+import subprocess
+import sys
+
+from topology import ChainSettings, build
+
+from .conftest import broker_label
 from .faults.nodes import open_files_of
+from .support import ROOT, broker_url, chain_args, remove, unique_prefix
 
 FLOOR = 4096  # below this a node of the suite's machine could be wedged by the project's own prefixes
 
@@ -15,3 +22,26 @@ def test_the_broker_runs_with_the_open_files_limit_raised(broker, broker_ctl):
     fix = "restart it with scripts/ensure-rabbitmq, which raises the limit (or raise the rabbitmq user's)"
     assert soft == hard, f"the node runs with an open-files limit of {soft} of {hard} allowed: {fix}"
     assert soft == "unlimited" or int(soft) >= FLOOR, f"the node's open-files limit is {soft}: {fix}"
+
+
+def test_declare_says_what_a_prefix_reserves_where_the_broker_reserves_handles(broker, request):
+    """On 3.x `declare` says how many file handles the prefix's quorum queues reserve (3 a
+    queue on one node, 5 on a cluster node that leads it), against what, and where to look;
+    4.x has no such bookkeeping, and the line is not printed."""
+    chain = ChainSettings(prefix=unique_prefix(), max_level=4, resolution_ms=100)
+    try:
+        r = subprocess.run([sys.executable, "-m", "gateway", "declare", *chain_args(chain), "--url", broker_url()],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        notes = [line for line in r.stdout.splitlines() if "reserves file handles" in line]
+        quorum = sum(1 for q in build(chain).queues if q.arguments.get("x-queue-type") == "quorum")
+        if broker_label(request.node) == "rmq3.10":
+            assert notes == [
+                f"note: RabbitMQ 3.10 reserves file handles for quorum queues: this prefix's {quorum} reserve "
+                f"{3 * quorum} on one node, up to {5 * quorum} on a node of a cluster that leads them all, against its "
+                "open-files limit less 97; a node whose reservations fill it stops answering. Compare with "
+                "`rabbitmqctl status`, File Descriptors (docs/operating.md: What a prefix costs the broker)"], r.stdout
+        else:
+            assert notes == [], r.stdout
+    finally:
+        remove(chain)
