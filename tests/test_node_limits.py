@@ -38,7 +38,7 @@ def test_declare_says_what_a_prefix_reserves_where_the_broker_reserves_handles(b
         if broker_label(request.node) == "rmq3.10":
             assert notes == [
                 f"note: RabbitMQ 3.10 reserves file handles for quorum queues: this prefix's {quorum} reserve "
-                f"{3 * quorum} on one node, up to {5 * quorum} on a node of a cluster that leads them all, against its "
+                f"{3 * quorum} on one node, up to {5 * quorum} on a node of three that leads them all, against its "
                 "open-files limit less 97; a node whose reservations fill it stops answering. Compare with "
                 "`rabbitmqctl status`, File Descriptors (docs/operating.md: What a prefix costs the broker)"], r.stdout
         else:

@@ -23,7 +23,7 @@ def reservations(topology: Topology, version: Optional[Tuple[int, int]]) -> Opti
         return None
     quorum = sum(1 for q in topology.queues if q.arguments.get("x-queue-type") == "quorum")
     return (f"RabbitMQ {version[0]}.{version[1]} reserves file handles for quorum queues: this prefix's {quorum} "
-            f"reserve {3 * quorum} on one node, up to {5 * quorum} on a node of a cluster that leads them all, "
+            f"reserve {3 * quorum} on one node, up to {5 * quorum} on a node of three that leads them all, "
             "against its open-files limit less 97; a node whose reservations fill it stops answering. Compare "
             "with `rabbitmqctl status`, File Descriptors (docs/operating.md: What a prefix costs the broker)")
 
