@@ -26,7 +26,7 @@ from pika import data, spec
 
 from gateway.broker.run.cancelling import Judge
 from gateway.commands.parked import NOT_OURS, Parked, destination
-from gateway.core import cancels, carrier, envelope, handlers, index_records, listing, retries, rules, wire
+from gateway.core import cancels, carrier, envelope, handlers, horizon, index_records, listing, retries, rules, wire
 from gateway.core.actions import Enqueue, Forward
 from gateway.core.carrier import Entry
 from gateway.core.inputs import Delivery
@@ -498,7 +498,7 @@ def test_a_lapped_record_is_passed_over(commit: str, sample: Json) -> None:
     assert keys == sample["expected"]["keys"] == [m.key for m in index_records.entries(entry)] == [
         index_records.key_of(e.accepted_us, index_records.checksum(e)) for e in map(entry_of, sample["messages"])]
     assert [listed(m) for m in index_records.entries(entry)] == sample["expected"]["entry"]
-    v = listing.View(NOW, listing.Horizon(NOW - 60_000, True, ""), None, Selection(), keep=0)
+    v = listing.View(NOW, horizon.Horizon(NOW - 60_000, True, ""), None, Selection(), keep=0)
     v.add_keys(body)
     assert v.keys == 0
 
@@ -526,7 +526,7 @@ def test_a_listing_reads_an_eras_index(commit: str) -> None:
     assert len(every) == sum(len(r["expected"]) for v in ("entries", "entries-carried") for r in index[v]["records"]) \
         + (1 if "lapped" in index else 0)
     assert done & {m.key for m in every}  # (the message "chain" is done: its entries go)
-    v = listing.View(NOW, listing.Horizon(NOW - 60_000, True, ""), None, Selection(), keep=0)
+    v = listing.View(NOW, horizon.Horizon(NOW - 60_000, True, ""), None, Selection(), keep=0)
     for body in keys:
         v.add_keys(body)
     for body in entries:
@@ -586,7 +586,7 @@ def test_a_readers_mark_is_no_record(commit: str, sample: Json) -> None:
 @pytest.mark.parametrize("commit, sample", cases({"registry": None}))
 def test_registry_records_read_as_written(commit: str, sample: Json) -> None:
     """Each record's event, time, chain and queues; an `unlisted` one's until_ms and why, which
-    `pending` shows while they last (registry.fold, listing.gaps)."""
+    `pending` shows while they last (registry.fold, horizon.gaps)."""
     for r in sample["records"]:
         want = r["expected"]
         chain = None if want["chain"] is None else registry.ChainKey(**want["chain"])
@@ -595,7 +595,7 @@ def test_registry_records_read_as_written(commit: str, sample: Json) -> None:
     folded = registry.fold(registry.decode(raw(r["body"])) for r in sample["records"])
     unlisted = [r["expected"] for r in sample["records"] if r["expected"]["event"] == "unlisted"]
     assert [(u.until_ms, u.why) for u in folded.unlisted] == [(u["until_ms"], u["why"]) for u in unlisted]
-    gaps = listing.gaps(NOW, [], listing.Place(0, 0), [listing.Gap(u.why, u.until_ms) for u in folded.unlisted])
+    gaps = horizon.gaps(NOW, [], index_records.Place(0, 0), [horizon.Gap(u.why, u.until_ms) for u in folded.unlisted])
     assert [g.why for g in gaps] == [u["why"] for u in unlisted if u["until_ms"] > NOW]
 
 

@@ -11,9 +11,11 @@ from typing import List, Optional, Sequence, Tuple
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from gateway.core import cancels, index_records, listing, rules
+from gateway.core import cancels, horizon, index_records, listing, rules
 from gateway.core.carrier import Entry
-from gateway.core.listing import Gap, Horizon, Place, View
+from gateway.core.horizon import Gap, Horizon
+from gateway.core.index_records import Place
+from gateway.core.listing import View
 from gateway.core.selection import Selection
 from gateway.core.index_records import Beat, Consumers
 from gateway.core.wire import Properties, Table, long, longstr
@@ -21,7 +23,7 @@ from gateway.core.wire import Properties, Table, long, longstr
 from .support import examples
 
 NOW = 1_800_000_000_000
-EXACT = Horizon(NOW - listing.GRACE_MS, True, "")
+EXACT = Horizon(NOW - horizon.GRACE_MS, True, "")
 
 
 def entry(key: bytes = b"k", mid: Optional[bytes] = b"m", due: int = NOW + 60_000, read_us: int = NOW * 1000,
@@ -76,7 +78,7 @@ def test_overdue_within_the_horizon_waits_and_leaves_when_done():
     v = view([(e, e.due_ms)])  # due half a minute ago, no gateway delivered it yet
     assert v.total == 1 and v.counts.counts[0] == 1  # overdue
     assert view([(e, e.due_ms)], done=[e]).total == 0
-    old = entry(due=NOW - listing.GRACE_MS - 1)
+    old = entry(due=NOW - horizon.GRACE_MS - 1)
     assert view([(old, old.due_ms)]).total == 0  # past the horizon: delivered by gateways that keep up
     assert view([(old, old.due_ms)], at=Horizon(NOW - 3_600_000, False, "no gateway")).total == 1
 
@@ -244,9 +246,9 @@ def beat(n: int, roles: int, at: int, consumers: Optional[Consumers] = None, ind
      True),  # roles split
 ])
 def test_the_horizon_is_a_minute_only_while_every_consumer_keeps_up(distributor, returning, beats, exact):
-    found = listing.horizon(NOW, beats, {"distributor": Place(*distributor), "returning": Place(*returning)})
+    found = horizon.horizon(NOW, beats, {"distributor": Place(*distributor), "returning": Place(*returning)})
     assert found.exact == exact
-    assert found.at_ms == (NOW - 10 - listing.GRACE_MS if exact else NOW - listing.RETENTION_SLACK_MS)
+    assert found.at_ms == (NOW - 10 - horizon.GRACE_MS if exact else NOW - horizon.RETENTION_SLACK_MS)
 
 
 def test_what_the_queues_hold_is_what_the_newest_live_beat_saw():
@@ -257,11 +259,11 @@ def test_what_the_queues_hold_is_what_the_newest_live_beat_saw():
         return index_records.Seen(Place(ready, 1), Place(0, 1), Place(0, 1))
     older = dataclasses.replace(beat(0, 3, NOW - 3000), seen=seen(5))
     newer = dataclasses.replace(beat(1, 3, NOW - 1000), seen=seen(7))
-    places, why = listing.seen(NOW, [newer, older, beat(2, 3, NOW - 500)])
+    places, why = horizon.seen(NOW, [newer, older, beat(2, 3, NOW - 500)])
     assert places is not None and places["check_in"] == Place(7, 1) and why == ""
-    assert listing.seen(NOW, [dataclasses.replace(newer, at_ms=NOW - 60_000)]) == (None, listing.seen(NOW, [])[1])
-    assert "no gateway beat within 20 s" in listing.seen(NOW, [])[1]
-    assert "a version before 1.0" in listing.seen(NOW, [beat(0, 3, NOW - 1000)])[1]
+    assert horizon.seen(NOW, [dataclasses.replace(newer, at_ms=NOW - 60_000)]) == (None, horizon.seen(NOW, [])[1])
+    assert "no gateway beat within 20 s" in horizon.seen(NOW, [])[1]
+    assert "a version before 1.0" in horizon.seen(NOW, [beat(0, 3, NOW - 1000)])[1]
 
 
 def test_a_gateway_of_0_1_0_reading_check_in_is_told_until_its_consumers_are_gone():
@@ -269,26 +271,26 @@ def test_a_gateway_of_0_1_0_reading_check_in_is_told_until_its_consumers_are_gon
     beat is live, and the broker counts more consumers of check-in than the later gateways."""
     old = dataclasses.replace(beat(0, 3, NOW - 1000, Consumers(1, 1, 1)), first_layout=True)
     new = beat(1, 3, NOW - 1000, Consumers(1, 1, 1))
-    assert listing.earlier_check_in(NOW, [old, new], {"check_in": Place(0, 2)}) == 1
-    assert listing.earlier_check_in(NOW, [old, new], None) == 1  # (not known: still said)
-    assert listing.earlier_check_in(NOW, [old, new], {"check_in": Place(0, 1)}) == 0  # it stopped
-    assert listing.earlier_check_in(NOW, [new], {"check_in": Place(0, 1)}) == 0
+    assert horizon.earlier_check_in(NOW, [old, new], {"check_in": Place(0, 2)}) == 1
+    assert horizon.earlier_check_in(NOW, [old, new], None) == 1  # (not known: still said)
+    assert horizon.earlier_check_in(NOW, [old, new], {"check_in": Place(0, 1)}) == 0  # it stopped
+    assert horizon.earlier_check_in(NOW, [new], {"check_in": Place(0, 1)}) == 0
 
 
 def test_what_can_wait_unlisted_is_said_until_it_cannot():
     live = [beat(0, 3, NOW - 1000, Consumers(2, 1, 1))]
-    assert listing.gaps(NOW, live, Place(0, 2), []) == []
-    unread = listing.gaps(NOW, live, Place(7, 2), [])
+    assert horizon.gaps(NOW, live, Place(0, 2), []) == []
+    unread = horizon.gaps(NOW, live, Place(7, 2), [])
     assert [g.why.split(":")[0] for g in unread] == ["7 message(s) wait in check-in, not read by a gateway yet"]
-    quiet = listing.gaps(NOW, live, Place(0, 3), [])  # a check-in consumer that does not beat: an older gateway
+    quiet = horizon.gaps(NOW, live, Place(0, 3), [])  # a check-in consumer that does not beat: an older gateway
     assert len(quiet) == 1 and quiet[0].why.startswith("1 consumer(s) of check-in said nothing")
-    blind = listing.gaps(NOW, [beat(0, 3, NOW - 1000, Consumers(2, 1, 1), indexes=False)], Place(0, 2), [])
+    blind = horizon.gaps(NOW, [beat(0, 3, NOW - 1000, Consumers(2, 1, 1), indexes=False)], Place(0, 2), [])
     assert len(blind) == 1 and "--no-pending-index" in blind[0].why
     before = Gap("messages scheduled before the index", NOW + 1)
-    assert listing.gaps(NOW, live, Place(0, 2), [before, Gap("over", NOW - 1)]) == [before]
+    assert horizon.gaps(NOW, live, Place(0, 2), [before, Gap("over", NOW - 1)]) == [before]
     # a gateway that held messages read and not sent on yet, or one the broker blocks: said
     flagged = dataclasses.replace(live[0], flags=index_records.INDEXES | index_records.READING | index_records.BLOCKED)
-    said = [g.why for g in listing.gaps(NOW, [flagged], Place(0, 2), [])]
+    said = [g.why for g in horizon.gaps(NOW, [flagged], Place(0, 2), [])]
     assert len(said) == 2 and "held messages they had read and not sent on yet" in said[0]
     assert "blocks 1 gateway(s) (a resource alarm)" in said[1]
     body = index_records.pack_beat(b"g" * 16, 3, NOW, NOW, Consumers(1, 1, 1), flagged.flags)

@@ -2,7 +2,7 @@
 group cancels (rules) that are live, and withdrawing one.
 
 What waits is read from the waiting streams the gateways write (gateway/core/index_records.py,
-gateway/broker/run/index_streams.py, gateway/core/listing.py), filtered by message id, routing key,
+gateway/broker/tools/index_reader.py, gateway/core/listing.py), filtered by message id, routing key,
 due time, header or retries. `cancel` publishes one rule with the same filters
 (gateway/core/rules.py) through the path of `delay-gateway cancel`: every gateway cancels
 every message the rule selects that was published before it, listed or not, with every
@@ -25,8 +25,7 @@ import pika
 
 from topology.broker.permissions import needing
 
-from gateway.broker.tools import cancellations
-from gateway.broker.run import index_streams
+from gateway.broker.tools import cancellations, index_reader
 from gateway.broker.plumbing.amqp import blocking_channel
 from gateway.clock import wall_ms
 from gateway.core import cancels, listing, rules, wire
@@ -277,11 +276,11 @@ def command(args: Options, settings: Settings) -> int:
         recorded = cancellations.read(channel.connection, names, window_ms, trusted)
         judge = listing.cancelled_by(recorded.store(window_ms, now), recorded.rules, now)
         try:
-            view, found = index_streams.read(channel.connection, chain, trusted, now, lambda at: listing.View(
+            view, found = index_reader.read(channel.connection, chain, trusted, now, lambda at: listing.View(
                 now, at, judge, select, keep, exporting.write if exporting is not None else None),
                 progress.show if progress is not None else None)
             found.gaps += recorded.gaps()
-        except index_streams.Missing as exc:
+        except index_reader.Missing as exc:
             raise UsageError(str(exc)) from None
         finally:
             if progress is not None:
@@ -349,11 +348,11 @@ class Exporter:
             self.file.close()
 
 
-def notes(found: index_streams.Found) -> List[str]:
+def notes(found: index_reader.Found) -> List[str]:
     return found.notes()
 
 
-def show_list(args: Options, view: listing.View, found: index_streams.Found, now_ms: int) -> None:
+def show_list(args: Options, view: listing.View, found: index_reader.Found, now_ms: int) -> None:
     listed = view.listed()
     shown = f"{len(listed)} shown" if len(listed) < view.total else "all shown"
     summary = f"{view.total} waiting message(s) match; {shown} (soonest due first)"
@@ -376,7 +375,7 @@ def show_list(args: Options, view: listing.View, found: index_streams.Found, now
         print(f"note: {note}", file=sys.stderr)
 
 
-def show_count(args: Options, view: listing.View, found: index_streams.Found, now_ms: int) -> None:
+def show_count(args: Options, view: listing.View, found: index_reader.Found, now_ms: int) -> None:
     ranges = {label: n for (label, _), n in zip(view.counts.ranges, view.counts.counts, strict=True)}
     if args.json:
         print(json.dumps({"total": view.total, "ranges": ranges, "exact": found.exact, "at_ms": now_ms,
@@ -423,7 +422,7 @@ def rule_headers(select: Selection, everything: bool, name: bytes) -> Table:
 
 
 def cancel_selected(args: Options, channel, names, trusted: str, select: Selection, everything: bool,
-                    view: listing.View, found: index_streams.Found, recorded: cancellations.Recorded, window_ms: int,
+                    view: listing.View, found: index_reader.Found, recorded: cancellations.Recorded, window_ms: int,
                     now_ms: int) -> int:
     """Say how many match and show some; with --yes, publish one rule and say what became of it."""
     print(f"{view.total} waiting message(s) match" + (", for example:" if view.total else ""))

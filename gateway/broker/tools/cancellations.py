@@ -14,7 +14,7 @@ from gateway.broker.run.cancelling import PREFETCH, window_start
 from gateway.clock import wall_ms
 from gateway.core import cancels, rules, writers
 from gateway.core.cancels import Store
-from gateway.core.listing import Gap
+from gateway.core.horizon import Gap
 from gateway.core.rules import Rules
 
 QUIET_S = 0.3  # where the stream's end is not known: read until nothing came for this long

@@ -13,8 +13,7 @@ from topology.retirement import Observed
 from topology.settings import QUEUE_TYPES, ChainSettings
 
 from gateway.broker.run import stamp
-from gateway.broker.tools import cancellations
-from gateway.broker.run import index_streams
+from gateway.broker.tools import cancellations, index_reader
 from gateway.commands.status.metrics import carried_from_metrics, held_from_metrics, retries_from_metrics
 from gateway.commands.status.report import HORIZONS, Report, report
 from gateway.core import listing
@@ -112,10 +111,10 @@ def waiting_messages(connection, chain: ChainSettings, trusted: str, records: ca
     judge = listing.cancelled_by(records.store(window_ms, now_ms), records.rules, now_ms)
     ranges = [(label, ms) for label, ms in HORIZONS] + [("later", None)]
     try:
-        view, found = index_streams.read(connection, chain, trusted, now_ms, lambda at: listing.View(
+        view, found = index_reader.read(connection, chain, trusted, now_ms, lambda at: listing.View(
             now_ms, at, judge, Selection(), None, None, ranges))
         found.gaps += records.gaps()
-    except index_streams.Missing:
+    except index_reader.Missing:
         return {"total": None, "exact": False, "why": "the index of what waits is not declared (run `delay-gateway "
                                                         "declare` with this version)"}
     cumulative, running = {}, 0
