@@ -112,6 +112,8 @@ def parser(environ) -> argparse.ArgumentParser:
                    help="ceiling: seconds of publishing at each rate (default 10)")
     p.add_argument("--idle-window", type=_positive(float), default=60.0,
                    help="idle: seconds over which the idle gateway's CPU is measured (default 60)")
+    p.add_argument("--vhosts-count", type=_positive(int), default=100,
+                   help="vhosts: how many virtual hosts one gateway serves (default 100)")
     p.add_argument("--footprint-prefixes", type=_positive(int), default=5,
                    help="footprint: how many prefixes to declare and measure the broker with (default 5)")
     p.add_argument("--idle-seconds", type=_positive(float), default=2.0,
@@ -234,7 +236,7 @@ def main(argv: Optional[Sequence[str]] = None, environ=None) -> int:
                   extra={"flow_seconds": args.flow_seconds, "check_every": args.check_every,
                          "ceiling_rates": args.ceiling_rates, "ceiling_seconds": args.ceiling_seconds,
                          "idle_window": args.idle_window, "holding_sizes": args.holding_sizes,
-                         "footprint_prefixes": args.footprint_prefixes})
+                         "footprint_prefixes": args.footprint_prefixes, "vhosts_count": args.vhosts_count})
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": machine(), "rabbitmq": broker.version(), "url": where,
             "command": "python -m bench " + shlex.join(sys.argv[1:] if argv is None else argv),

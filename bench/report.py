@@ -183,6 +183,7 @@ def markdown(results: Dict[str, List[dict]], meta: dict) -> str:
                                _g(r, "gateway_rss_mib")]))
         lines.append("")
     lines += footprint_lines(results.get("footprint", []))
+    lines += vhosts_lines(results.get("vhosts", []))
     if results.get("hops"):
         lines += ["| broker alone | hops | messages | msg/s through all hops | hops/s | queue writes/s |",
                   "|---|---|---|---|---|---|"]
@@ -219,6 +220,22 @@ def footprint_lines(runs: List[dict]) -> List[str]:
         lines.append(_row([f"{r['queue_type']}/{r['zero_bits']}", r["nodes"], r["quorum"], r["stream"], r["classic"],
                            r["exchanges"], r["bindings"], _g(r, "file_handles"), _g(r, "prefixes_the_limit_holds"),
                            r["open_fds"], r["processes"], r["memory_mib"], r["cpu_pct"]]))
+    return lines + [""]
+
+
+def vhosts_lines(runs: List[dict]) -> List[str]:
+    """One gateway serving many vhosts: at rest, and under a paced load spread over them."""
+    if not runs:
+        return []
+    lines = ["| vhosts: one gateway | ready s | at rest: RSS MiB, threads, CPU % | broker connections, channels | "
+             "msg/s | p50 ms | p99 ms | max ms | lost | early | loaded: RSS MiB, CPU % |", "|" + "---|" * 11]
+    for r in runs:
+        rest, loaded, links = r["rest"], r["loaded"], r["broker_links"]
+        at_rest = f"{_g(rest, 'rss_mib')}, {_g(rest, 'threads')}, {rest['cpu_pct']}"
+        lines.append(_row([r["vhosts"], r["ready_s"], at_rest,
+                           f"{_g(links, 'connections')}, {_g(links, 'channels')}", r["publish_rate"], _g(r, "p50_ms"),
+                           _g(r, "p99_ms"), _g(r, "max_ms"), r["lost"], r["early"],
+                           f"{_g(loaded, 'rss_mib')}, {loaded['cpu_pct']}"]))
     return lines + [""]
 
 

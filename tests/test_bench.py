@@ -132,11 +132,25 @@ def test_footprint_counts_what_a_prefix_declares_and_leaves_nothing(broker, brok
             for r in runs] == [("queue", 48, 14, 0, 33, 63), ("exchange", 28, 14, 0, 33, 63)], runs
     for r in runs:
         assert r["nodes"] == 1 and r["file_handles"] is None and r["prefixes_the_limit_holds"] is None, r
-        assert r["processes"] > r["quorum"] and r["memory_mib"] > 0 and r["open_fds"] > 0, r
+        # (memory at rest moves by megabytes as the node collects garbage: a figure, not checked)
+        assert r["processes"] > r["quorum"] and r["open_fds"] > 0, r
         assert r["model"]["queues"] == r["quorum"] + r["stream"], r
     assert "footprint per prefix" in (tmp_path / "out" / "results.md").read_text()
     left = broker_ctl("list_queues", "name", "-q") + broker_ctl("list_exchanges", "name", "-q")
     assert "bench-footprint" not in left, left
+
+
+def test_vhosts_serves_each_from_one_gateway_and_deletes_them(broker, broker_ctl, tmp_path):
+    """vhosts with two: one gateway ready for both, its figures at rest, a paced load spread
+    over them delivered (none lost, none early), and the vhosts gone afterwards (about 20 s)."""
+    proc = bench(tmp_path, "vhosts", "--vhosts-count", "2", "--rate", "20", "--duration", "1", "--idle-window", "1",
+                 "--min-delay", "300", "--max-delay", "800", "--rabbitmqctl", shlex.join(broker_ctl.command()))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [r] = json.loads((tmp_path / "out" / "results.json").read_text())["results"]["vhosts"]
+    assert (r["vhosts"], r["messages"], r["received"], r["lost"], r["early"]) == (2, 20, 20, 0, 0), r
+    assert r["rest"]["threads"] > 1 and r["rest"]["rss_mib"] > 0 and r["broker_links"]["connections"] >= 6, r
+    assert "vhosts: one gateway" in (tmp_path / "out" / "results.md").read_text()
+    assert "bench-vh-" not in broker_ctl("list_vhosts", "-q")
 
 
 def test_kombu_chain_side_by_side_and_the_floor(broker, broker_ctl, tmp_path):
