@@ -111,38 +111,44 @@ def pytest_collection_modifyitems(config, items):
 
 
 # The files that take longest (seconds in a full run on 2 cores with 4 workers, 2026-11-28,
-# `--durations=0` summed per file), in that order; the others after them.
+# `--durations=0` summed per file; test_bench and faults/test_refusals with the tests added
+# since), in that order; the others after them.
 LONGEST_FIRST = {name: rank for rank, name in enumerate([
-    "faults/test_cluster.py",  # 356
-    "faults/test_broker.py",  # 268
-    "test_pending.py",  # 263
-    "test_bench.py",  # 243
-    "test_cancel_rules.py",  # 219
-    "faults/test_cancel_crash.py",  # 213
-    "faults/test_security.py",  # 205
-    "test_delivery_e2e.py",  # 203
-    "faults/test_move_from_plugin.py",  # 167
-    "spark/test_schedule.py",  # 142
+    "faults/test_cluster.py",  # 352
+    "faults/test_broker.py",  # 327
+    "test_pending.py",  # 284
+    "test_cancel_rules.py",  # 246
+    "test_bench.py",  # 246
+    "faults/test_security.py",  # 220
+    "faults/test_cancel_crash.py",  # 216
+    "test_delivery_e2e.py",  # 197
+    "faults/test_refusals.py",  # 189
+    "faults/test_move_from_plugin.py",  # 188
+    "spark/test_schedule.py",  # 165
+    "test_live_change.py",  # 150
     "test_vhosts.py",  # 141
-    "test_cancel_e2e.py",  # 134
-    "test_list_after_crash.py",  # 131
-    "test_upgrade_release.py",  # 129
-    "test_live_change.py",  # 127
-    "test_status.py",  # 119
-    "faults/test_refusals.py",  # 118
-    "faults/test_rule_edges.py",  # 112
-    "faults/test_retry_faults.py",  # 92
-    "test_shorter_path_e2e.py",  # 89
-    "test_retry_e2e.py",  # 86
-    "k8s/test_upgrade.py",  # 71
-    "faults/test_kill9.py",  # 59
-    "spark/test_units.py",  # 55
-    "faults/test_stamp_notice.py",  # 51
-    "test_cli_errors.py",  # 51
-    "faults/test_consumer_timeout.py",  # 49
-    "faults/test_parked.py",  # 49
-    "faults/test_clock_behind.py",  # 43
-    "test_broker_versions.py",  # 37
+    "test_upgrade_release.py",  # 138
+    "test_list_after_crash.py",  # 136
+    "test_cancel_e2e.py",  # 132
+    "test_status.py",  # 115
+    "faults/test_rule_edges.py",  # 108
+    "faults/test_retry_faults.py",  # 84
+    "test_retry_e2e.py",  # 81
+    "spark/test_report.py",  # 80
+    "test_shorter_path_e2e.py",  # 77
+    "faults/test_kill9.py",  # 77
+    "k8s/test_upgrade.py",  # 73
+    "k8s/test_image.py",  # 70
+    "faults/test_consumer_timeout.py",  # 57
+    "spark/test_units.py",  # 52
+    "test_broker_versions.py",  # 51
+    "test_cli_errors.py",  # 47
+    "faults/test_parked.py",  # 42
+    "faults/test_clock_behind.py",  # 40
+    "faults/test_outage_gate.py",  # 36
+    "test_rule_withdrawal.py",  # 35
+    "spark/test_pending_export.py",  # 35
+    "faults/test_stamp_notice.py",  # 35
 ])}
 
 
