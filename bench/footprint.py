@@ -2,9 +2,10 @@
 
 Declares `--footprint-prefixes` chains (the gateway's own declare, each with a prefix of its
 own, for every --queue-types x --zero-bits), and compares the broker before and after,
-each at rest over `--idle-window` seconds: queues by type, exchanges, bindings (but the default exchange's); on 3.x the
-file-handle reservations that wedge a node when they reach the open-files limit less 97
-(docs/operating.md); open descriptors; Erlang processes; memory; CPU. Every node of a
+each at rest over `--idle-window` seconds: queues by type, exchanges, bindings (but the
+default exchange's); on 3.x the file-handle reservations that wedge a node when they reach
+the open-files limit less 97 (docs/operating.md); open descriptors; Erlang processes;
+memory; CPU. Every node of a
 cluster is asked (one `rabbitmqctl eval` on the URL's node reaches the others), so the
 figures of three nodes are their sums. The chains are deleted afterwards, also when the
 run fails. No gateway runs: this is what the declared objects alone cost.
@@ -27,14 +28,12 @@ Ns = [node() | nodes()],
 Call = fun(M, F, A) -> [R || R <- element(1, rpc:multicall(Ns, M, F, A, 30000)), not is_tuple(R) orelse
                                                                                    element(1, R) =/= badrpc] end,
 Sum = fun(L) -> lists:sum([X || X <- L, is_integer(X)]) end,
-Fh = case code:which(file_handle_cache) of
-       non_existing -> -1;
-       _ -> Sum([proplists:get_value(total_used, I, 0) || I <- Call(file_handle_cache, info, [[total_used]])])
-     end,
-FhLimit = case code:which(file_handle_cache) of
-       non_existing -> -1;
-       _ -> lists:min([proplists:get_value(total_limit, I, 0) || I <- Call(file_handle_cache, info, [[total_limit]])])
-     end,
+Fhc = case code:which(file_handle_cache) of
+        non_existing -> [];
+        _ -> Call(file_handle_cache, info, [[total_used, total_limit]])
+      end,
+Fh = case Fhc of [] -> -1; _ -> Sum([proplists:get_value(total_used, I, 0) || I <- Fhc]) end,
+FhLimit = case Fhc of [] -> -1; _ -> lists:min([proplists:get_value(total_limit, I, 0) || I <- Fhc]) end,
 Fds = Sum([length(element(2, file:list_dir("/proc/" ++ P ++ "/fd"))) || P <- Call(os, getpid, [])]),
 Qs = rabbit_amqqueue:list(),
 Type = fun(Q) -> case amqqueue:get_type(Q) of rabbit_quorum_queue -> quorum; rabbit_stream_queue -> stream;

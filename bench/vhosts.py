@@ -14,7 +14,7 @@ import random
 import threading
 import time
 import uuid
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 from urllib.parse import urlsplit, urlunsplit
 
 import pika
@@ -129,6 +129,7 @@ def vhosts(ctx: Context) -> List[dict]:
     _create(ctx, names)
     gateway: Optional[GatewayProcess] = None
     receivers: Optional[_Receivers] = None
+    publishers: Dict[str, Any] = {}
     try:
         chain = ctx.chain("vhosts", ctx.queue_types[0], ctx.zero_bits[0])
         t0 = time.monotonic()
@@ -147,9 +148,9 @@ def vhosts(ctx: Context) -> List[dict]:
         ctx.log(f"  vhosts at rest: gateway {rest}, broker {links}")
 
         receivers = _Receivers(list(urls.values()), chain.names.pick_up)
-        publishers = {n: blocking(u, "delay-gateway bench vhosts publisher").channel() for n, u in urls.items()}
-        for ch in publishers.values():
-            ch.confirm_delivery()
+        for n, u in urls.items():
+            publishers[n] = blocking(u, "delay-gateway bench vhosts publisher").channel()
+            publishers[n].confirm_delivery()
         rnd = random.Random(7)
         sent: Dict[str, float] = {}  # id -> due (ms, this clock)
         total = int(rate * seconds)
@@ -171,9 +172,12 @@ def vhosts(ctx: Context) -> List[dict]:
             time.sleep(0.2)
         flow_s = time.monotonic() - t1
         loaded = dict(_gateway_figures(gateway), cpu_pct=round((cpu_seconds(proc) - cpu1) * 100 / flow_s, 2))
-        for ch in publishers.values():
-            ch.connection.close()
     finally:
+        for ch in publishers.values():
+            try:
+                ch.connection.close()
+            except pika.exceptions.AMQPError:
+                pass
         if receivers is not None:
             receivers.close()
         if gateway is not None:
