@@ -24,24 +24,22 @@ def test_the_broker_runs_with_the_open_files_limit_raised(broker, broker_ctl):
     assert soft == "unlimited" or int(soft) >= FLOOR, f"the node's open-files limit is {soft}: {fix}"
 
 
-def test_declare_says_what_a_prefix_reserves_where_the_broker_reserves_handles(broker, request):
-    """On 3.x `declare` says how many file handles the prefix's quorum queues reserve (3 a
-    queue on one node, 5 on a cluster node that leads it), against what, and where to look;
-    4.x has no such bookkeeping, and the line is not printed."""
+def test_declare_and_status_say_what_a_prefix_reserves_where_the_broker_reserves_handles(broker, request):
+    """On 3.x `declare` and `status` say how many file handles the prefix's quorum queues
+    reserve (3 a queue on one node, 5 on a node of three that leads it), against what, and
+    where to look; 4.x has no such bookkeeping, and the line is not printed."""
     chain = ChainSettings(prefix=unique_prefix(), max_level=4, resolution_ms=100)
+    quorum = sum(1 for q in build(chain).queues if q.arguments.get("x-queue-type") == "quorum")
+    expected = [
+        f"note: RabbitMQ 3.10 reserves file handles for quorum queues: this prefix's {quorum} reserve {3 * quorum} on "
+        f"one node, up to {5 * quorum} on a node of three that leads them all, against its open-files limit less 97; "
+        "a node whose reservations fill it stops answering. Compare with `rabbitmqctl status`, File Descriptors "
+        "(docs/operating.md: What a prefix costs the broker)"] if broker_label(request.node) == "rmq3.10" else []
     try:
-        r = subprocess.run([sys.executable, "-m", "gateway", "declare", *chain_args(chain), "--url", broker_url()],
-                           cwd=ROOT, capture_output=True, text=True, timeout=60)
-        assert r.returncode == 0, r.stderr
-        notes = [line for line in r.stdout.splitlines() if "reserves file handles" in line]
-        quorum = sum(1 for q in build(chain).queues if q.arguments.get("x-queue-type") == "quorum")
-        if broker_label(request.node) == "rmq3.10":
-            assert notes == [
-                f"note: RabbitMQ 3.10 reserves file handles for quorum queues: this prefix's {quorum} reserve "
-                f"{3 * quorum} on one node, up to {5 * quorum} on a node of three that leads them all, against its "
-                "open-files limit less 97; a node whose reservations fill it stops answering. Compare with "
-                "`rabbitmqctl status`, File Descriptors (docs/operating.md: What a prefix costs the broker)"], r.stdout
-        else:
-            assert notes == [], r.stdout
+        for verb in ("declare", "status"):
+            r = subprocess.run([sys.executable, "-m", "gateway", verb, *chain_args(chain), "--url", broker_url()],
+                               cwd=ROOT, capture_output=True, text=True, timeout=60)
+            assert r.returncode == 0, (verb, r.stderr)
+            assert [line for line in r.stdout.splitlines() if "reserves file handles" in line] == expected, r.stdout
     finally:
         remove(chain)

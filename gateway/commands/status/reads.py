@@ -5,7 +5,9 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from pika.exceptions import AMQPError
 
+from topology import build
 from topology.broker.inventory import Look, Prober, look_at_generation, read_registry
+from topology.footprint import reserved_handles
 from topology.names import Names
 from topology.registry import ChainKey, Registry, fold
 from topology.model import cancel_window_ms
@@ -90,6 +92,9 @@ def read_report(connection, settings: Settings, own: ChainKey, now_ms: int,
         except (OSError, ValueError) as exc:
             source = f"--metrics-url failed: {exc}"
     r = report(prefix, own, settings.lead_ms, registry, chains, observed, held, source, now_ms, carried)
+    reserved = None if r.missing else reserved_handles(build(own.settings(prefix)), stamping[0])
+    if reserved is not None:
+        r.notes.append(reserved)
     window_ms = cancel_window_ms(own.settings(prefix), settings.cancel_retention)
     records = cancellations.read(connection, Names(prefix), window_ms, settings.trusted_user)
     held_ids = {mid for mid, _ in records.ids}
