@@ -74,8 +74,8 @@ PER_PREFIX = ("quorum", "stream", "classic", "exchanges", "bindings", "file_hand
 def footprint(ctx: Context) -> List[dict]:
     """Per prefix, for each queue type x zero-bits mode: objects, handles, processes, memory
     and CPU at rest that `--footprint-prefixes` chains add to the broker (default 5)."""
-    count = int(ctx.extra.get("footprint_prefixes") or 5)  # type: ignore[call-overload]
-    window = float(ctx.extra.get("idle_window") or 60.0)  # type: ignore[arg-type]
+    count = int(ctx.extra.get("footprint_prefixes") or 5)
+    window = float(ctx.extra.get("idle_window") or 60.0)
     if ctx.broker.rabbitmqctl is None:
         raise SystemExit("bench footprint: it asks the broker with rabbitmqctl eval: drop --rabbitmqctl none")
     out = []

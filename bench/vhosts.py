@@ -116,8 +116,8 @@ def _gateway_figures(gateway: GatewayProcess) -> dict:
 
 def vhosts(ctx: Context) -> List[dict]:
     """One gateway, `--vhosts-count` vhosts: at rest and at `--rate` msg/s spread over them."""
-    count = int(ctx.extra.get("vhosts_count") or 100)  # type: ignore[call-overload]
-    window = float(ctx.extra.get("idle_window") or 60.0)  # type: ignore[arg-type]
+    count = int(ctx.extra.get("vhosts_count") or 100)
+    window = float(ctx.extra.get("idle_window") or 60.0)
     rate, seconds = ctx.rate or 100.0, ctx.duration_s
     lo, hi = ctx.delays(2_000, 10_000)
     if ctx.broker.rabbitmqctl is None:
