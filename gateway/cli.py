@@ -163,7 +163,7 @@ BROKER_AND_PREFIX = tuple(o.name for o in OPTIONS if o.group in BROKER) + ("pref
 COMMANDS = {
     "run": Command("run the consumers (check-in, distributor, or both) until SIGTERM",
                    BROKER + ("chain", "run", "lead", "retire", "cancel", "retry"), "gateway.commands.run:main"),
-    "declare": Command("declare the topology (idempotent)", BROKER + ("chain", "cancel"),
+    "declare": Command("declare the topology (idempotent)", BROKER + ("chain", "cancel", "management"),
                        "gateway.commands.declare:main"),
     "delete": Command("delete the topology and every message it holds", BROKER + ("chain",),
                       "gateway.commands.delete:main", "gateway.commands.delete:add_arguments"),
@@ -171,7 +171,8 @@ COMMANDS = {
                       "infrastructure's own tools", ("chain", "cancel", "log"), "gateway.commands.render:main",
                       "gateway.commands.render:add_arguments"),
     "status": Command("show how many messages wait where, and when they fall due (plain AMQP, any number "
-                      "of messages)", BROKER + ("chain", "lead", "cancel"), "gateway.commands.status.watch:main",
+                      "of messages)", BROKER + ("chain", "lead", "cancel", "management"),
+                      "gateway.commands.status.watch:main",
                       "gateway.commands.status.watch:add_arguments"),
     "migrate": Command("retire chains of other settings that no gateway uses, once they are empty "
                        "(`run` does this by itself unless --no-retire)", BROKER + ("chain", "retire"),

@@ -11,12 +11,13 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Dict, Iterable, Mapping, Optional, Sequence, Tuple
+from urllib.parse import urlsplit
 
 from topology import ChainSettings
 
 from gateway.core.retries import BadPolicy, Policy, policies
 from gateway.exits import UsageError
-from gateway.urls import one_vhost, urls_from, user_of
+from gateway.urls import one_vhost, redact, urls_from, user_of
 from topology.model import cancel_window_ms
 from topology.settings import QUEUE_TYPES, ZERO_BITS
 
@@ -113,6 +114,16 @@ def optional_path(value: str) -> Optional[str]:
     return value or None
 
 
+def http_url(value: str) -> Optional[str]:
+    """An http:// or https:// URL with a host (empty: none)."""
+    if not value.strip():
+        return None
+    parts = urlsplit(value.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{redact(value)!r} is not an http:// or https:// URL with a host (http://HOST:15672)")
+    return value.strip()
+
+
 def optional_text(value: str) -> Optional[str]:
     return value.strip() or None
 
@@ -161,6 +172,12 @@ OPTIONS: Tuple[Option, ...] = (
            "the user the gateways log in as: readers of the cancellations and waiting streams trust only the records "
            "it signed (their user_id), the gateway's own included; default: the user of the first URL (guest when "
            "it names none)", "broker", "gatewayUser", metavar="USER"),
+    # management: what AMQP cannot see (RabbitMQ 3.x's file handles)
+    Option("management_url", None, http_url,
+           "the broker's management API (http://HOST:15672; user and password: its own, else the first URL's; the "
+           "user needs the monitoring tag): on RabbitMQ 3.x `declare` refuses a prefix whose quorum queues would "
+           "fill a node's file handles, and `status` shows each node's; unset: not checked", "management",
+           "managementUrl", metavar="URL"),
     # chain: the topology, the same for every gateway and for declare
     Option("prefix", _CHAIN.prefix, text, "first part of every exchange and queue name", "chain",
            "prefix"),
@@ -257,7 +274,8 @@ OPTIONS: Tuple[Option, ...] = (
 BY_NAME: Dict[str, Option] = {o.name: o for o in OPTIONS}
 GROUP_TITLES = {"broker": "broker", "chain": "topology (the same for every gateway and for declare)",
                 "run": "consumers", "lead": "timing", "retire": "retiring old chains", "log": "logging",
-                "cancel": "cancelling", "retry": "retrying failed messages"}
+                "cancel": "cancelling", "retry": "retrying failed messages",
+                "management": "the management API (RabbitMQ 3.x file handles)"}
 
 
 def add_options(parser: argparse.ArgumentParser, groups: Iterable[str], environ: Mapping[str, str],
@@ -344,6 +362,7 @@ class Settings:
     vhosts: Tuple[str, ...] = ()  # empty: the URL's own, served as before
     tls: Tls = field(default_factory=Tls)
     gateway_user: Optional[str] = default("gateway_user")  # None: the first URL's (`trusted_user`)
+    management_url: Optional[str] = default("management_url")
     role: str = default("role")
     prefetch: int = default("prefetch")
     distributor_prefetch: int = default("distributor_prefetch")

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from topology import ChainSettings, build
+from topology.footprint import Fit, NodeHandles, over_budget, reserved_by_node
 
 from .conftest import broker_label
 from .faults.nodes import open_files_of
@@ -43,3 +44,22 @@ def test_declare_and_status_say_what_a_prefix_reserves_where_the_broker_reserves
             assert [line for line in r.stdout.splitlines() if "reserves file handles" in line] == expected, r.stdout
     finally:
         remove(chain)
+
+
+def test_what_quorum_queues_reserve_on_each_node_and_whether_a_prefix_fits():
+    """Pure: 2 plus the members on a queue's leader, 2 on each other member; a prefix fits
+    when every node, as if it led all its new queues, keeps a tenth of its budget."""
+    a, b, c = "rabbit@a", "rabbit@b", "rabbit@c"
+    assert reserved_by_node([(a, [a, b, c]), (b, [a, b, c]), (a, [a])]) == {a: 5 + 2 + 3, b: 2 + 5, c: 2 + 2}
+    assert reserved_by_node([(a, [])]) == {a: 3}  # members unknown: the leader alone
+    nodes = (NodeHandles(a, 1024, 700), NodeHandles(b, 1024, 100), NodeHandles(c, 1024, 100))
+    assert [n.budget for n in nodes] == [927] * 3
+    fit = Fit(10, nodes)  # 10 queues led by a: 700 + 50 = 750 <= 834
+    assert fit.fits and not fit.refused and fit.tightest.name == a
+    assert fit.said() == ("with this prefix's 10 new quorum queues, rabbit@a would reserve 750 of its 927 file handles "
+                          "(81 %; open-files limit 1024 less 97), counted as if it led them all")
+    assert Fit(26, nodes).fits and not Fit(27, nodes).fits and Fit(27, nodes).refused  # 835 > 834.3
+    full = Fit(0, (NodeHandles(a, 1024, 900),))
+    assert not full.fits and not full.refused  # declaring again adds nothing: never refused
+    assert full.said() == "rabbit@a reserves 900 of its 927 file handles (97 %; open-files limit 1024 less 97)"
+    assert over_budget(full).startswith(full.said() + ", more than 90 %; a RabbitMQ 3.x node")

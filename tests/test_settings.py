@@ -25,7 +25,7 @@ ENV = {"DELAY_GATEWAY_URL": "amqp://a/,amqp://b/", "DELAY_GATEWAY_PREFIX": "px",
        "DELAY_GATEWAY_RETRY_FACTOR": "3", "DELAY_GATEWAY_RETRY_CAP_MS": "60000", "DELAY_GATEWAY_RETRY_ATTEMPTS": "4",
        "DELAY_GATEWAY_RETRY_JITTER": "0.5", "DELAY_GATEWAY_RETRY_POLICIES": '[{"queue": "q.*", "attempts": 1}]',
        "DELAY_GATEWAY_RETRY_QUEUES": "q.*,jobs", "DELAY_GATEWAY_VHOSTS": "orders, billing",
-       "DELAY_GATEWAY_GATEWAY_USER": "delay-gw"}
+       "DELAY_GATEWAY_GATEWAY_USER": "delay-gw", "DELAY_GATEWAY_MANAGEMENT_URL": "http://rabbit-1:15672"}
 
 
 def test_every_setting_reads_its_environment_variable_and_a_flag_beats_it():
@@ -48,6 +48,8 @@ def test_every_setting_reads_its_environment_variable_and_a_flag_beats_it():
     assert (s.retry_base_ms, s.retry_factor, s.retry_cap_ms, s.retry_attempts, s.retry_jitter, s.retry_queues) == \
         (250, 3.0, 60000, 4, 0.5, "q.*,jobs")
     assert [(p.queue, p.attempts, p.base_ms) for p in s.retry_rules()] == [("q.*", 1, 250), ("*", 4, 250)]
+    assert s.management_url is None  # not a setting of run
+    assert settings_from(parser(ENV).parse_args(["declare"])).management_url == "http://rabbit-1:15672"
     flags = settings_from(parser(ENV).parse_args(["run", "--max-level", "9", "--declare", "--lead-ms", "1"]))
     assert (flags.chain.max_level, flags.declare, flags.lead_ms) == (9, True, 1)
 

@@ -1,15 +1,19 @@
 """`delay-gateway declare`: the topology declared on the broker (in each of --vhosts), idempotently."""
 
+from typing import Optional
+
 from topology import build
-from topology.footprint import reserved_handles
+from topology.footprint import Fit, over_budget, reserved_handles
 from topology.broker.declare import short_retention
 from topology.broker.inventory import read_registry
+from topology.model import Topology
 from topology.registry import ChainKey, fold
 
 from gateway.broker.run import index_streams, stamp, upkeep
-from gateway.broker.plumbing.amqp import blocking_channel
+from gateway.broker.plumbing.amqp import BrokerError, Trouble, blocking_channel
+from gateway.broker.plumbing.management import Management, handles_fit
 from gateway.settings import Settings
-from gateway.urls import per_vhost
+from gateway.urls import per_vhost, vhost_of
 
 
 def main(settings: Settings) -> int:
@@ -17,11 +21,13 @@ def main(settings: Settings) -> int:
     topology = build(chain, settings.cancel_window_ms)
     # --vhosts: the same topology in each, one line each (unset: the URL's own, said as before)
     for vhost, where in per_vhost(settings.urls, settings.vhosts):
+        management = Management(settings.management_url, where[0], settings.tls) if settings.management_url else None
         with blocking_channel(where, tls=settings.tls) as channel:
+            version = stamp.version_of(getattr(channel.connection._impl, "server_properties", None))
+            checked = None if management is None else checked_fit(management, vhost_of(where[0]), topology, version)
             index_streams.declare_noting(channel, topology)
             short = short_retention(channel, topology)
-            reserved = reserved_handles(topology, stamp.version_of(
-                getattr(channel.connection._impl, "server_properties", None)))
+            reserved = None if checked else reserved_handles(topology, version)
             records = read_registry(channel.connection, chain.names)
             upkeep.record_chain(channel.connection, chain.prefix, ChainKey.of(chain),
                                 None if records is None else fold(records))
@@ -29,7 +35,21 @@ def main(settings: Settings) -> int:
               f"{len(topology.bindings)} bindings with prefix {topology.settings.prefix!r} "
               f"(chain {chain.generation}, {chain.max_level} levels)"
               + ("" if vhost is None else f" in virtual host {vhost!r}"), flush=True)
+        if checked and management is not None:
+            reserved = "file handles, by the management API: " + Fit(0, management.nodes()).said()
         for note in (short, reserved):
             if note is not None:
                 print(f"note: {note}", flush=True)
     return 0
+
+
+def checked_fit(management: Management, vhost: str, topology: Topology, version: Optional[tuple]) -> bool:
+    """On RabbitMQ 3.x, refuse (before declaring anything) a topology whose new quorum queues
+    would fill a node's file handles; True when it was checked."""
+    if version is None or version[0] != 3:
+        return False
+    fit = handles_fit(management, vhost, topology)
+    if fit.refused:
+        raise BrokerError(Trouble(False, f"refused: {over_budget(fit)}; without --management-url, declare does "
+                                         "not check"))
+    return True

@@ -10,6 +10,7 @@ that scripts/ensure-rabbitmq4 caches (Debian trixie's 4.0.x or forky's 4.3.x in 
 see `Runtime`. The same Node and Cluster drive all of them.
 """
 
+import functools
 import os
 import resource
 import shutil
@@ -119,6 +120,11 @@ def open_files_raised() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (n, hard))
 
 
+def open_files_set(limit: int) -> None:
+    """In a node's process: this open-files limit, soft and hard (a test of what a low one does)."""
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
+
 def open_files_of(pid: int) -> tuple:
     """(soft, hard) open-files limit of a process, as /proc says ("unlimited" kept as text)."""
     with open(f"/proc/{pid}/limits") as f:
@@ -186,6 +192,8 @@ class Node:
     dist_port: int = field(default_factory=free_port)
     extra_config: List[str] = field(default_factory=list)
     advanced_config: str = "[]."
+    plugins: List[str] = field(default_factory=list)  # enabled at boot (rabbitmq_management, ...)
+    open_files: Optional[int] = None  # this open-files limit (soft and hard); None: the most allowed
     process: Optional[subprocess.Popen] = None
     runtime: Runtime = HOST_RUNTIME
     netns: Optional[str] = None
@@ -228,7 +236,7 @@ class Node:
         write_cookie(self.home)
         files = {
             "rabbitmq-env.conf": "",
-            "enabled_plugins": "[].\n",
+            "enabled_plugins": f"[{','.join(self.plugins)}].\n",
             "advanced.config": self.advanced_config + "\n",
             "rabbitmq.conf": "\n".join([
                 f"listeners.tcp.default = {self.ip}:{self.amqp_port}",
@@ -255,7 +263,8 @@ class Node:
         argv, env = self.runtime.command([SERVER], self.env(), self.netns)
         self.process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True,
-                                        preexec_fn=open_files_raised)
+                                        preexec_fn=open_files_raised if self.open_files is None else
+                                        functools.partial(open_files_set, self.open_files))
         self.await_startup(timeout)
         return self
 
@@ -322,7 +331,8 @@ class Cluster:
     in a network namespace of its own, so that one can be cut off from the others."""
 
     def __init__(self, names: Sequence[str], extra_config: Sequence[str] = (),
-                 advanced_config: str = "[].", runtime: Runtime = HOST_RUNTIME, lan=None) -> None:
+                 advanced_config: str = "[].", runtime: Runtime = HOST_RUNTIME, lan=None,
+                 plugins: Sequence[str] = (), open_files: Optional[int] = None) -> None:
         self.runtime, self.lan = runtime, lan
         base = runtime.data_dir()
         if base:
@@ -330,7 +340,7 @@ class Cluster:
         self.home = tempfile.mkdtemp(prefix="delay-gateway-nodes-", dir=base)
         os.chmod(self.home, 0o755)
         self.nodes = [Node(n, self.home, extra_config=list(extra_config), advanced_config=advanced_config,
-                           runtime=runtime) for n in names]
+                           runtime=runtime, plugins=list(plugins), open_files=open_files) for n in names]
         if lan is not None:
             for i, node in enumerate(self.nodes):
                 node.netns, node.ip = lan.namespaces[i], lan.addresses[i]

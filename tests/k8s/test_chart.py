@@ -38,6 +38,7 @@ CHART_DEFAULTS = {"metricsPort": 9090,  # the probes need the health endpoints
                   "retryPolicies": [],  # a list in the chart, its JSON for the gateway
                   "vhosts": [],  # a list in the chart, comma-separated for the gateway
                   "gatewayUser": "",  # empty: the URL's user (None for the gateway)
+                  "managementUrl": "",  # empty: not checked (None for the gateway)
                   "logFormat": "json"}  # explicit: no terminal in a pod
 
 
@@ -189,6 +190,7 @@ def test_settings_are_the_gateways_options_and_its_parser_reads_them(tmp_path):
               "retryBaseMs": 250, "retryFactor": 2.5, "retryCapMs": 60000, "retryAttempts": 4, "retryJitter": 0.5,
               "retryPolicies": [{"queue": "q.*", "attempts": 1}], "retryQueues": "q.*,jobs",
               "vhosts": ["orders", "billing/eu"], "gatewayUser": "delay-gw",
+              "managementUrl": "http://rabbitmq:15672",
               "tls": {"caSecret": "rabbit-ca", "clientSecret": "gateway-cert"}}
     docs = render(values)
     [config_map] = by_kind(docs, "ConfigMap").values()

@@ -7,13 +7,14 @@ from pika.exceptions import AMQPError
 
 from topology import build
 from topology.broker.inventory import Look, Prober, look_at_generation, read_registry
-from topology.footprint import reserved_handles
+from topology.footprint import Fit, over_budget, reserved_handles
 from topology.names import Names
 from topology.registry import ChainKey, Registry, fold
 from topology.model import cancel_window_ms
 from topology.retirement import Observed
 from topology.settings import QUEUE_TYPES, ChainSettings
 
+from gateway.broker.plumbing.management import Management
 from gateway.broker.run import stamp
 from gateway.broker.tools import cancellations, index_reader
 from gateway.commands.status.metrics import carried_from_metrics, held_from_metrics, retries_from_metrics
@@ -92,9 +93,16 @@ def read_report(connection, settings: Settings, own: ChainKey, now_ms: int,
         except (OSError, ValueError) as exc:
             source = f"--metrics-url failed: {exc}"
     r = report(prefix, own, settings.lead_ms, registry, chains, observed, held, source, now_ms, carried)
-    reserved = None if r.missing else reserved_handles(build(own.settings(prefix)), stamping[0])
-    if reserved is not None:
-        r.notes.append(reserved)
+    version = stamping[0]
+    if settings.management_url and version is not None and version[0] == 3:
+        fit = Fit(0, Management(settings.management_url, settings.urls[0], settings.tls).nodes())
+        r.notes.append("file handles, by the management API: " + fit.said())
+        if not fit.fits:
+            r.problems.append(over_budget(fit))
+    elif not r.missing:
+        reserved = reserved_handles(build(own.settings(prefix)), version)
+        if reserved is not None:
+            r.notes.append(reserved)
     window_ms = cancel_window_ms(own.settings(prefix), settings.cancel_retention)
     records = cancellations.read(connection, Names(prefix), window_ms, settings.trusted_user)
     held_ids = {mid for mid, _ in records.ids}

@@ -65,6 +65,7 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- define "delay-gateway.settings" -}}
 DELAY_GATEWAY_VHOSTS: {{ join "," .Values.vhosts | quote }}
 DELAY_GATEWAY_GATEWAY_USER: {{ .Values.gatewayUser | quote }}
+DELAY_GATEWAY_MANAGEMENT_URL: {{ .Values.managementUrl | quote }}
 DELAY_GATEWAY_PREFIX: {{ .Values.prefix | quote }}
 DELAY_GATEWAY_MAX_LEVEL: {{ int64 .Values.maxLevel | quote }}
 DELAY_GATEWAY_RESOLUTION_MS: {{ int64 .Values.resolutionMs | quote }}
