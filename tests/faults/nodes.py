@@ -428,6 +428,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="4.x: stamp incoming messages with the arrival time (timestamp_in_ms)")
     p.add_argument("--khepri", action="store_true",
                    help="4.0: enable the experimental khepri_db feature flag (4.3 has Khepri only)")
+    p.add_argument("--advanced-config", default="[].", metavar="TERMS",
+                   help="each node's advanced.config, Erlang terms ending in a dot (default: [].)")
+    p.add_argument("--plugins", default="", metavar="NAMES",
+                   help="plugins each node enables at boot, comma-separated (rabbitmq_management, ...)")
     args = p.parse_args(argv)
     if args.nodes < 1:
         p.error("--nodes must be at least 1")
@@ -442,7 +446,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"rabbit-cluster: {exc}", file=sys.stderr)
         return 1
     cluster = Cluster([f"{args.name}{i}" for i in range(1, args.nodes + 1)], runtime=runtime,
-                      extra_config=[ARRIVAL_STAMP] if args.arrival_stamp else [])
+                      extra_config=[ARRIVAL_STAMP] if args.arrival_stamp else [], advanced_config=args.advanced_config,
+                      plugins=[name.strip() for name in args.plugins.split(",") if name.strip()])
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     try:
