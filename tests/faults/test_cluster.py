@@ -40,6 +40,7 @@ leader; on 4.x nothing is excused.
 import dataclasses
 import json
 import time
+from typing import Optional
 
 import pytest
 
@@ -59,7 +60,18 @@ STALL_BOUND_S = 30
 # than a second ago (caught_up_before_heal_s): half of RabbitMQ 4.3's consumer_disconnected_timeout.
 CAUGHT_UP_S = 30
 RABBITMQ4_CLUSTER_CONFIG = ["cluster_partition_handling = pause_minority"]
-RABBITMQ4_ADVANCED = "[{kernel, [{net_ticktime, 10}]}]."
+# The 4.x clusters run the streams' smaller replication buffers that docs/operating.md offers
+# (What a prefix costs the broker), so every promise below holds with them; 3.10's keeps the
+# broker's default (a buffer of about 4 MB per follower of each stream).
+SMALL_BUFFERS = "{osiris, [{replica_recbuf, 262144}, {replica_buffer, 524288}]}"
+RABBITMQ4_ADVANCED = "[{kernel, [{net_ticktime, 10}]}, " + SMALL_BUFFERS + "]."
+# What a stream follower's replication socket buffers (inet `buffer`), per cluster: the
+# broker's default is replica_recbuf 2,041,500 and twice that as the buffer.
+REPLICA_BUFFER = {"rmq3.10": 4_083_000, "rmq4.3": 524_288, "rmq4.0": 524_288}
+REPLICA_BUFFERS = ("lists:usort([B || P <- erlang:ports(), {name, \"tcp_inet\"} =:= erlang:port_info(P, name), "
+                   "{connected, Pid} <- [erlang:port_info(P, connected)], "
+                   "element(1, proc_lib:translate_initial_call(Pid)) =:= osiris_replica, "
+                   "{ok, [{buffer, B}]} <- [inet:getopts(P, [buffer])]]).")
 
 CLUSTERS = [("rmq3.10", "mnesia"), ("rmq4.3", "khepri"), ("rmq4.0", "mnesia"), ("rmq4.0", "khepri")]
 FAULTS = ["stop", "kill9", "partition"]
@@ -122,6 +134,13 @@ def cluster(request, _clusters):
     assert c.metadata_store() == store, "a Mnesia case after the Khepri ones: keep CLUSTERS order"
     c.store = store
     return c
+
+
+def replica_buffers(node) -> Optional[str]:
+    """The buffers of the node's stream replication sockets, as Erlang prints the list; None
+    while it has none."""
+    out = node.ctl("eval", REPLICA_BUFFERS).stdout.strip()
+    return None if out == "[]" else out
 
 
 def quorum_queues(node, prefix: str) -> dict:
@@ -235,6 +254,9 @@ def test_cluster_survives_losing_the_leader(cluster, fault, fault_report):
     queues = quorum_queues(cluster.nodes[1], chain.prefix)
     levels = {n: q for n, q in queues.items() if ".level." in n}
     assert levels and all(members.count("@") == 3 for _, members in levels.values()), queues
+    # the follower's stream replicas buffer what this cluster's settings say
+    buffers = wait_until(lambda: replica_buffers(cluster.nodes[1]), 30, 0.5, "the stream replicas")
+    assert buffers == f"[{REPLICA_BUFFER[label]}]", buffers
     # The leader of what the distributor holds: the queue the shorter path fills.
     leader = queues[chain.names.distributor][0]
     victim = next(n for n in cluster.nodes if n.node == leader)
