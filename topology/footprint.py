@@ -24,7 +24,8 @@ def reserved_handles(topology: Topology, version: Optional[Tuple[int, int]]) -> 
     return (f"RabbitMQ {version[0]}.{version[1]} reserves file handles for quorum queues: this prefix's {quorum} "
             f"reserve {3 * quorum} on one node, up to {5 * quorum} on a node of three that leads them all, "
             "against its open-files limit less 97; a node whose reservations fill it stops answering. Compare "
-            "with `rabbitmqctl status`, File Descriptors (docs/operating.md: What a prefix costs the broker)")
+            "with `rabbitmqctl status`, File Descriptors, or give --management-url to have them checked "
+            "(docs/operating.md: What a prefix costs the broker)")
 
 
 # -- checked against the nodes, where the management API shows them (`declare`, `status`) ----
