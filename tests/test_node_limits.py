@@ -35,7 +35,8 @@ def test_declare_and_status_say_what_a_prefix_reserves_where_the_broker_reserves
         f"note: RabbitMQ 3.10 reserves file handles for quorum queues: this prefix's {quorum} reserve {3 * quorum} on "
         f"one node, up to {5 * quorum} on a node of three that leads them all, against its open-files limit less 97; "
         "a node whose reservations fill it stops answering. Compare with `rabbitmqctl status`, File Descriptors, "
-        "or give --management-url to have them checked (docs/operating.md: What a prefix costs the broker)"] if broker_label(request.node) == "rmq3.10" else []
+        "or give --management-url to have them checked (docs/operating.md: What a prefix costs the broker)"
+    ] if broker_label(request.node) == "rmq3.10" else []
     try:
         for verb in ("declare", "status"):
             r = subprocess.run([sys.executable, "-m", "gateway", verb, *chain_args(chain), "--url", broker_url()],
