@@ -102,6 +102,9 @@ def parser(environ) -> argparse.ArgumentParser:
                         "dependencies), from this clone; default: the benchmark's own")
     p.add_argument("--replicas", type=_positive(int), default=1,
                    help="gateway processes side by side (of each role with --split-roles), competing for its queues")
+    p.add_argument("--profile", action="store_true",
+                   help="roles: sample each role with py-spy while it drains, and give each step's CPU time per "
+                        "message (py-spy slows it a little: its rate is then not its own)")
     p.add_argument("--split-roles", action="store_true",
                    help="run check-in and distributor as two processes (default: one `run`, both roles)")
     p.add_argument("--receiver-queue-type", choices=("quorum", "classic"), default="quorum",
@@ -236,7 +239,8 @@ def main(argv: Optional[Sequence[str]] = None, environ=None) -> int:
                   extra={"flow_seconds": args.flow_seconds, "check_every": args.check_every,
                          "ceiling_rates": args.ceiling_rates, "ceiling_seconds": args.ceiling_seconds,
                          "idle_window": args.idle_window, "holding_sizes": args.holding_sizes,
-                         "footprint_prefixes": args.footprint_prefixes, "vhosts_count": args.vhosts_count})
+                         "footprint_prefixes": args.footprint_prefixes, "vhosts_count": args.vhosts_count,
+                         "profile": args.profile})
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": machine(), "rabbitmq": broker.version(), "url": where,
             "command": "python -m bench " + shlex.join(sys.argv[1:] if argv is None else argv),

@@ -168,12 +168,16 @@ def markdown(results: Dict[str, List[dict]], meta: dict) -> str:
         lines.append("")
     if results.get("roles"):
         lines += ["| role alone | queue type | zero bits | timed messages | seconds | msg/s | CPU µs/msg | "
-                  "msg/s per CPU core |", "|---|---|---|---|---|---|---|---|"]
+                  "msg/s per CPU core | wake-ups | msg a wake-up | CPU µs a wake-up | broker CPU µs/msg | "
+                  "broker CPU % |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in results["roles"]:
             lines.append(f"| {r['role']} | {r['queue_type']} | {r['zero_bits']} | {r['timed_messages']:.0f} | "
                          f"{r['seconds']} | {_g(r, 'rate', '{:.0f}')} | {_g(r, 'cpu_us_per_message')} | "
-                         f"{_g(r, 'rate_per_core', '{:.0f}')} |")
+                         f"{_g(r, 'rate_per_core', '{:.0f}')} | {_g(r, 'wakeups')} | {_g(r, 'messages_per_wakeup')} | "
+                         f"{_g(r, 'cpu_us_per_wakeup')} | {_g(r, 'broker_cpu_us_per_message')} | "
+                         f"{_g(r, 'broker_cpu_pct')} |")
         lines.append("")
+        lines += steps_lines(results["roles"])
     lines += ceiling_lines(results.get("ceiling", []))
     if results.get("idle"):
         lines += ["| idle: target | seconds | gateway CPU, % of a core | event loop wake-ups/s | gateway RSS MiB |",
@@ -207,6 +211,25 @@ def markdown(results: Dict[str, List[dict]], meta: dict) -> str:
                          f"{e['ceiling_writes_per_s']:.0f} | {e['efficiency']:.0%} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def steps_lines(roles: List[dict]) -> List[str]:
+    """--profile: each step's CPU µs a message, per role (bench/profile.py)."""
+    profiled = [r for r in roles if "steps_us_per_message" in r]
+    if not profiled:
+        return []
+    lines = []
+    for r in profiled:
+        if r.get("profile_note"):
+            lines.append(f"{r['role']}: no profile ({r['profile_note']})")
+    steps = sorted({s for r in profiled for s in r["steps_us_per_message"]},
+                   key=lambda s: -max(r["steps_us_per_message"].get(s, 0) for r in profiled))
+    if steps:
+        head = ["step: CPU µs a message"] + [f"{r['role']} {r['queue_type']}/{r['zero_bits']}" for r in profiled]
+        lines += [_row(head), "|" + "---|" * len(head)]
+        for step in steps:
+            lines.append(_row([step] + [r["steps_us_per_message"].get(step, "-") for r in profiled]))
+    return lines + [""]
 
 
 def footprint_lines(runs: List[dict]) -> List[str]:

@@ -15,7 +15,9 @@ from tests.launcher import GatewayProcess
 from .broker import cpu_seconds
 from .clients import Publisher, blocking, body, declare_receiver_queue, delete_queue, now_ms, queue_depth
 from .context import Context
-from .costs import psutil_process
+from .costs import psutil_process, wakeups
+from .profile import Profiler
+from .profile import per_message as steps_per_message
 from .stats import per_message
 from .systems import DELAY, headers_for
 
@@ -75,7 +77,9 @@ def _timed(ctx: Context, chain: ChainSettings, role: str, done: Callable[[Gatewa
     try:
         process.wait_ready(60)
         proc = psutil_process(process.proc.pid)
-        cpu0, t0, d0 = cpu_seconds(proc), time.monotonic(), done(process)
+        profiler = Profiler(process.proc.pid).start() if ctx.extra.get("profile") else None
+        wakeups0, broker = wakeups(proc), ctx.broker.process()
+        cpu0, broker0, t0, d0 = cpu_seconds(proc), cpu_seconds(broker), time.monotonic(), done(process)
         last, moved = d0, time.monotonic()
         while time.monotonic() - t0 < 600:
             time.sleep(0.1)  # each look costs the gateway a scrape: not too often
@@ -86,9 +90,12 @@ def _timed(ctx: Context, chain: ChainSettings, role: str, done: Callable[[Gatewa
                 last, moved = d, time.monotonic()
             elif time.monotonic() - moved > 10:
                 break
-        seconds, cpu1 = time.monotonic() - t0, cpu_seconds(proc)
+        seconds, cpu1, broker1 = time.monotonic() - t0, cpu_seconds(proc), cpu_seconds(broker)
         cpu = cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None
-        finished = done(process)
+        broker_cpu = broker1 - broker0 if broker0 is not None and broker1 is not None else None
+        finished, woke = done(process), wakeups(proc)
+        woken = woke - wakeups0 if woke is not None and wakeups0 is not None else None
+        step_shares, why = profiler.stop() if profiler is not None else ({}, None)
     finally:
         process.terminate(30)
     timed = finished - d0
@@ -97,9 +104,18 @@ def _timed(ctx: Context, chain: ChainSettings, role: str, done: Callable[[Gatewa
          "rate": round(timed / seconds, 1) if seconds > 0 else None,
          # CPU time per message: the role's own cost, whatever else the machine runs
          "cpu_us_per_message": per_message(cpu, int(timed), 1e6, 1),
-         "rate_per_core": round(timed / cpu, 1) if cpu else None, "gateway_args": list(ctx.gateway_args)}
+         "rate_per_core": round(timed / cpu, 1) if cpu else None, "gateway_args": list(ctx.gateway_args),
+         # what the broker spent meanwhile (every node process of the URL's broker; 2 cores here)
+         "broker_cpu_us_per_message": per_message(broker_cpu, int(timed), 1e6, 1),
+         "broker_cpu_pct": round(100 * broker_cpu / seconds, 1) if broker_cpu is not None and seconds > 0 else None,
+         # the event loop's wake-ups (costs.wakeups): how many messages each handled, at what cost
+         "wakeups": woken, "messages_per_wakeup": round(timed / woken, 1) if woken else None,
+         "cpu_us_per_wakeup": per_message(cpu, woken, 1e6, 1) if woken else None}
+    if profiler is not None:
+        r["steps_us_per_message"] = steps_per_message(step_shares, r["cpu_us_per_message"])
+        r["profile_note"] = why
     ctx.log(f"  roles {chain.queue_type}/{chain.zero_bits} {role}: {r['rate']} msg/s, "
-            f"{r['cpu_us_per_message']} us CPU/msg")
+            f"{r['cpu_us_per_message']} us CPU/msg, {r['messages_per_wakeup']} msg a wake-up")
     return r
 
 

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from bench import cli, report
+from bench import cli, profile, report
 from bench.context import Context, gateway_targets
 from bench.delayed import Load, schedule, writes_model
 from bench.systems import DELAY, DELIVER_AT, Target, headers_for, whole_seconds
@@ -79,7 +79,7 @@ def test_every_other_scenario_runs(broker, tmp_path):
     proc = bench(tmp_path, "steady", "pending", "roles", "hops", "naive", "ceiling", "idle", "trickle",
                  "--headers", "x-delay", "--messages", "60", "--rates", "100", "--duration", "0.6",
                  "--ceiling-rates", "100,200", "--idle-window", "1", "--min-delay", "300",
-                 "--max-delay", "1500", "--rabbitmqctl", "none", "--idle-seconds", "0.2", timeout=400)
+                 "--max-delay", "1500", "--rabbitmqctl", "none", "--idle-seconds", "0.2", "--profile", timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "out" / "results.json").read_text())["results"]
     [steady] = results["steady"]
@@ -88,6 +88,8 @@ def test_every_other_scenario_runs(broker, tmp_path):
     assert pending["checked_in"] >= 60 and pending["before"]["broker_rss_mb"] > 0
     assert {r["role"] for r in results["roles"]} == {"check-in", "distributor"}
     assert all(r["done"] >= 60 for r in results["roles"]), results["roles"]
+    # --profile: py-spy attached to each role and stopped with its samples (60 messages: too few to share out)
+    assert all(r["profile_note"] is None and isinstance(r["steps_us_per_message"], dict) for r in results["roles"])
     [hops] = results["hops"]
     assert hops["arrived"] == 60 and hops["hops_per_s"] > 0
     [naive] = results["naive"]
@@ -190,6 +192,28 @@ def test_kombu_compare_without_kombu_is_one_line(monkeypatch, capsys):
 
 
 # -- pure parts: no broker ----------------------------------------------------------------------
+def test_profile_puts_each_sample_in_the_step_of_its_innermost_gateway_frame():
+    """py-spy's raw lines (`frames count`): pika calls count as the step that made them;
+    samples in the poll are waiting, not a step's cost."""
+    loop = "IOLoop.start (pika/adapters/select_connection.py:583);run (gateway/broker/run/worker.py:208)"
+    raw = "\n".join([
+        f"{loop};Pipe._on_message (gateway/broker/run/consumer.py:246);CheckIn.__call__ (gateway/core/handlers.py:187)"
+        ";Properties.headers (gateway/core/wire.py:294) 3",
+        f"{loop};Flow._send (gateway/core/flow.py:382);publish (gateway/broker/plumbing/publish_frames.py:45);"
+        "Channel.basic_publish (pika/channel.py:10) 1",
+        f"{loop};CheckIn.__call__ (gateway/core/handlers.py:191);due_at (gateway/core/envelope.py:124) 4",
+        "IOLoop.start (pika/adapters/select_connection.py:583);PollPoller.poll "
+        "(pika/adapters/select_connection.py:1240) 2",
+        "junk",
+    ])
+    shares = profile.shares(raw)
+    assert shares == {"decide (core)": 0.4, "frames in: read, parse": 0.3, "waiting (poll)": 0.2,
+                      "frames out: build, write": 0.1}
+    assert profile.per_message(shares, 80.0) == {"decide (core)": 40.0, "frames in: read, parse": 30.0,
+                                                 "frames out: build, write": 10.0}
+    assert profile.per_message({}, 80.0) == {} and profile.per_message(shares, None) == {}
+
+
 def test_runs_alternate_plugin_and_gateway_round_after_round():
     gw = [Target("gateway", DELAY, "quorum", "queue"), Target("gateway", DELIVER_AT, "quorum", "queue")]
     order = [(r, t.system, t.header) for r, t in schedule(gw, 2, plugin=True)]
