@@ -53,11 +53,6 @@ class Management:
             raise BrokerError(Trouble(False, f"{where} did not answer {path} with JSON: is --management-url the "
                                              "management API (http://HOST:15672)?")) from None
 
-    def version(self) -> Tuple[int, int]:
-        text = str(self.get("/api/overview").get("rabbitmq_version", "0.0"))
-        major, _, rest = text.partition(".")
-        return int(major or 0), int(rest.partition(".")[0] or 0)
-
     def nodes(self) -> Tuple[NodeHandles, ...]:
         """Each running node: its open-files limit, and what its quorum queues and sockets
         reserve. Refused unless the user sees every virtual host's queues."""
