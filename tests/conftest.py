@@ -140,12 +140,14 @@ LONGEST_FIRST = {name: rank for rank, name in enumerate([
     "k8s/test_upgrade.py",  # 73
     "k8s/test_image.py",  # 70
     "faults/test_consumer_timeout.py",  # 57
+    "test_broker_alert.py",  # 50 (added since)
     "spark/test_units.py",  # 52
     "test_broker_versions.py",  # 51
     "test_cli_errors.py",  # 47
     "faults/test_parked.py",  # 42
     "faults/test_clock_behind.py",  # 40
     "faults/test_outage_gate.py",  # 36
+    "test_management_check.py",  # 36 (added since)
     "test_rule_withdrawal.py",  # 35
     "spark/test_pending_export.py",  # 35
     "faults/test_stamp_notice.py",  # 35
