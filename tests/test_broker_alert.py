@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from topology import ChainSettings
 
 from .conftest import broker_label, checked_runtime
-from .faults.nodes import Cluster, free_port, unique_names
+from .faults.nodes import Cluster, unique_names
 from .k8s.manifests import CHART, by_kind, render
 from .k8s.test_alerts import promtool
 from .launcher import chain_args
@@ -159,12 +159,11 @@ def as_series(families: Dict[str, List[Tuple[Dict[str, str], float]]]) -> List[d
 @pytest.fixture
 def scraped_node(broker, request):
     label = broker_label(request.node)
-    port = free_port()
-    cluster = Cluster(unique_names(1, "prom"), extra_config=[f"prometheus.tcp.port = {port}"],
-                      runtime=checked_runtime(label), plugins=["rabbitmq_prometheus"], open_files=OPEN_FILES)
+    cluster = Cluster(unique_names(1, "prom"), ports=["prometheus.tcp.port"], runtime=checked_runtime(label),
+                      plugins=["rabbitmq_prometheus"], open_files=OPEN_FILES)
     cluster.start_or_fail(f"a RabbitMQ node with the Prometheus plugin ({label})")
     try:
-        yield label, cluster.nodes[0], port
+        yield label, cluster.nodes[0], cluster.nodes[0].ports["prometheus.tcp.port"]
     finally:
         cluster.close()
 

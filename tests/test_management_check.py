@@ -48,11 +48,10 @@ def managed_nodes():
 
     def node(label: str) -> Tuple[Node, str]:
         if label not in started:
-            port = free_port()
-            cluster = Cluster(unique_names(1, "mgmt"), extra_config=[f"management.tcp.port = {port}"],
-                              runtime=checked_runtime(label), plugins=["rabbitmq_management"], open_files=OPEN_FILES)
-            started[label] = cluster, f"http://127.0.0.1:{port}"
+            cluster = Cluster(unique_names(1, "mgmt"), ports=["management.tcp.port"], runtime=checked_runtime(label),
+                              plugins=["rabbitmq_management"], open_files=OPEN_FILES)
             cluster.start_or_fail(f"a RabbitMQ node with the management plugin ({label})")
+            started[label] = cluster, f"http://127.0.0.1:{cluster.nodes[0].ports['management.tcp.port']}"
         cluster, management = started[label]
         return cluster.nodes[0], management
 
@@ -105,9 +104,13 @@ def test_declare_refuses_a_prefix_that_would_fill_a_nodes_file_handles(managed_n
     assert queues_of(node, "second") == [] and refused.stdout == ""
     with pika.BlockingConnection(pika.URLParameters(node.url)) as connection:
         connection.channel().queue_declare(first.names.check_in, passive=True)
-    # declaring a prefix again adds nothing, and is never refused; status says the same line
-    assert [line for line in again.stdout.splitlines() if "file handles" in line] == said
-    assert [line for line in status.stdout.splitlines() if "file handles" in line] == said
+    # declaring a prefix again adds nothing, and is never refused; status says the same, give or
+    # take the connections open as the node counted (each reserves a handle)
+    for out in (again, status):
+        [again_line] = [line for line in out.stdout.splitlines() if "file handles" in line]
+        counted = int(re.search(r"reserves (\d+) of", again_line).group(1))
+        assert 0 <= counted - reserved <= 3 and again_line.replace(f" {counted} of", f" {reserved} of", 1).split(
+            " (")[0] == line.split(" (")[0], (again_line, line)
 
 
 def test_users_the_check_cannot_trust_and_an_api_that_does_not_answer(managed_node):

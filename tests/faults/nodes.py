@@ -135,6 +135,7 @@ def open_files_of(pid: int) -> tuple:
     raise NodeError(f"no open-files limit for process {pid}")
 
 
+PORT_ATTEMPTS = 3  # a node's first start, with its ports picked again when one was taken meanwhile
 HOST_RUNTIME = Runtime("rmq3.10")
 # Every broker version the tests know; test ids carry the label. Which of them a run uses is
 # tests/conftest.py's choice (DELAY_GATEWAY_TEST_BROKERS).
@@ -193,6 +194,7 @@ class Node:
     extra_config: List[str] = field(default_factory=list)
     advanced_config: str = "[]."
     plugins: List[str] = field(default_factory=list)  # enabled at boot (rabbitmq_management, ...)
+    ports: Dict[str, int] = field(default_factory=dict)  # more listeners: config key -> port
     open_files: Optional[int] = None  # this open-files limit (soft and hard); None: the most allowed
     process: Optional[subprocess.Popen] = None
     runtime: Runtime = HOST_RUNTIME
@@ -245,6 +247,7 @@ class Node:
                 # raise alarms we did not ask for.
                 "vm_memory_high_watermark.relative = 0.9",
                 "disk_free_limit.absolute = 1MB",
+                *(f"{key} = {port}" for key, port in self.ports.items()),
                 *self.extra_config, ""]),
         }
         for name, text in files.items():
@@ -258,14 +261,25 @@ class Node:
 
     def start(self, timeout: float = 90) -> "Node":
         self.runtime.check()
-        self._write_files()
-        log = open(os.path.join(self.dir, "log", "console.log"), "ab")
-        argv, env = self.runtime.command([SERVER], self.env(), self.netns)
-        self.process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True,
-                                        preexec_fn=open_files_raised if self.open_files is None else
-                                        functools.partial(open_files_set, self.open_files))
-        self.await_startup(timeout)
+        first = self.process is None
+        for attempt in range(PORT_ATTEMPTS):
+            self._write_files()
+            log = open(os.path.join(self.dir, "log", "console.log"), "ab")
+            argv, env = self.runtime.command([SERVER], self.env(), self.netns)
+            self.process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, start_new_session=True,
+                                            preexec_fn=open_files_raised if self.open_files is None else
+                                            functools.partial(open_files_set, self.open_files))
+            try:
+                self.await_startup(timeout)
+                return self
+            except NodeError as exc:
+                # A port picked as free, taken by another test's node before this one bound it:
+                # on a first start (no client knows its ports yet), pick them all again.
+                if not first or self.netns or "eaddrinuse" not in str(exc) or attempt == PORT_ATTEMPTS - 1:
+                    raise
+                self.amqp_port, self.dist_port = free_port(), free_port()
+                self.ports = {key: free_port() for key in self.ports}
         return self
 
     def await_startup(self, timeout: float = 90) -> None:
@@ -332,7 +346,7 @@ class Cluster:
 
     def __init__(self, names: Sequence[str], extra_config: Sequence[str] = (),
                  advanced_config: str = "[].", runtime: Runtime = HOST_RUNTIME, lan=None,
-                 plugins: Sequence[str] = (), open_files: Optional[int] = None) -> None:
+                 plugins: Sequence[str] = (), open_files: Optional[int] = None, ports: Sequence[str] = ()) -> None:
         self.runtime, self.lan = runtime, lan
         base = runtime.data_dir()
         if base:
@@ -340,7 +354,8 @@ class Cluster:
         self.home = tempfile.mkdtemp(prefix="delay-gateway-nodes-", dir=base)
         os.chmod(self.home, 0o755)
         self.nodes = [Node(n, self.home, extra_config=list(extra_config), advanced_config=advanced_config,
-                           runtime=runtime, plugins=list(plugins), open_files=open_files) for n in names]
+                           runtime=runtime, plugins=list(plugins), open_files=open_files,
+                           ports={key: free_port() for key in ports}) for n in names]
         if lan is not None:
             for i, node in enumerate(self.nodes):
                 node.netns, node.ip = lan.namespaces[i], lan.addresses[i]
