@@ -14,6 +14,7 @@ import pika
 import pytest
 
 from topology import ChainSettings, build
+from topology.footprint import quorum_queues
 
 from .conftest import broker_label, checked_runtime
 from .faults.nodes import Cluster, Node, free_port, unique_names
@@ -36,7 +37,7 @@ def queues_of(node, prefix: str) -> list:
 
 
 def reserved_by_the_node(node) -> tuple:
-    """(reserved, budget): what `rabbitmqctl status` says under File Descriptors (3.x)."""
+    """(reserved, limit): what `rabbitmqctl status` says under File Descriptors (3.x)."""
     total, limit = re.search(r"Total: (\d+), limit: (\d+)", node.ctl("status").stdout).groups()
     return int(total), int(limit)
 
@@ -69,7 +70,7 @@ def managed_node(broker, request, managed_nodes):
 def test_declare_refuses_a_prefix_that_would_fill_a_nodes_file_handles(managed_node):
     label, node, management = managed_node
     first, second = ChainSettings(prefix="first"), ChainSettings(prefix="second")
-    quorum = sum(1 for q in build(first).queues if q.arguments.get("x-queue-type") == "quorum")
+    quorum = quorum_queues(build(first))
     url = ["--url", node.url, "--management-url", management]
 
     ok = gateway("declare", *chain_args(first), *url)

@@ -5,13 +5,18 @@ it answers no one. 4.x keeps no such account. `declare` and `status` say it on 3
 (docs/operating.md: What a prefix costs the broker; measured by `python -m bench footprint`)."""
 
 from dataclasses import dataclass
-from typing import Dict, Iterable, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from topology.model import Topology
 
 
+def quorum_names(topology: Topology) -> List[str]:
+    """The names of the topology's quorum queues: what 3.x reserves file handles for."""
+    return [q.name for q in topology.queues if q.arguments.get("x-queue-type") == "quorum"]
+
+
 def quorum_queues(topology: Topology) -> int:
-    return sum(1 for q in topology.queues if q.arguments.get("x-queue-type") == "quorum")
+    return len(quorum_names(topology))
 
 
 def reserved_handles(topology: Topology, version: Optional[Tuple[int, int]]) -> Optional[str]:

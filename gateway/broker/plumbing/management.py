@@ -12,7 +12,7 @@ from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 from gateway.broker.plumbing.amqp import BrokerError, Trouble
 from gateway.settings import Tls
-from topology.footprint import Fit, NodeHandles, reserved_by_node
+from topology.footprint import Fit, NodeHandles, quorum_names, reserved_by_node
 from topology.model import Topology
 
 TIMEOUT_S = 30.0
@@ -89,5 +89,5 @@ def handles_fit(management: Management, vhost: str, topology: Topology) -> Fit:
     """Whether the quorum queues `topology` would add in `vhost` (those not there yet) fit
     every node's file-handle budget."""
     there = management.queue_names(vhost)
-    new = sum(1 for q in topology.queues if q.arguments.get("x-queue-type") == "quorum" and q.name not in there)
+    new = sum(1 for name in quorum_names(topology) if name not in there)
     return Fit(new, management.nodes())
