@@ -26,7 +26,9 @@ def roles(ctx: Context) -> List[dict]:
     """Each role alone drains a preloaded queue: msg/s and CPU per message.
 
     check-in: its queue is filled by publishing to check-in while no gateway runs (delays of
-    10-20 min, so everything stays in the long levels), then it is started alone.
+    10-20 min, so everything stays in the long levels and few messages share a carrier; or
+    --min-delay and --max-delay: 5 s each is a burst's, whose messages share their carriers),
+    then it is started alone.
     distributor: on a chain of its own, a check-in process alone carries messages with delays
     of 1-7 s through the real levels into the distributor queue; once all are there and due,
     it is stopped and the distributor started alone, timed until the user's queue holds them
@@ -120,7 +122,7 @@ def _timed(ctx: Context, chain: ChainSettings, role: str, done: Callable[[Gatewa
 
 
 def _check_in_alone(ctx: Context, chain: ChainSettings, topology, n: int, sink: str) -> dict:
-    _publish_to_check_in(ctx, chain, n, 600_000, 1_200_000, seed=3)
+    _publish_to_check_in(ctx, chain, n, *ctx.delays(600_000, 1_200_000), seed=3)
     queue = chain.names.check_in
     return _timed(ctx, chain, "check-in", lambda p: _forwarded(p, queue), n)
 

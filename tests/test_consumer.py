@@ -98,16 +98,21 @@ def test_a_message_due_within_the_carrier_wait_reaches_the_distributor_by_its_le
 
 
 def test_check_in_does_not_wait_for_company_that_cannot_come():
-    # All its prefetch (10) outstanding, the broker sends nothing more until acks: the open
-    # batches (two routes here, neither full) go at once instead of after their wait.
+    # Half its prefetch (10) waiting for company: the open batches (two routes here, neither
+    # full) go at once instead of after their wait, so that the broker goes on delivering
+    # the other half while they wait for confirms (at a full prefetch it would send nothing
+    # more until acks).
     handler = CheckIn(CHAIN, 50, wait_ms=200)
     conn, pipe, _ = started(NAMES.check_in, handler, Batcher(1000, 1_000_000, 200))
-    for i in range(9):
+    for i in range(4):
         delay = 5000 if i % 2 else 9000
         conn.consuming().deliver(b"m", Properties.build(headers=Table([wire.long("x-delay", delay)])))
     assert conn.published == []  # room for more: they wait for company
     conn.consuming().deliver(b"m", Properties.build(headers=Table([wire.long("x-delay", 5000)])))
-    assert sorted(len(carrier.unpack(p.body)) for p in conn.published) == [5, 5]
+    assert sorted(len(carrier.unpack(p.body)) for p in conn.published) == [2, 3]
+    for _ in range(5):  # the other half: the same again, though none of the first is acknowledged yet
+        conn.consuming().deliver(b"m", Properties.build(headers=Table([wire.long("x-delay", 5000)])))
+    assert sorted(len(carrier.unpack(p.body)) for p in conn.published) == [2, 3, 5]
 
 
 def test_a_message_the_broker_refuses_is_found_and_parked_without_touching_the_others():

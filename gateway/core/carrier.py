@@ -132,18 +132,20 @@ class Batcher:
         self.max_messages, self.max_bytes, self.wait_ms = max_messages, max_bytes, wait_ms
         self._open: Dict[Route, Batch] = {}
         self._first: Optional[int] = None  # the earliest close_by_ms of the open batches (asked after every event)
+        self._messages = 0  # in the open batches (asked after every delivery)
 
     def __len__(self) -> int:
-        return sum(len(b.items) for b in self._open.values())
+        return self._messages
 
     def add(self, key: Route, tag: int, entry: Entry, now_ms: int, send_by_ms: Optional[int] = None) -> List[Batch]:
         """Add a message; `send_by_ms`: it may not wait past then (else: the whole wait). One
         due already still closes only at the next tick: others read with it may join it."""
-        if entry.size >= self.max_bytes or self.max_messages <= 1 or self.wait_ms <= 0:
-            return [Batch(key, now_ms, [(tag, entry)], entry.size)]  # alone
+        size = entry.size
+        if size >= self.max_bytes or self.max_messages <= 1 or self.wait_ms <= 0:
+            return [Batch(key, now_ms, [(tag, entry)], size)]  # alone
         closed = []
         batch = self._open.get(key)
-        if batch is not None and batch.size + entry.size > self.max_bytes:
+        if batch is not None and batch.size + size > self.max_bytes:
             closed.append(self._open.pop(key))
             batch = None
         if batch is None:
@@ -153,7 +155,8 @@ class Batcher:
         if self._first is None or batch.close_by_ms < self._first:
             self._first = batch.close_by_ms
         batch.items.append((tag, entry))
-        batch.size += entry.size
+        batch.size += size
+        self._messages += 1
         if len(batch.items) >= self.max_messages:
             closed.append(self._open.pop(key))
         if closed:
@@ -173,6 +176,7 @@ class Batcher:
 
     def _closed(self) -> None:
         self._first = min((b.close_by_ms for b in self._open.values()), default=None)
+        self._messages = sum(len(b.items) for b in self._open.values())
 
     def discard(self, tag: int) -> None:
         """Forget the messages of this delivery (rare: a delivery given up)."""
@@ -189,7 +193,7 @@ class Batcher:
     def drain(self) -> List[Batch]:
         out = list(self._open.values())
         self._open.clear()
-        self._first = None
+        self._first, self._messages = None, 0
         return out
 
 

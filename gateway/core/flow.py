@@ -57,6 +57,10 @@ REFUSED_RECONNECT = 3
 # its crash the broker hands the whole carrier back, to be released again: so what one crash
 # can repeat is about a second of releases and what was in flight, not what was held.
 HOLD_BUCKET_MS = 1000
+# Open batches close once they hold this share of the prefetch: the broker goes on
+# delivering the rest of it while their publishes wait for confirms, so a consumer reading a
+# backlog is not stopped at every full prefetch until the last confirm (bench `roles`).
+WINDOW_SHARE = 0.5
 # The member tag of a release from memory (stranded.Stranded): no delivery waits for it.
 STRANDED = -1
 
@@ -183,7 +187,8 @@ class Flow:
                 self.ledger.hold(tag, action.not_before_ms - self._step, action)
             else:
                 self._send([tag], action, [(tag, action.entry)], now, out)
-        if fence or (self._prefetch and len(self._delivered) >= self._prefetch):
+        if fence or (self._prefetch and (len(self._delivered) >= self._prefetch
+                                         or len(self._batcher) >= self._prefetch * WINDOW_SHARE)):
             # A fence waits for every delivery before it: what waits for company goes now.
             for batch in self._batcher.drain():
                 self._flush_batch(batch, now, out)
