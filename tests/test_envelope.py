@@ -89,6 +89,64 @@ def test_publishers_properties_lose_only_user_id_and_the_brokers_history():
     assert cleaned.raw == sent.raw
 
 
+def due_by_each_name(headers, now):
+    """due_at as it read the headers until 2026-11-28, one `get` a name: the reference."""
+    due = []
+    for name in envelope.DELAYS:
+        delay = headers.get(name)
+        if delay is not None:
+            delay_ms = envelope._as_ms(name, delay)
+            if delay_ms > envelope.MAX_AHEAD_MS:
+                raise Unreadable("out of range")
+            stamp = envelope.arrival_stamp(headers, now)
+            due.append((name, (now if stamp is None else stamp) + max(delay_ms, 0)))
+    for name in envelope.DUE_TIMES:
+        at = headers.get(name)
+        if at is not None:
+            due.append((name, envelope._absolute(name, at, now)))
+    if due and max(d for _, d in due) - min(d for _, d in due) > envelope.AGREEMENT_MS:
+        raise Unreadable("disagree")
+    return max((at for _, at in due), default=now)
+
+
+VALUES = st.one_of(st.integers(-2**63, 2**63 - 1).map(lambda v: (b"l", struct.pack(">q", v))),
+                   st.integers(NOW - 100_000, NOW + 100_000).map(lambda v: (b"l", struct.pack(">q", v))),
+                   st.integers(0, 10**6).map(lambda v: (b"I", struct.pack(">i", v))),
+                   st.binary(max_size=12).map(lambda b: (b"S", struct.pack(">I", len(b)) + b)),
+                   st.just((b"V", b"")), st.just((b"t", b"\x01")))
+DUE_NAMES = st.sampled_from([n.encode() for n in envelope.DELAYS + envelope.DUE_TIMES + (envelope.ARRIVED,)]
+                            + [b"other"])
+
+
+@given(fields=st.lists(st.tuples(DUE_NAMES, VALUES), max_size=8))
+def test_due_at_reads_in_one_pass_what_it_read_one_name_at_a_time(fields):
+    """Any mix of the delay headers, the arrival stamp and others, of any type, repeated (the
+    first of a name counts): the same due time, or unreadable both ways."""
+    headers = Table([TableField(n, kind, raw) for n, (kind, raw) in fields])
+    try:
+        expected = due_by_each_name(headers, NOW)
+    except Unreadable:
+        with pytest.raises(Unreadable):
+            due_at(headers, NOW)
+        return
+    assert due_at(headers, NOW) == expected
+
+
+NAMES = st.sampled_from([b"x-death", b"x-delivery-count", b"x-acquired-count", b"x-first-death-queue",
+                         b"x-last-death-reason", b"x-first-death-\xff", b"x-last-death-\xc3", b"x-delay", b"\xff"]) \
+    | st.binary(max_size=20)
+
+
+@given(names=st.lists(NAMES, max_size=8))
+def test_the_brokers_headers_are_told_from_their_bytes_as_from_their_decoded_names(names):
+    """for_pick_up reads names as bytes (every message passes it); what it drops is what
+    is_broker_header drops of the decoded names: a name that is not UTF-8 is the publisher's."""
+    table = Table([TableField(n, b"l", struct.pack(">q", 1)) for n in names])
+    props = Properties.build(headers=table)
+    kept = envelope.for_pick_up(props).headers
+    assert kept.encode() == table.without(envelope.is_broker_header).encode()
+
+
 @given(key=st.binary(max_size=255), due=st.integers(0, 2**62), meditations=st.integers(0, 3),
        expiration=st.none() | st.integers(0, 10**9).map(str), mode=st.sampled_from([None, 1, 2]))
 def test_the_gateways_format_carries_key_properties_and_due_time_exactly(key, due, meditations, expiration, mode):

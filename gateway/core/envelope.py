@@ -106,20 +106,33 @@ def _show(value: str) -> str:
     return repr(value if len(value) <= 40 else value[:40] + "...")
 
 
+# (the names due_at reads, as they are on the wire: one pass over a message's headers)
+_DUE_NAMES = frozenset(n.encode() for n in DELAYS + DUE_TIMES + (ARRIVED,))
+
+
 def due_at(headers: Table, now_ms: int) -> int:
     """When a publisher's message is due (epoch ms). Raises Unreadable."""
+    found = headers.pick(_DUE_NAMES)
+    if not found:
+        return now_ms
     due = []
     for name in DELAYS:
-        delay = headers.get(name)
+        field = found.get(name.encode())
+        delay = None if field is None else field.value
         if delay is not None:
             delay_ms = _as_ms(name, delay)
             if delay_ms > MAX_AHEAD_MS:
                 raise Unreadable(f"{name} {delay_ms} ms is out of range (at most {MAX_AHEAD_MS} ms, 1000 years)")
-            due.append((name, arrived_at(headers, now_ms) + max(delay_ms, 0)))
+            stamp = found.get(ARRIVED.encode())
+            arrived = _arrival(None if stamp is None else stamp.value, now_ms)
+            due.append((name, (now_ms if arrived is None else arrived) + max(delay_ms, 0)))
     for name in DUE_TIMES:
-        at = headers.get(name)
+        field = found.get(name.encode())
+        at = None if field is None else field.value
         if at is not None:
             due.append((name, _absolute(name, at, now_ms)))
+    if len(due) == 1:
+        return due[0][1]
     if due:
         (first, earliest), (last, latest) = min(due, key=lambda d: d[1]), max(due, key=lambda d: d[1])
         if latest - earliest > AGREEMENT_MS:
@@ -129,7 +142,10 @@ def due_at(headers: Table, now_ms: int) -> int:
 
 def broker_stamp(headers: Table, now_ms: int) -> Optional[int]:
     """The broker's arrival stamp as it is (the broker's clock), if it is plausible."""
-    stamp = headers.get(ARRIVED)
+    return _plausible_stamp(headers.get(ARRIVED), now_ms)
+
+
+def _plausible_stamp(stamp: Any, now_ms: int) -> Optional[int]:
     if isinstance(stamp, int) and not isinstance(stamp, bool) \
             and SMALLEST_DELIVER_AT <= stamp <= now_ms + ARRIVAL_SKEW_MS:
         return stamp
@@ -139,14 +155,12 @@ def broker_stamp(headers: Table, now_ms: int) -> Optional[int]:
 def arrival_stamp(headers: Table, now_ms: int) -> Optional[int]:
     """When the broker received the message, if it says so plausibly, on our clock: never
     after now (what x-delay counts from)."""
-    stamp = broker_stamp(headers, now_ms)
-    return None if stamp is None else min(stamp, now_ms)
+    return _arrival(headers.get(ARRIVED), now_ms)
 
 
-def arrived_at(headers: Table, now_ms: int) -> int:
-    """When the broker received the message, if it says so plausibly; else now."""
-    stamp = arrival_stamp(headers, now_ms)
-    return now_ms if stamp is None else stamp
+def _arrival(stamp: Any, now_ms: int) -> Optional[int]:
+    plausible = _plausible_stamp(stamp, now_ms)
+    return None if plausible is None else min(plausible, now_ms)
 
 
 def _absolute(name: str, value: Any, now_ms: int) -> int:
@@ -178,12 +192,28 @@ def is_broker_header(name: Any) -> bool:
         name in BROKER_HEADERS or name.startswith(("x-first-death-", "x-last-death-")))
 
 
+_BROKER_HEADERS_RAW = frozenset(n.encode() for n in BROKER_HEADERS)
+
+
+def _is_broker_header_raw(name: bytes) -> bool:
+    """is_broker_header of a name's bytes: the same answer, decoding only the few that may
+    be one (a name that is not UTF-8 is the publisher's, whatever it starts with)."""
+    if name in _BROKER_HEADERS_RAW:
+        return True
+    if not name.startswith((b"x-first-death-", b"x-last-death-")):
+        return False
+    try:
+        return is_broker_header(name.decode("utf-8"))
+    except UnicodeDecodeError:
+        return False
+
+
 def for_pick_up(props: Properties) -> Properties:
     """A publisher's properties as they will arrive at pick-up: without `user_id` (the
     broker checks it against the connection that publishes, which is the gateway's) and
     without the broker's dead-letter history, every other byte as sent."""
     headers = props.values.get("headers")
-    cleaned = headers.without(is_broker_header) if headers is not None else None
+    cleaned = headers.without_raw(_is_broker_header_raw) if headers is not None else None
     if cleaned is headers and props.values.get("user_id") is None:
         return props
     return props.replace(user_id=None, headers=cleaned if cleaned else None)

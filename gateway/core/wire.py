@@ -17,7 +17,7 @@ import datetime
 import decimal
 import struct
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, FrozenSet, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 Name = Union[str, bytes]
 
@@ -119,9 +119,9 @@ def _raw_name(name: Name) -> bytes:
     return name if isinstance(name, bytes) else name.encode("utf-8")
 
 
-@dataclass(frozen=True)
-class TableField:
-    """One field of an AMQP field table: its name, type octet and value bytes."""
+class TableField(NamedTuple):
+    """One field of an AMQP field table: its name, type octet and value bytes. (A tuple:
+    every header of every message read makes one, and a tuple is the cheapest to make.)"""
     name: bytes
     kind: bytes
     raw: bytes  # the value's bytes, after the type octet
@@ -179,6 +179,14 @@ class Table:
         e = self.find(name)
         return default if e is None else e.value
 
+    def pick(self, names: FrozenSet[bytes]) -> Dict[bytes, TableField]:
+        """The first entry of each of these names that the table has: one pass over it."""
+        out: Dict[bytes, TableField] = {}
+        for e in self.entries:
+            if e.name in names and e.name not in out:
+                out[e.name] = e
+        return out
+
     def __contains__(self, name: Name) -> bool:
         return self.find(name) is not None
 
@@ -191,6 +199,11 @@ class Table:
     def without(self, drop: Callable[[Name], bool]) -> "Table":
         """The table without the entries whose (decoded) name `drop(name)` is true."""
         kept = [e for e in self.entries if not drop(_name(e.name))]
+        return self if len(kept) == len(self.entries) else Table(kept, self.tail)
+
+    def without_raw(self, drop: Callable[[bytes], bool]) -> "Table":
+        """The same, `drop` asked of each name's bytes (no decoding: for every message read)."""
+        kept = [e for e in self.entries if not drop(e.name)]
         return self if len(kept) == len(self.entries) else Table(kept, self.tail)
 
     def with_entry(self, entry: TableField) -> "Table":
@@ -321,28 +334,36 @@ def _normal(field: str, value: Any) -> Any:
     return value.encode("utf-8") if field in _SHORTSTR and isinstance(value, str) else value
 
 
+# How each field is read, in flag order: a short string, the headers, the timestamp, an octet.
+_SHORT, _HEADERS, _TIMESTAMP, _OCTET = range(4)
+_READ = tuple((name, _FLAG[name], _SHORT if name in _SHORTSTR else _HEADERS if name == "headers"
+               else _TIMESTAMP if name == "timestamp" else _OCTET) for name in FIELDS)
+_WORD, _TABLE_LENGTH, _STAMP = struct.Struct(">H"), struct.Struct(">I"), struct.Struct(">Q")
+
+
 def _parse_properties(raw: bytes) -> Dict[str, Any]:
+    raw = bytes(raw)
     flags, offset = 0, 0
     while True:  # flag words: the lowest bit says another follows
-        word = struct.unpack_from(">H", raw, offset)[0]
+        word = _WORD.unpack_from(raw, offset)[0]
         offset += 2
         flags |= word << (16 * (offset // 2 - 1))
         if not word & 1:
             break
     values: Dict[str, Any] = {}
-    for name in FIELDS:
-        if not flags & _FLAG[name]:
+    for name, flag, how in _READ:
+        if not flags & flag:
             continue
-        if name in _SHORTSTR:
+        if how == _SHORT:
             length = raw[offset]
-            values[name] = bytes(raw[offset + 1:offset + 1 + length])
+            values[name] = raw[offset + 1:offset + 1 + length]
             offset += 1 + length
-        elif name == "headers":
-            length = struct.unpack_from(">I", raw, offset)[0]
-            values[name] = Table.parse(bytes(raw[offset + 4:offset + 4 + length]))
+        elif how == _HEADERS:
+            length = _TABLE_LENGTH.unpack_from(raw, offset)[0]
+            values[name] = Table.parse(raw[offset + 4:offset + 4 + length])
             offset += 4 + length
-        elif name == "timestamp":
-            values[name] = struct.unpack_from(">Q", raw, offset)[0]
+        elif how == _TIMESTAMP:
+            values[name] = _STAMP.unpack_from(raw, offset)[0]
             offset += 8
         else:
             values[name] = raw[offset]

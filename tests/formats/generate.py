@@ -296,7 +296,7 @@ def cancel_record_samples() -> Json:
     (listed,) = list(index_records.entries(record))
     handle = listed.handle.encode()
     assert listed.handle == HANDLE
-    d = dataclasses.replace(delivery("cancel"), props=Properties.build(delivery_mode=2, message_id=handle))
+    d = delivery("cancel")._replace(props=Properties.build(delivery_mode=2, message_id=handle))
     f = only(check_in()(d, NOW))
     out["handle"] = {
         "produced_by": "pending cancel's handle of a message, recorded by handlers.CheckIn",

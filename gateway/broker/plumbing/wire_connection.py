@@ -27,7 +27,7 @@ transport's socket, buffer and read size (`_sock`, `get_write_buffer_size`,
 import contextlib
 import socket
 import struct
-from typing import Any, Dict, List, Tuple, Union
+from typing import Any, Callable, Dict, List, Tuple, Union
 
 import pika
 from pika import frame, spec
@@ -90,11 +90,19 @@ _FRAME_END = spec.FRAME_END
 def _short_string(buffer: bytes, at: int) -> Tuple[Union[str, bytes], int]:
     """pika's data.decode_short_string: str where it is UTF-8, else the bytes."""
     end = at + 1 + buffer[at]
-    value = buffer[at + 1:end]
+    return _text(buffer[at + 1:end]), end
+
+
+def _text(value: bytes) -> Union[str, bytes]:
     try:
-        return value.decode("utf-8"), end
+        return value.decode("utf-8")
     except UnicodeDecodeError:
-        return value, end
+        return value
+
+
+# A delivery as `consume` hands it over: delivery tag, redelivered, exchange, routing key (its
+# bytes), properties (their bytes), body.
+OnDelivery = Callable[[int, bool, Union[str, bytes], bytes, wire.Properties, bytes], None]
 
 
 class WireConnection(pika.SelectConnection):
@@ -113,6 +121,8 @@ class WireConnection(pika.SelectConnection):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.cork = Cork(self)  # (before pika's __init__, which may already write)
         self.confirm_callbacks: Dict[int, Tuple[Any, Any]] = {}  # channel number -> (channel, callback)
+        # (channel number, consumer tag) -> (channel, callback): `consume` below
+        self.delivery_callbacks: Dict[Tuple[int, Union[str, bytes]], Tuple[Any, OnDelivery]] = {}
         super().__init__(*args, **kwargs)
 
     def _proto_connection_made(self, transport: Any) -> None:
@@ -187,7 +197,7 @@ class WireConnection(pika.SelectConnection):
             return 0
         delivery_tag, bits = _TAG_AND_BITS.unpack_from(buffer, at)
         exchange, at = _short_string(buffer, at + 9)
-        routing_key, _ = _short_string(buffer, at)
+        routing_key = buffer[at + 1:at + 1 + buffer[at]]
         if header + 7 > size:
             return -1
         if buffer[header] != spec.FRAME_HEADER:
@@ -215,8 +225,13 @@ class WireConnection(pika.SelectConnection):
             parts.append(buffer[at + 7:end])
             seen, at, frames = seen + frame_size, end + 1, frames + 1
         self.frames_received += frames - 1  # (the caller counts one)
-        method = spec.Basic.Deliver(consumer_tag, delivery_tag, bool(bits & 1), exchange, routing_key)
-        callback(channel, method, WireProperties(props), parts[0] if len(parts) == 1 else b"".join(parts))
+        body = parts[0] if len(parts) == 1 else b"".join(parts)
+        registered = self.delivery_callbacks.get((channel_number, consumer_tag))
+        if registered is not None and registered[0] is channel:
+            registered[1](delivery_tag, bool(bits & 1), exchange, routing_key, props, body)
+            return at
+        method = spec.Basic.Deliver(consumer_tag, delivery_tag, bool(bits & 1), exchange, _text(routing_key))
+        callback(channel, method, WireProperties(props), body)
         return at
 
     def _adapter_emit_data(self, data_out: bytes) -> None:
@@ -250,6 +265,18 @@ def confirm_delivery(channel: Any, on_confirm: Any, callback: Any = None) -> Non
     connection = channel.connection
     if isinstance(connection, WireConnection):
         connection.confirm_callbacks[channel.channel_number] = (channel, on_confirm)
+
+
+def consume(channel: Any, queue: str, on_delivery: OnDelivery, on_message: Any, callback: Any,
+            arguments: Dict[str, Any]) -> str:
+    """channel.basic_consume(queue, on_message, ...); on a WireConnection's channel, whole
+    deliveries on the fast path go to `on_delivery` instead, with the routing key's bytes and
+    no pika objects made for them (a delivery pika assembles still goes to `on_message`)."""
+    tag: str = channel.basic_consume(queue, on_message, callback=callback, arguments=arguments)
+    connection = channel.connection
+    if isinstance(connection, WireConnection):
+        connection.delivery_callbacks[(channel.channel_number, tag)] = (channel, on_delivery)
+    return tag
 
 
 def cork(connection: object) -> "contextlib.AbstractContextManager[None]":

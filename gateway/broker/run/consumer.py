@@ -154,9 +154,10 @@ class Pipe:
         if self._on_caught_up is not None and self._backlog is None:
             channel.queue_declare(self.queue, passive=True, callback=lambda frame: self._counted(channel, frame))
             return
-        self._consumer_tag = channel.basic_consume(self.queue, self._on_message, callback=lambda _: self._consuming(),
-                                                   arguments={CONSUMER_TIMEOUT: self._timeout_ms}
-                                                   if self._timeout_ms else {})
+        self._consumer_tag = wire_connection.consume(channel, self.queue, self._on_delivery, self._on_message,
+                                                     callback=lambda _: self._consuming(),
+                                                     arguments={CONSUMER_TIMEOUT: self._timeout_ms}
+                                                     if self._timeout_ms else {})
 
     def _counted(self, channel: Channel, frame: Any) -> None:
         self._backlog = frame.method.message_count
@@ -240,10 +241,15 @@ class Pipe:
     # -- frames in -----------------------------------------------------------------------
     def _on_message(self, channel: Channel, method: spec.Basic.Deliver, properties: lazy_properties.WireProperties,
                     body: bytes) -> None:
-        d = Delivery(method.exchange, envelope.as_bytes(method.routing_key), properties.wire, body,
-                     method.redelivered)
+        """A delivery pika assembled (the fast path hands the others to `_on_delivery`)."""
+        self._on_delivery(method.delivery_tag, method.redelivered, method.exchange,
+                          envelope.as_bytes(method.routing_key), properties.wire, body)
+
+    def _on_delivery(self, tag: int, redelivered: bool, exchange: Any, routing_key: bytes, props: Properties,
+                     body: bytes) -> None:
         self._read += 1
-        self._do(self.flow.delivered(method.delivery_tag, d, self._clock(), self._steady()))
+        self._do(self.flow.delivered(tag, Delivery(exchange, routing_key, props, body, redelivered), self._clock(),
+                                     self._steady()))
 
     def _on_return(self, channel: Channel, method: spec.Basic.Return, properties: lazy_properties.WireProperties,
                    body: bytes) -> None:
