@@ -250,35 +250,40 @@ def test_fast_path_hands_over_what_pikas_own_path_does(chunk, cancelled):
 
 @pytest.mark.parametrize("chunk", [1, 100, 131_072, len(STREAM)])
 def test_a_consumer_of_consume_gets_what_pika_hands_over_with_the_routing_keys_bytes(chunk):
-    """`consume`: the fast path's deliveries go to `on_delivery` (routing key as bytes, the
-    properties' bytes, no pika objects), those pika assembles (larger than the wait limit,
-    cut over reads) to `on_message`: between them, every delivery pika's own path hands
-    over, in order, with the same values."""
+    """`consume`: the fast path's deliveries go to `on_deliveries`, those of one read together
+    (routing key as bytes, the properties' bytes, no pika objects), those pika assembles
+    (larger than the wait limit, cut over reads) to `on_message`: between them, every
+    delivery and confirm pika's own path hands over, in the same order, with the same values."""
     def as_bytes(key):
         return key if isinstance(key, bytes) else key.encode()
 
     def feed(via_consume):
         c, channel = open_connection()
-        got = []
+        got, reads = [], []
         on_message = lambda ch, m, p, b: got.append(  # noqa: E731
             ("pika", m.delivery_tag, m.redelivered, m.exchange, as_bytes(m.routing_key), p.wire.raw, b))
         channel._consumers["ct"] = on_message
         if via_consume:
-            c.delivery_callbacks[(1, "ct")] = (channel, lambda *a: got.append(("fast", a[0], a[1], a[2], a[3],
-                                                                                a[4].raw, a[5])))
-        c.confirm_callbacks[1] = (channel, lambda _: None)
-        c.callbacks.add(1, spec.Basic.Ack, lambda _: None, False)
-        c.callbacks.add(1, spec.Basic.Nack, lambda _: None, False)
+            def on_deliveries(raw):
+                reads.append(len(raw))
+                got.extend(("fast", t, r, e, k, p.raw, b) for t, r, e, k, p, b in raw)
+            c.delivery_callbacks[(1, "ct")] = (channel, on_deliveries)
+        on_confirm = lambda f: got.append(("confirm", f.method.delivery_tag))  # noqa: E731
+        c.confirm_callbacks[1] = (channel, on_confirm)
+        c.callbacks.add(1, spec.Basic.Ack, on_confirm, False)
+        c.callbacks.add(1, spec.Basic.Nack, on_confirm, False)
         for i in range(0, len(STREAM), chunk):
             c._on_data_available(STREAM[i:i + chunk])
-        return got
+        return got, reads
 
-    fast, pikas = feed(True), feed(False)
-    assert [g[1:] for g in fast] == [g[1:] for g in pikas] and len(fast) == 5
+    (fast, reads), (pikas, _) = feed(True), feed(False)
+    assert [g[1:] for g in fast] == [g[1:] for g in pikas] and len(fast) == 7
+    kinds = [g[0] for g in fast if g[0] != "confirm"]
     # (the 300,000-byte one, over the wait limit, is pika's when small reads bring it)
-    kinds = [g[0] for g in fast]
     assert kinds[:2] + kinds[3:] == ["fast"] * 4 and (kinds[2] == "pika" or chunk > 100)
-    assert (4, False, "ex", b"a.b") == fast[3][1:5]
+    assert (4, False, "ex", b"a.b") == [g for g in fast if g[0] != "confirm"][3][1:5]
+    if chunk == len(STREAM):  # one read: the deliveries between two other frames handed over together
+        assert reads == [1, 2, 1, 1]
 
 
 def test_fast_path_takes_deliveries_and_confirms_and_nothing_else():

@@ -146,9 +146,14 @@ class Process:
         self.reserve()
         choice = rng.random()
         if choice < 0.4 and b.queue and len(self.delivered) < self.prefetch:
-            self.tag += 1
-            self.delivered[self.tag] = b.queue.pop(0)
-            self.act(self.flow.delivered(self.tag, self.delivered[self.tag], self.now))
+            # one delivery, or several that one read of the socket brought (delivered_all)
+            together = []
+            for _ in range(min(rng.choice([1, 1, 2, 3]), len(b.queue), self.prefetch - len(self.delivered))):
+                self.tag += 1
+                self.delivered[self.tag] = b.queue.pop(0)
+                together.append((self.tag, self.delivered[self.tag]))
+            self.act(self.flow.delivered(*together[0], self.now) if len(together) == 1
+                     else self.flow.delivered_all(together, self.now))
         elif choice < 0.6 and self.inflight:
             n = rng.randint(1, len(self.inflight))
             for pub in self.inflight[:n]:

@@ -152,9 +152,21 @@ class Flow:
 
     # -- events ---------------------------------------------------------------------------
     def delivered(self, tag: int, d: Delivery, now: int, steady: Optional[int] = None) -> Effects:
+        return self.delivered_all(((tag, d),), now, steady)
+
+    def delivered_all(self, deliveries: Sequence[Tuple[int, Delivery]], now: int,
+                      steady: Optional[int] = None) -> Effects:
+        """Deliveries that came together (one read of the socket), in order: what they make
+        us do, in one answer."""
         out = Effects()
         self._steady(now, steady)
         self._release_due(now, out)  # a stream of deliveries must not keep due messages waiting
+        for tag, d in deliveries:
+            self._take(tag, d, now, out)
+        self._record(now, out)
+        return out
+
+    def _take(self, tag: int, d: Delivery, now: int, out: Effects) -> None:
         self._delivered[tag] = d
         try:
             actions = self._handler(d, now)
@@ -164,7 +176,11 @@ class Flow:
         if self._stranded is not None:  # handed back by the broker: released from memory already, or ours again
             actions = [Drop(a.entry) if not isinstance(a, Drop) and a.entry is not None
                        and self._stranded.claim(a.entry) else a for a in actions]
-        fence = any(isinstance(a, Forward) and a.fence for a in actions)
+        fence = False
+        for a in actions:  # (a loop, not any(): no generator made for every message read)
+            if isinstance(a, Forward) and a.fence:
+                fence = True
+                break
         self.ledger.received(tag, fence)
         if not actions:
             self.ledger.finish(tag)
@@ -194,8 +210,6 @@ class Flow:
                 self._flush_batch(batch, now, out)
         if fence:
             self._open_fences(out)
-        self._record(now, out)
-        return out
 
     def publishing_opened(self, now: int) -> Effects:
         out = Effects()

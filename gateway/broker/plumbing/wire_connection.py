@@ -27,7 +27,7 @@ transport's socket, buffer and read size (`_sock`, `get_write_buffer_size`,
 import contextlib
 import socket
 import struct
-from typing import Any, Callable, Dict, List, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import pika
 from pika import frame, spec
@@ -100,9 +100,11 @@ def _text(value: bytes) -> Union[str, bytes]:
         return value
 
 
-# A delivery as `consume` hands it over: delivery tag, redelivered, exchange, routing key (its
-# bytes), properties (their bytes), body.
-OnDelivery = Callable[[int, bool, Union[str, bytes], bytes, wire.Properties, bytes], None]
+# A delivery as `consume` hands it over: delivery tag, redelivered, exchange (as pika gives it:
+# str, or bytes where it is not UTF-8), routing key (its bytes), properties (their bytes),
+# body; those of one read together, in order.
+RawDelivery = Tuple[int, bool, Any, bytes, wire.Properties, bytes]
+OnDeliveries = Callable[[List[RawDelivery]], None]
 
 
 class WireConnection(pika.SelectConnection):
@@ -122,7 +124,10 @@ class WireConnection(pika.SelectConnection):
         self.cork = Cork(self)  # (before pika's __init__, which may already write)
         self.confirm_callbacks: Dict[int, Tuple[Any, Any]] = {}  # channel number -> (channel, callback)
         # (channel number, consumer tag) -> (channel, callback): `consume` below
-        self.delivery_callbacks: Dict[Tuple[int, Union[str, bytes]], Tuple[Any, OnDelivery]] = {}
+        self.delivery_callbacks: Dict[Tuple[int, Union[str, bytes]], Tuple[Any, OnDeliveries]] = {}
+        # the deliveries of one read for one of them, handed over as the read is done
+        self._gathered: List[RawDelivery] = []
+        self._gathered_for: Optional[OnDeliveries] = None
         super().__init__(*args, **kwargs)
 
     def _proto_connection_made(self, transport: Any) -> None:
@@ -153,6 +158,19 @@ class WireConnection(pika.SelectConnection):
     def _fast_frames(self, buffer: bytes) -> Tuple[int, bool]:
         """Handle the deliveries and confirms at the start of `buffer`: how many bytes, and
         whether to wait for the next read to complete a delivery."""
+        self._gathered, self._gathered_for = [], None  # (what a read that raised left: never handed over)
+        result = self._fast_frames_of(buffer)
+        self._hand_over()
+        return result
+
+    def _hand_over(self) -> None:
+        """The deliveries gathered for one consumer (`consume`) go to it, together."""
+        on_deliveries, gathered = self._gathered_for, self._gathered
+        if gathered and on_deliveries is not None:
+            self._gathered, self._gathered_for = [], None
+            on_deliveries(gathered)
+
+    def _fast_frames_of(self, buffer: bytes) -> Tuple[int, bool]:
         at, size, handled, wait = 0, len(buffer), 0, False
         while at + 11 <= size and buffer[at] == spec.FRAME_METHOD and self.is_open:
             channel_number, frame_size = _FRAME_HEAD.unpack_from(buffer, at)[1:]
@@ -181,6 +199,7 @@ class WireConnection(pika.SelectConnection):
             method = spec.Basic.Ack(tag, bool(bits & 1)) if method_id == 80 else \
                 spec.Basic.Nack(tag, bool(bits & 1), bool(bits & 2))
             at, handled = end + 1, handled + 1
+            self._hand_over()  # (what came before it, first)
             registered[1](frame.Method(channel_number, method))
         self.frames_received += handled
         return at, wait
@@ -228,8 +247,12 @@ class WireConnection(pika.SelectConnection):
         body = parts[0] if len(parts) == 1 else b"".join(parts)
         registered = self.delivery_callbacks.get((channel_number, consumer_tag))
         if registered is not None and registered[0] is channel:
-            registered[1](delivery_tag, bool(bits & 1), exchange, routing_key, props, body)
+            if self._gathered_for is not registered[1]:
+                self._hand_over()
+                self._gathered_for = registered[1]
+            self._gathered.append((delivery_tag, bool(bits & 1), exchange, routing_key, props, body))
             return at
+        self._hand_over()
         method = spec.Basic.Deliver(consumer_tag, delivery_tag, bool(bits & 1), exchange, _text(routing_key))
         callback(channel, method, WireProperties(props), body)
         return at
@@ -267,15 +290,16 @@ def confirm_delivery(channel: Any, on_confirm: Any, callback: Any = None) -> Non
         connection.confirm_callbacks[channel.channel_number] = (channel, on_confirm)
 
 
-def consume(channel: Any, queue: str, on_delivery: OnDelivery, on_message: Any, callback: Any,
+def consume(channel: Any, queue: str, on_deliveries: OnDeliveries, on_message: Any, callback: Any,
             arguments: Dict[str, Any]) -> str:
     """channel.basic_consume(queue, on_message, ...); on a WireConnection's channel, whole
-    deliveries on the fast path go to `on_delivery` instead, with the routing key's bytes and
-    no pika objects made for them (a delivery pika assembles still goes to `on_message`)."""
+    deliveries on the fast path go to `on_deliveries` instead, those of one read together
+    (before any other frame of it), with the routing key's bytes and no pika objects made
+    for them (a delivery pika assembles still goes to `on_message`)."""
     tag: str = channel.basic_consume(queue, on_message, callback=callback, arguments=arguments)
     connection = channel.connection
     if isinstance(connection, WireConnection):
-        connection.delivery_callbacks[(channel.channel_number, tag)] = (channel, on_delivery)
+        connection.delivery_callbacks[(channel.channel_number, tag)] = (channel, on_deliveries)
     return tag
 
 

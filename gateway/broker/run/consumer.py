@@ -9,7 +9,7 @@ keeps the one timer the core asks for.
 """
 
 import logging
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import structlog
 from pika import spec
@@ -154,7 +154,7 @@ class Pipe:
         if self._on_caught_up is not None and self._backlog is None:
             channel.queue_declare(self.queue, passive=True, callback=lambda frame: self._counted(channel, frame))
             return
-        self._consumer_tag = wire_connection.consume(channel, self.queue, self._on_delivery, self._on_message,
+        self._consumer_tag = wire_connection.consume(channel, self.queue, self._on_deliveries, self._on_message,
                                                      callback=lambda _: self._consuming(),
                                                      arguments={CONSUMER_TIMEOUT: self._timeout_ms}
                                                      if self._timeout_ms else {})
@@ -241,15 +241,17 @@ class Pipe:
     # -- frames in -----------------------------------------------------------------------
     def _on_message(self, channel: Channel, method: spec.Basic.Deliver, properties: lazy_properties.WireProperties,
                     body: bytes) -> None:
-        """A delivery pika assembled (the fast path hands the others to `_on_delivery`)."""
-        self._on_delivery(method.delivery_tag, method.redelivered, method.exchange,
-                          envelope.as_bytes(method.routing_key), properties.wire, body)
-
-    def _on_delivery(self, tag: int, redelivered: bool, exchange: Any, routing_key: bytes, props: Properties,
-                     body: bytes) -> None:
+        """A delivery pika assembled (the fast path hands the others to `_on_deliveries`)."""
         self._read += 1
-        self._do(self.flow.delivered(tag, Delivery(exchange, routing_key, props, body, redelivered), self._clock(),
-                                     self._steady()))
+        d = Delivery(method.exchange, envelope.as_bytes(method.routing_key), properties.wire, body, method.redelivered)
+        self._do(self.flow.delivered(method.delivery_tag, d, self._clock(), self._steady()))
+
+    def _on_deliveries(self, raw: List[wire_connection.RawDelivery]) -> None:
+        """The deliveries of one read, in order: one event of the core, one write of what it says."""
+        self._read += len(raw)
+        deliveries = [(tag, Delivery(exchange, routing_key, props, body, redelivered))
+                      for tag, redelivered, exchange, routing_key, props, body in raw]
+        self._do(self.flow.delivered_all(deliveries, self._clock(), self._steady()))
 
     def _on_return(self, channel: Channel, method: spec.Basic.Return, properties: lazy_properties.WireProperties,
                    body: bytes) -> None:
