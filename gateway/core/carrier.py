@@ -63,7 +63,8 @@ def unpack(body: bytes, accepted: Optional[List[Optional[int]]] = None, exchange
     carrier's properties (`accepted_times`); `exchange`: where they all go (`destination`)."""
     if not body.startswith(MAGIC):
         raise Damaged("not a carrier")
-    out, offset = [], len(MAGIC)
+    parts: List[Tuple[bytes, bytes, bytes, int]] = []
+    offset = len(MAGIC)
     try:
         while offset < len(body):
             due, key_len = _ENTRY.unpack_from(body, offset)
@@ -78,12 +79,12 @@ def unpack(body: bytes, accepted: Optional[List[Optional[int]]] = None, exchange
             offset += 4 + body_len
             if len(key) != key_len or len(props) != props_len or len(payload) != body_len:
                 raise Damaged("truncated carrier")
-            out.append(Entry(key, Properties.parse(props), payload, due, None, exchange))
+            parts.append((key, props, payload, due))
     except struct.error:
         raise Damaged("truncated carrier") from None
-    if accepted is not None and len(accepted) == len(out):
-        out = [Entry(e.routing_key, e.user, e.body, e.due_ms, t, exchange) for e, t in zip(out, accepted, strict=True)]
-    return out
+    times = accepted if accepted is not None and len(accepted) == len(parts) else [None] * len(parts)
+    return [Entry(key, Properties.parse(props), payload, due, t, exchange)
+            for (key, props, payload, due), t in zip(parts, times, strict=True)]
 
 
 COUNT = "x-gateway-carrier"
