@@ -74,11 +74,11 @@ def test_loads_side_by_side_with_the_plugin_absent(broker, broker_ctl, tmp_path)
 
 def test_every_other_scenario_runs(broker, tmp_path):
     """steady, pending, roles, hops, naive, ceiling, idle and trickle at tiny sizes, without
-    rabbitmqctl (no write counters: the figures say so rather than guess); about 80 s. (burst:
+    rabbitmqctl (no write counters: the figures say so rather than guess); about 60 s. (burst:
     the kombu test below, with the counters.)"""
     proc = bench(tmp_path, "steady", "pending", "roles", "hops", "naive", "ceiling", "idle", "trickle",
                  "--headers", "x-delay", "--messages", "60", "--rates", "100", "--duration", "0.6",
-                 "--ceiling-rates", "100,200", "--idle-window", "1", "--min-delay", "300",
+                 "--ceiling-rates", "100,200", "--ceiling-seconds", "2", "--idle-window", "1", "--min-delay", "300",
                  "--max-delay", "1500", "--rabbitmqctl", "none", "--idle-seconds", "0.2", "--profile", timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "out" / "results.json").read_text())["results"]
