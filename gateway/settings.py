@@ -193,8 +193,9 @@ OPTIONS: Tuple[Option, ...] = (
            "chain", "zeroBits", choices=ZERO_BITS),
     # run: the consumers
     Option("role", "all", one_of(ROLES), "which consumers this process runs", "run", choices=ROLES),
-    Option("prefetch", 1000, integer(1, 65535), "unacked messages per check-in and parking consumer", "run",
-           "prefetch", metavar="N"),
+    Option("prefetch", 1000, integer(1, 65535),
+           "unacked messages per check-in and parking consumer (check-in sends its carriers once half of it "
+           "waits in them)", "run", "prefetch", metavar="N"),
     Option("distributor_prefetch", 10000, integer(1, 65535),
            "deliveries (messages, or carriers of them) the distributor may hold; keep it above what reaches it "
            "within one unit at your peak, plus --hold-messages per check-in consumer",
