@@ -47,16 +47,15 @@ class Telemetry:
 
     def __init__(self, queue: str, metrics: Metrics, log: Any) -> None:
         self._queue, self._metrics, self._log = queue, metrics, log
-        # Per-message hot path: .labels() costs a lock and a lookup; look each one up once.
+        # Per-message hot path: .labels() costs a lock and a lookup; look each one up once,
+        # and count an event's messages here, into the metric once per event (`flush`).
         self._counters: Dict[Way, Count] = {}
+        self._counted: Dict[Way, int] = {}
         # Exposed at 0 from the start: an alert's increase() sees this consumer's first park too.
         metrics.parked.labels(queue)
 
     def forwarded(self, action: Publish) -> None:
-        counter = self._counters.get(action.way)
-        if counter is None:
-            counter = self._counters[action.way] = self._metrics.forwarded.labels(self._queue, action.way.value)
-        counter.inc()
+        self._counted[action.way] = self._counted.get(action.way, 0) + 1
         if action.way is Way.PARKED:
             self._metrics.parked.labels(self._queue).inc()
             reason = getattr(action, "reason", None) or ""
@@ -64,6 +63,17 @@ class Telemetry:
             if action.entry is not None and action.entry.exchange == "" and not reason.startswith(retries.GAVE_UP):
                 # a retry that could not go back (its queue gone, refused): not delivered back
                 self._metrics.retries.labels(envelope.readable_key(action.entry.routing_key), "parked").inc()
+
+    def flush(self) -> None:
+        """What `forwarded` counted, into the metrics (after each event, before its frames go)."""
+        if not self._counted:
+            return
+        for way, n in self._counted.items():
+            counter = self._counters.get(way)
+            if counter is None:
+                counter = self._counters[way] = self._metrics.forwarded.labels(self._queue, way.value)
+            counter.inc(n)
+        self._counted.clear()
 
     def landed(self, forward: Forward) -> None:
         if forward.way is Way.RETRIED and forward.entry is not None:
@@ -110,8 +120,8 @@ class Pipe:
         self._log = structlog.get_logger("gateway").bind(queue=queue)
         # A debug event costs structlog's processors even when the level filters it out later.
         self._debug = logging.getLogger("gateway").isEnabledFor(logging.DEBUG)
-        self.flow = Flow(queue, names, handler, Telemetry(queue, metrics, self._log), batcher, still_wanted, prefetch,
-                         recorder, stranded)
+        self._telemetry = Telemetry(queue, metrics, self._log)
+        self.flow = Flow(queue, names, handler, self._telemetry, batcher, still_wanted, prefetch, recorder, stranded)
         metrics.held.labels(queue).set_function(lambda: self.flow.held)
         metrics.held_deliveries.labels(queue).set_function(lambda: self.flow.ledger.holding)
         self._consume: Optional[Channel] = None
@@ -273,6 +283,7 @@ class Pipe:
 
     # -- frames out ----------------------------------------------------------------------
     def _do(self, actions: Effects) -> None:
+        self._telemetry.flush()
         with self._cork:
             self._act(actions)
         self._schedule()
