@@ -113,7 +113,8 @@ class WireConnection(pika.SelectConnection):
 
     Its two busiest frames skip pika's dispatch: a whole basic.deliver (one up to
     WAIT_FOR_WHOLE_DELIVERY bytes waits for the read that completes it) goes straight to
-    the channel's consumer callback, and a basic.ack or
+    the channel's consumer callback (or, for a consumer started with `consume`, with the
+    other deliveries of its read to `on_deliveries`), and a basic.ack or
     basic.nack to the callback `confirm_delivery` (below) registered; each with exactly the
     arguments pika would pass. pika's own path (callback manager, content assembler, one
     slice of the read buffer per frame) cost the gateway about a quarter of its CPU. Every
