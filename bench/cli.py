@@ -127,7 +127,9 @@ def parser(environ) -> argparse.ArgumentParser:
                    help="also run each gateway load with the index of what waits off (--no-pending-index), "
                         "alternating: what keeping it costs")
     p.add_argument("--flow-seconds", type=_positive(float), default=3600.0,
-                   help="waiting: how long the paced flow (--rate) passes beside what waits (default 3600)")
+                   help="waiting, soak: how long the paced flow (--rate) lasts (default 3600)")
+    p.add_argument("--window-seconds", type=_positive(float), default=300.0,
+                   help="soak: how long each interpreter's gateway is fed before the other's (default 300)")
     p.add_argument("--holding-sizes", type=_rates, default=[1024, 10240],
                    help="holding: the body sizes, bytes, comma-separated (default 1024,10240)")
     p.add_argument("--check-every", type=_positive(float), default=300.0,
@@ -237,6 +239,7 @@ def main(argv: Optional[Sequence[str]] = None, environ=None) -> int:
                   resolution_ms=args.resolution_ms, idle_s=args.idle_seconds,
                   max_in_memory_length=args.max_in_memory_length, index_off=args.compare_index, log=log,
                   extra={"flow_seconds": args.flow_seconds, "check_every": args.check_every,
+                         "window_seconds": args.window_seconds, "gateway_python": args.gateway_python,
                          "ceiling_rates": args.ceiling_rates, "ceiling_seconds": args.ceiling_seconds,
                          "idle_window": args.idle_window, "holding_sizes": args.holding_sizes,
                          "footprint_prefixes": args.footprint_prefixes, "vhosts_count": args.vhosts_count,

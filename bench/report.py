@@ -187,6 +187,7 @@ def markdown(results: Dict[str, List[dict]], meta: dict) -> str:
                                _g(r, "gateway_rss_mib")]))
         lines.append("")
     lines += footprint_lines(results.get("footprint", []))
+    lines += soak_lines(results.get("soak", []))
     lines += vhosts_lines(results.get("vhosts", []))
     if results.get("hops"):
         lines += ["| broker alone | hops | messages | msg/s through all hops | hops/s | queue writes/s |",
@@ -260,6 +261,26 @@ def vhosts_lines(runs: List[dict]) -> List[str]:
                            _g(r, "p99_ms"), _g(r, "max_ms"), r["lost"], r["early"],
                            f"{_g(loaded, 'rss_mib')}, {loaded['cpu_pct']}"]))
     return lines + [""]
+
+
+def soak_lines(runs: List[dict]) -> List[str]:
+    """Window by window: which interpreter was fed, and what it cost."""
+    lines: List[str] = []
+    for r in runs:
+        lines += [f"soak: {r['rate']:.0f} msg/s for {r['flow_seconds']:.0f} s in windows of "
+                  f"{r['window_seconds']:.0f} s, delays {r['delay_ms'][0]}-{r['delay_ms'][1]} ms", "",
+                  "| window | from s | interpreter | messages | gateway CPU µs/msg | broker CPU µs/msg | "
+                  "gateway RSS MiB | p50 ms | p99 ms | max ms | early |", "|" + "---|" * 11]
+        for w in r["windows"]:
+            lines.append("| " + " | ".join(str(w[k]) for k in (
+                "window", "start_s", "python", "messages", "gateway_cpu_us_per_message", "broker_cpu_us_per_message",
+                "gateway_rss_mib", "p50_ms", "p99_ms", "max_ms", "early")) + " |")
+        lines += ["", "| interpreter | published | lost | early | duplicates | p99 ms | RSS at the end MiB |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {t['python']} | {t['published']} | {t['lost']} | {t['early']} | {t['duplicates']} | "
+                  f"{t['p99_ms']} | {t['rss_mib_end']} |" for t in r["totals"]]
+        lines.append("")
+    return lines
 
 
 def ceiling_lines(runs: List[dict]) -> List[str]:

@@ -11,12 +11,13 @@ from .quiet import idle, trickle
 from .roles import roles
 from .side_by_side import at_once, burst, paced
 from .at_scale import waiting
+from .soak import soak
 from .vhosts import vhosts
 
 SCENARIOS = {"paced": paced, "burst": burst, "at-once": at_once, "pending": pending, "steady": steady,
              "roles": roles, "ceiling": ceiling, "hops": hops, "idle": idle, "trickle": trickle, "naive": naive,
              "floor": floor, "waiting": waiting, "holding": holding,
-             "footprint": footprint, "vhosts": vhosts}
+             "footprint": footprint, "vhosts": vhosts, "soak": soak}
 # Names for several at once.
 GROUPS = {"issue": ["paced", "burst", "at-once", "floor", "ceiling", "idle", "trickle"],
-          "all": [s for s in SCENARIOS if s not in ("pending", "waiting", "holding", "footprint", "vhosts")]}
+          "all": [s for s in SCENARIOS if s not in ("pending", "waiting", "holding", "footprint", "vhosts", "soak")]}

@@ -62,7 +62,7 @@ class Gateway:
     system = "gateway"
 
     def __init__(self, url: str, chain: ChainSettings, gateway_args: Sequence[str] = (),
-                 split_roles: bool = False, replicas: int = 1) -> None:
+                 split_roles: bool = False, replicas: int = 1, python: Optional[str] = None) -> None:
         self.url, self.chain = url, chain
         self.prefix = chain.prefix
         self.publish_exchange = chain.names.check_in
@@ -73,7 +73,8 @@ class Gateway:
         self.processes: List[GatewayProcess] = []
         try:
             for role in roles:
-                self.processes.append(GatewayProcess(chain, *role, *gateway_args, url=url, die_with_parent=True))
+                self.processes.append(GatewayProcess(chain, *role, *gateway_args, url=url, die_with_parent=True,
+                                                     python=python))
             for p in self.processes:
                 p.wait_ready(60)
         except Exception:

@@ -101,7 +101,8 @@ class GatewayProcess:
 
     `url` becomes DELAY_GATEWAY_URL (one URL, or several comma-separated); without it the
     process inherits the environment's, or the gateway's own default. `cwd`: where it runs
-    (the repository's root by default, whose `gateway` it then imports first). With
+    (the repository's root by default, whose `gateway` it then imports first); `python`: the
+    interpreter, when not the class's `python`. With
     `die_with_parent`, the process is stopped when the one that started it dies (the thread
     that started it, strictly: start it from a thread that lives as long)."""
 
@@ -109,7 +110,7 @@ class GatewayProcess:
 
     def __init__(self, chain: ChainSettings, *extra: str, url: Optional[str] = None,
                  env: Optional[Dict[str, str]] = None, die_with_parent: bool = False,
-                 cwd: Optional[str] = None) -> None:
+                 cwd: Optional[str] = None, python: Optional[str] = None) -> None:
         self.chain = chain
         self._port_checked = False
         self.lines: List[dict] = []
@@ -121,7 +122,7 @@ class GatewayProcess:
             full_env["DELAY_GATEWAY_URL"] = url
         full_env.setdefault("PYTHONUNBUFFERED", "1")
         self.proc = subprocess.Popen(
-            [self.python, "-m", "gateway", "run", *chain_args(chain), "--log-format", "json",
+            [python or self.python, "-m", "gateway", "run", *chain_args(chain), "--log-format", "json",
              *([] if given else ["--metrics-port", str(self.port)]), *extra],
             cwd=cwd or ROOT, env=full_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
             preexec_fn=_die_with_parent if die_with_parent else None)

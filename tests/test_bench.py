@@ -122,6 +122,21 @@ def test_holding_measures_what_a_held_message_costs(broker, tmp_path):
     assert "holding: target" in (tmp_path / "out" / "results.md").read_text()
 
 
+def test_soak_feeds_each_interpreters_gateway_in_turn(broker, tmp_path):
+    """soak, briefly, with two interpreters (here the same one by two paths): each keeps one
+    gateway for the whole flow, the windows take turns, and nothing is lost or early."""
+    other = os.path.join(os.path.dirname(sys.executable), "python3")
+    proc = bench(tmp_path, "soak", "--flow-seconds", "6", "--window-seconds", "2", "--rate", "200",
+                 "--min-delay", "300", "--max-delay", "600", "--gateway-python", other, "--rabbitmqctl", "none")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [run] = json.loads((tmp_path / "out" / "results.json").read_text())["results"]["soak"]
+    assert [w["gateway"] for w in run["windows"]] == [0, 1, 0], run["windows"]
+    assert all(w["messages"] > 0 and w["gateway_cpu_us_per_message"] > 0 and w["early"] == 0 for w in run["windows"])
+    assert [t["path"] for t in run["totals"]] == [sys.executable, other]
+    assert all(t["published"] > 0 and t["lost"] == 0 and t["early"] == 0 for t in run["totals"]), run["totals"]
+    assert "| window | from s | interpreter |" in (tmp_path / "out" / "results.md").read_text()
+
+
 def test_footprint_counts_what_a_prefix_declares_and_leaves_nothing(broker, broker_ctl, tmp_path):
     """footprint with one prefix of each zero-bits mode: what the broker itself counts matches
     the topology model, 4.3 has no file-handle bookkeeping to report, and the chains are gone
