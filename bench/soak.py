@@ -101,7 +101,7 @@ def soak(ctx: Context) -> List[dict]:
             mark()
             m0, m1 = marks[-2], marks[-1]
             k = fed(t0 + m0["t"] + 1)
-            ctx.log(f"    window {len(marks) - 1} ({names[k]}): {m1['sent'][k] - m0['sent'][k]} published; "
+            ctx.log(f"    window {len(marks) - 2} ({names[k]}): {m1['sent'][k] - m0['sent'][k]} published; "
                     f"RSS {m1['rss']}")
         deadline = time.monotonic() + hi / 1000 + 30
         while time.monotonic() < deadline and any(r.count.value < sent[k] for k, r in enumerate(receivers)):

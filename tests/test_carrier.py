@@ -7,7 +7,7 @@ from gateway.core.carrier import Batcher, Damaged, Entry, pack, unpack
 from gateway.core.wire import Properties, Table
 
 entries = st.builds(Entry, st.binary(max_size=255), st.binary(max_size=300).map(Properties.parse),
-                    st.binary(max_size=2000), st.integers(-2**63, 2**63 - 1))
+                    st.binary(max_size=2000), st.integers(-2**63, 2**63 - 1), accepted_us=st.none(), exchange=st.none())
 
 
 @given(st.lists(entries, min_size=1, max_size=20))

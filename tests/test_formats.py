@@ -14,7 +14,6 @@ code does with such a message instead is asserted by a test beside it.
 Pure: no broker, no clock (the samples' time is 2026-11-22T01:13:20Z, `generate.NOW`).
 """
 
-import dataclasses
 import json
 from datetime import datetime, timezone
 from pathlib import Path
@@ -393,7 +392,7 @@ def test_a_cancel_by_handle_still_cancels_its_message(commit: str, sample: Json)
     assert Judge(store, Rules(86_400_000), Metrics(), {})(named, "distributor")
     # the same read time and routing key, another body: not named (but the first layout's checksum, the routing
     # key's alone, did not tell the two apart: why 4a05290 replaced it)
-    other = dataclasses.replace(named, body=b"another")
+    other = named._replace(body=b"another")
     assert Judge(store, Rules(86_400_000), Metrics(), {})(other, "distributor") == (commit == OLD_INDEX)
     judge = listing.cancelled_by(store, Rules(86_400_000), NOW)
     assert judge is not None

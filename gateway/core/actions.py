@@ -1,15 +1,17 @@
-"""What a handler decides for a delivery: the publishes a consumer's core carries out (pure)."""
+"""What a handler decides for a delivery: the publishes a consumer's core carries out (pure).
 
-from dataclasses import dataclass
-from typing import Optional, Union
+Each is a NamedTuple rather than a frozen dataclass: one is made for every message at
+check-in and again at release, and a NamedTuple costs a sixth of a frozen dataclass to make.
+"""
+
+from typing import NamedTuple, Optional, Union
 
 from gateway.core.carrier import Entry
 from gateway.core.routes import Way
 from gateway.core.wire import Properties
 
 
-@dataclass(frozen=True)
-class Forward:
+class Forward(NamedTuple):
     """Publish this (with confirms); acknowledge the delivery once the broker confirms."""
 
     exchange: str
@@ -26,8 +28,7 @@ class Forward:
     fence: bool = False
 
 
-@dataclass(frozen=True)
-class Enqueue:
+class Enqueue(NamedTuple):
     """Send this publisher's message on this route, in a carrier with others going the same
     way (carrier.Batcher), or alone."""
 
@@ -40,8 +41,7 @@ class Enqueue:
     send_by_ms: Optional[int] = None
 
 
-@dataclass(frozen=True)
-class Drop:
+class Drop(NamedTuple):
     """A publisher's message that will not be published (it was cancelled): its delivery is
     acknowledged with the rest of it, and the index notes it gone."""
 

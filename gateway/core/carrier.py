@@ -17,7 +17,7 @@ message too big for a carrier travels alone in the plain format.
 import heapq
 import struct
 from dataclasses import dataclass, field
-from typing import Dict, Generic, List, Optional, Tuple, TypeVar
+from typing import Dict, Generic, List, NamedTuple, Optional, Tuple, TypeVar
 
 from gateway.core import wire
 from gateway.core.envelope import ACCEPTED, DUE_AT, EXCHANGE, PERSISTENT
@@ -28,9 +28,9 @@ MAGIC = b"DGC1"
 _ENTRY = struct.Struct(">qI")  # due time, routing key length
 
 
-@dataclass(frozen=True)
-class Entry:
-    """One publisher's message inside the gateway."""
+class Entry(NamedTuple):
+    """One publisher's message inside the gateway. (A NamedTuple, not a frozen dataclass: one
+    is made for every message at check-in and again at release, at a sixth of the cost.)"""
 
     routing_key: bytes
     user: Properties  # the publisher's properties, as they will arrive at pick-up

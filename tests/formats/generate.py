@@ -207,7 +207,7 @@ def envelope_samples() -> Json:
 def meditation_samples() -> Json:
     h = check_in()
     a, b = enqueued(h, "meditation"), enqueued(h, "chain")
-    second = dataclasses.replace(b.entry, due_ms=NOW + 40 * DAY_MS)
+    second = b.entry._replace(due_ms=NOW + 40 * DAY_MS)
     f = handlers.carry(a.exchange, a.routing_key, a.way, [a.entry, second])
     return {"alone": alone("meditation", "handlers.CheckIn -> meditation (x-delay 30 days)"),
             "carrier": carried(f, [a.entry, second], "handlers.CheckIn x2 -> handlers.carry to meditation",
@@ -221,7 +221,7 @@ def carrier_samples() -> Json:
     two = handlers.carry(a.exchange, a.routing_key, a.way, [a.entry, b.entry])
     h = check_in()
     a, b = enqueued(h, "chain"), enqueued(h, "chain-second")
-    old = dataclasses.replace(b.entry, accepted_us=None)  # one from before read times, re-batched by returning
+    old = b.entry._replace(accepted_us=None)  # one from before read times, re-batched by returning
     mixed = handlers.carry(a.exchange, a.routing_key, a.way, [a.entry, old])
     return {"mixed-times": carried(mixed, [a.entry, old],
                                    "handlers.carry of one entry with a read time and one without",
