@@ -2,7 +2,7 @@
 each event, and the values it works with (pure)."""
 
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Protocol, Sequence, Tuple
+from typing import Callable, List, NamedTuple, Optional, Protocol, Sequence, Tuple
 
 from gateway.core.actions import Action, Forward, Publish
 from gateway.core.inputs import Delivery
@@ -14,9 +14,9 @@ Member = Tuple[int, Optional[Entry]]  # a delivery tag, and the publisher's mess
 Handler = Callable[[Delivery, int], List[Action]]  # a delivery, and the time it came (epoch ms)
 
 
-@dataclass
-class Payload:
-    """What one publication is: the frame to send, and whose messages it holds."""
+class Payload(NamedTuple):
+    """What one publication is: the frame to send, and whose messages it holds (one for
+    every publish: a NamedTuple, cheaper to make than a dataclass)."""
 
     forward: Forward
     members: Sequence[Member]
