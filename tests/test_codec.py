@@ -322,3 +322,19 @@ def test_publish_writes_the_frames_pika_writes(body, mandatory, routing_key):
                            mandatory=mandatory)
     assert b"".join(ours.sent) == b"".join(pikas.sent)
     assert (ours.frames_sent, ours.bytes_sent) == (pikas.frames_sent, pikas.bytes_sent)
+
+
+def test_publish_all_writes_what_each_publish_writes_in_order():
+    """The publishes of one event in one piece: the same bytes and counters as pika's, one
+    by one, a message over a frame (pika's) in its place between them."""
+    props, other = Properties.build(message_id="m", delivery_mode=2), Properties.build(delivery_mode=1)
+    messages = [("pick-up", b"a.b", b"one", props, True), ("", b"queue", b"", other, False),
+                ("pick-up", b"k", b"big" * 100_000, props, False), ("exchange-é", b"c", b"two", other, True)]
+    ours, channel = open_connection()
+    publish_frames.publish_all(channel, messages)
+    pikas, pchannel = open_connection()
+    for exchange, routing_key, body, raw, mandatory in messages:
+        pchannel.basic_publish(exchange, routing_key, body, lazy_properties.WireProperties(raw), mandatory=mandatory)
+    assert b"".join(ours.sent) == b"".join(pikas.sent)
+    assert (ours.frames_sent, ours.bytes_sent) == (pikas.frames_sent, pikas.bytes_sent)
+    assert len(ours.sent) < len(pikas.sent)  # (in pieces: before the big one, pika's frames, after it)

@@ -310,15 +310,16 @@ class Pipe:
             self._finish()
 
     def _send(self, channel: Channel, actions: Effects) -> None:
-        for pub in actions.publish:
-            f = pub.payload.forward
-            props = self._signed_props(f.props) if f.way in SIGNED else f.props
-            try:
-                publish_frames.publish(channel, f.exchange, f.routing_key, f.body, props, f.mandatory)
-            except AMQPError as exc:  # the channel is going away; its close callback takes over
-                self._log.warning("publish_failed", error=str(exc))
-                return
-            if self._debug:
+        forwards = [pub.payload.forward for pub in actions.publish]
+        try:
+            publish_frames.publish_all(channel, [
+                (f.exchange, f.routing_key, f.body, self._signed_props(f.props) if f.way in SIGNED else f.props,
+                 f.mandatory) for f in forwards])
+        except AMQPError as exc:  # the channel is going away; its close callback takes over
+            self._log.warning("publish_failed", error=str(exc))
+            return
+        if self._debug:
+            for f in forwards:
                 self._log.debug(f.way.value, exchange=f.exchange, routing_key=envelope.readable_key(f.routing_key))
 
     def _signed_props(self, props: Properties) -> Properties:
