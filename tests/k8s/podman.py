@@ -35,19 +35,22 @@ def podman(*args: str, timeout: float = 120, check: bool = True) -> subprocess.C
     return r
 
 
-def base_image() -> str:
-    """The Dockerfile's PYTHON_IMAGE: the local Debian bookworm root scripts/ensure-podman imported."""
-    r = subprocess.run([str(Path(ROOT) / "scripts" / "ensure-podman"), "--check"], capture_output=True, text=True,
-                       timeout=60)
+def base_image(pypy: bool = False) -> str:
+    """The Dockerfile's PYTHON_IMAGE: the local Debian bookworm root scripts/ensure-podman
+    imported (with `pypy`, its Debian trixie root with PyPy)."""
+    r = subprocess.run([str(Path(ROOT) / "scripts" / "ensure-podman"), "--check", *(["--pypy"] if pypy else [])],
+                       capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, f"{r.stderr.strip()} (scripts/test does it)"
     return r.stdout.strip().splitlines()[-1]
 
 
-def build(tag: str) -> float:
-    """Builds the image from the repository's root as its README says; returns the seconds it took."""
+def build(tag: str, pypy: bool = False) -> float:
+    """Builds the image from the repository's root as its README says (with `pypy`, its PyPy
+    variant); returns the seconds it took."""
     started = time.monotonic()
-    podman("build", "--network", "host", *ulimits(), "--build-arg", f"PYTHON_IMAGE={base_image()}",
-           "-f", str(DOCKERFILE), "-t", tag, str(ROOT), timeout=900)
+    podman("build", "--network", "host", *ulimits(), "--build-arg", f"PYTHON_IMAGE={base_image(pypy)}",
+           *(["--build-arg", "PYTHON=pypy3"] if pypy else []), "-f", str(DOCKERFILE), "-t", tag, str(ROOT),
+           timeout=900)
     return time.monotonic() - started
 
 

@@ -6,8 +6,9 @@ the repository's LICENSE, and run the way the chart runs it: as UID 10001 on a r
 root, `run` against the shared test broker
 answering /readyz, `selftest` from a second container delivering; and the chart's own
 containers (its topology Job, both Deployments and its helm test pod, their arguments and
-environment taken from the rendered objects) with another maxLevel. About 1 min with the
-base image and the build's layers cached."""
+environment taken from the rendered objects) with another maxLevel. All of it twice: the
+image, and its PyPy variant (`PYTHON=pypy3` on the local PyPy base). About 1 min each with
+the base images and the builds' layers cached."""
 
 import fnmatch
 import json
@@ -110,7 +111,8 @@ def test_the_image_runs_the_console_command_as_the_charts_user():
     # virtual environment; the run stage takes that environment alone
     [install] = [rest for s, word, rest in instructions() if s == 0 and word == "RUN" and "pip install" in rest]
     assert "--no-index" in install and "/wheels/rabbitmq_delay_gateway-*.whl" in install
-    assert "python3 -m venv /opt/delay-gateway" in install
+    assert "${PYTHON} -m venv /opt/delay-gateway" in install
+    assert [rest for s, word, rest in instructions() if s == 0 and word == "ARG"] == ["PYTHON=python3"]
     assert final("COPY") == ["--from=build /opt/delay-gateway /opt/delay-gateway"]
 
 
@@ -165,13 +167,14 @@ def test_files_the_image_build_needs_are_committed(path):
 
 
 # -- the image, built and run ------------------------------------------------------------
-@pytest.fixture(scope="module")
-def image() -> Iterator[str]:
+@pytest.fixture(scope="module", params=["cpython", "pypy"])
+def image(request) -> Iterator[str]:
     """The image, built from the repository's root under a tag of its own (the layers stay
-    cached for the next build); removed afterwards."""
-    tag = f"localhost/rabbitmq-delay-gateway:test-{uuid.uuid4().hex[:8]}"
-    seconds = pm.build(tag)
-    report_figures("image", f"podman build of deploy/k8s/Dockerfile: {seconds:.1f} s")
+    cached for the next build), and its PyPy variant; each tested alike, removed afterwards."""
+    pypy = request.param == "pypy"
+    tag = f"localhost/rabbitmq-delay-gateway:test-{uuid.uuid4().hex[:8]}{'-pypy' if pypy else ''}"
+    seconds = pm.build(tag, pypy)
+    report_figures("image", f"podman build of deploy/k8s/Dockerfile ({request.param}): {seconds:.1f} s")
     yield tag
     pm.podman("rmi", "--force", tag, check=False)
     # the build cache of earlier sources: keep a day's worth for the next builds
@@ -195,6 +198,13 @@ def test_the_image_runs_as_uid_10001_on_a_read_only_root(image):
     assert r.returncode != 0 and "Read-only file system" in r.stderr
     r = pm.podman("run", "--rm", "--read-only", *pm.ulimits(), image, "--help", timeout=60)
     assert all(name in r.stdout for name in ("run", "declare", "selftest"))
+    # the interpreter of its environment, the one `delay-gateway` runs on: PyPy in the variant
+    r = pm.podman("run", "--rm", "--read-only", *pm.ulimits(), "--entrypoint", "sh", image, "-c",
+                  "head -n 1 /opt/delay-gateway/bin/delay-gateway && python3 -c "
+                  "'import platform; print(platform.python_implementation())'", timeout=60)
+    shebang, implementation = r.stdout.split()
+    assert shebang == "#!/opt/delay-gateway/bin/" + ("pypy3" if image.endswith("-pypy") else "python3"), shebang
+    assert implementation == ("PyPy" if image.endswith("-pypy") else "CPython")
 
 
 # Run by the image's python3 (its environment's): the licence file the installed package's
