@@ -5,9 +5,9 @@ often as it goes). `soak` keeps one gateway process per interpreter running for 
 flow, each on its own chain: the benchmark's own Python and, when given, `--gateway-python`.
 One paced publisher feeds them in turn, a window at a time (`--window-seconds`), so each
 sees the full rate in its windows and both see the same machine across the run. Per
-window: what the fed gateway's process spent per message (its CPU over its window and the
-quiet one after it, where the releases of its last messages and its idle work fall), the
-broker's, each process's RSS, and the lateness of what fell due in the window.
+window: what the fed gateway's process spent per message (its CPU over its window and, with
+two, the quiet one after it, where the releases of its last messages and its idle work
+fall), the broker's, each process's RSS, and the lateness of what was published in it.
 """
 
 import random

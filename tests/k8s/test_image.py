@@ -6,9 +6,9 @@ the repository's LICENSE, and run the way the chart runs it: as UID 10001 on a r
 root, `run` against the shared test broker
 answering /readyz, `selftest` from a second container delivering; and the chart's own
 containers (its topology Job, both Deployments and its helm test pod, their arguments and
-environment taken from the rendered objects) with another maxLevel. All of it twice: the
-image, and its PyPy variant (`PYTHON=pypy3` on the local PyPy base). About 1 min each with
-the base images and the builds' layers cached."""
+environment taken from the rendered objects) with another maxLevel. The PyPy variant
+(`PYTHON=pypy3` on the local PyPy base) too, all but the chart's containers (they name the
+image by its tag alone). About 1.5 min with the base images and the builds' layers cached."""
 
 import fnmatch
 import json
@@ -167,18 +167,34 @@ def test_files_the_image_build_needs_are_committed(path):
 
 
 # -- the image, built and run ------------------------------------------------------------
-@pytest.fixture(scope="module", params=["cpython", "pypy"])
-def image(request) -> Iterator[str]:
-    """The image, built from the repository's root under a tag of its own (the layers stay
-    cached for the next build), and its PyPy variant; each tested alike, removed afterwards."""
-    pypy = request.param == "pypy"
+def built(pypy: bool) -> Iterator[str]:
+    """An image, built from the repository's root under a tag of its own (the layers stay
+    cached for the next build); removed afterwards."""
     tag = f"localhost/rabbitmq-delay-gateway:test-{uuid.uuid4().hex[:8]}{'-pypy' if pypy else ''}"
     seconds = pm.build(tag, pypy)
-    report_figures("image", f"podman build of deploy/k8s/Dockerfile ({request.param}): {seconds:.1f} s")
+    report_figures("image", f"podman build of deploy/k8s/Dockerfile{' (PyPy)' if pypy else ''}: {seconds:.1f} s")
     yield tag
     pm.podman("rmi", "--force", tag, check=False)
     # the build cache of earlier sources: keep a day's worth for the next builds
     pm.podman("image", "prune", "--force", "--filter", "until=24h", check=False)
+
+
+@pytest.fixture(scope="module")
+def image() -> Iterator[str]:
+    yield from built(pypy=False)
+
+
+@pytest.fixture(scope="module")
+def pypy_image() -> Iterator[str]:
+    """The PyPy variant (`PYTHON=pypy3` on the local PyPy base)."""
+    yield from built(pypy=True)
+
+
+@pytest.fixture(params=["image", "pypy_image"])
+def each_image(request) -> str:
+    """The image, then its PyPy variant: what runs the same on both (the chart's containers,
+    which name the image only by its tag, run on the first)."""
+    return request.getfixturevalue(request.param)
 
 
 @pytest.fixture
@@ -189,22 +205,23 @@ def containers() -> Iterator[list]:
         container.remove()
 
 
-def test_the_image_runs_as_uid_10001_on_a_read_only_root(image):
+def test_the_image_runs_as_uid_10001_on_a_read_only_root(each_image):
     """The image's own user (no --user given) and a root it cannot write to."""
-    r = pm.podman("run", "--rm", "--read-only", *pm.ulimits(), "--entrypoint", "id", image, timeout=60)
+    r = pm.podman("run", "--rm", "--read-only", *pm.ulimits(), "--entrypoint", "id", each_image, timeout=60)
     assert r.stdout.split()[:2] == ["uid=10001(gateway)", "gid=10001(gateway)"]
-    r = pm.podman("run", "--rm", "--read-only", *pm.ulimits(), "--entrypoint", "python3", image, "-c",
+    r = pm.podman("run", "--rm", "--read-only", *pm.ulimits(), "--entrypoint", "python3", each_image, "-c",
                   "open('/opt/delay-gateway/x', 'w')", check=False, timeout=60)
     assert r.returncode != 0 and "Read-only file system" in r.stderr
-    r = pm.podman("run", "--rm", "--read-only", *pm.ulimits(), image, "--help", timeout=60)
+    r = pm.podman("run", "--rm", "--read-only", *pm.ulimits(), each_image, "--help", timeout=60)
     assert all(name in r.stdout for name in ("run", "declare", "selftest"))
     # the interpreter of its environment, the one `delay-gateway` runs on: PyPy in the variant
-    r = pm.podman("run", "--rm", "--read-only", *pm.ulimits(), "--entrypoint", "sh", image, "-c",
+    r = pm.podman("run", "--rm", "--read-only", *pm.ulimits(), "--entrypoint", "sh", each_image, "-c",
                   "head -n 1 /opt/delay-gateway/bin/delay-gateway && python3 -c "
                   "'import platform; print(platform.python_implementation())'", timeout=60)
     shebang, implementation = r.stdout.split()
-    assert shebang == "#!/opt/delay-gateway/bin/" + ("pypy3" if image.endswith("-pypy") else "python3"), shebang
-    assert implementation == ("PyPy" if image.endswith("-pypy") else "CPython")
+    pypy = each_image.endswith("-pypy")
+    assert shebang == "#!/opt/delay-gateway/bin/" + ("pypy3" if pypy else "python3"), shebang
+    assert implementation == ("PyPy" if pypy else "CPython")
 
 
 # Run by the image's python3 (its environment's): the licence file the installed package's
@@ -217,11 +234,11 @@ sys.stdout.buffer.write(f.read_binary())
 """
 
 
-def test_the_image_holds_the_repositorys_licence(image):
+def test_the_image_holds_the_repositorys_licence(each_image):
     """LICENSE, byte for byte the repository's, as the licence file of the package installed in
     /opt/delay-gateway, which its metadata names (`License-File: LICENSE`)."""
-    r = subprocess.run([*pm.PODMAN, "run", "--rm", "--read-only", *pm.ulimits(), "--entrypoint", "python3", image,
-                        "-c", LICENCE_IN_THE_IMAGE], capture_output=True, timeout=60)
+    r = subprocess.run([*pm.PODMAN, "run", "--rm", "--read-only", *pm.ulimits(), "--entrypoint", "python3",
+                        each_image, "-c", LICENCE_IN_THE_IMAGE], capture_output=True, timeout=60)
     said = r.stderr.decode(errors="replace")
     assert r.returncode == 0, said[-3000:]
     assert said.startswith("['LICENSE'] /opt/delay-gateway/") and said.rstrip().endswith(
@@ -230,22 +247,22 @@ def test_the_image_holds_the_repositorys_licence(image):
 
 
 @pytest.mark.broker  # the shared test broker (127.0.0.1:5672), under prefixes of their own
-def test_run_is_ready_and_selftest_from_a_second_container_delivers(image, containers):
+def test_run_is_ready_and_selftest_from_a_second_container_delivers(each_image, containers):
     """`run` (both roles) against the shared broker under a prefix of its own, read-only:
     /readyz answers 200 on its metrics port, and `selftest` in a second container sees its
     message delivered through it."""
     prefix, port = unique_prefix(), free_port()
     env = {"DELAY_GATEWAY_URL": main_broker_url(), "DELAY_GATEWAY_PREFIX": prefix}
     try:
-        gateway = pm.Container(f"dg-{prefix}", image, ["run"], {**env, "DELAY_GATEWAY_METRICS_PORT": str(port)},
-                               ["--read-only"], metrics_port=port)
+        gateway = pm.Container(f"dg-{prefix}", each_image, ["run"],
+                               {**env, "DELAY_GATEWAY_METRICS_PORT": str(port)}, ["--read-only"], metrics_port=port)
         containers.append(gateway)
         gateway.wait_ready()
         assert gateway.inspect("{{.Config.User}}") == "10001:10001"
         uid = Path(f"/proc/{gateway.inspect('{{.State.Pid}}')}/status").read_text().split("Uid:")[1].split()[0]
         assert uid == "10001"
-        selftest = pm.Container(f"dg-{prefix}-selftest", image, ["selftest", "--delay-ms", "1000", "--timeout", "60"],
-                                env, ["--read-only"])
+        selftest = pm.Container(f"dg-{prefix}-selftest", each_image,
+                                ["selftest", "--delay-ms", "1000", "--timeout", "60"], env, ["--read-only"])
         containers.append(selftest)
         assert selftest.wait() == 0, selftest.logs()[-3000:]
         assert json.loads(selftest.stdout().strip().splitlines()[-1])["delivered"] is True
