@@ -316,7 +316,7 @@ def test_fast_path_leaves_a_closing_channel_to_pika():
 def test_publish_writes_the_frames_pika_writes(body, mandatory, routing_key):
     props = lazy_properties.encoded(spec.BasicProperties(headers={"x-delay": 5, "f": 1.5}, message_id="m"))
     ours, channel = open_connection()
-    publish_frames.publish(channel, "exchange-é", routing_key, body, props.wire, mandatory)
+    publish_frames.publish_all(channel, [("exchange-é", routing_key, body, props.wire, mandatory)])
     pikas, pchannel = open_connection()
     pchannel.basic_publish("exchange-é", routing_key, body, lazy_properties.WireProperties(props.wire),
                            mandatory=mandatory)

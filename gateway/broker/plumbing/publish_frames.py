@@ -24,17 +24,11 @@ _BODY_FRAME_HEAD = struct.Struct(">BHL")  # frame type, channel, payload size
 Message = Tuple[str, bytes, bytes, Properties, bool]  # exchange, routing key, body, properties, mandatory
 
 
-def publish(channel: Any, exchange: str, routing_key: bytes, body: bytes, properties: Properties,
-            mandatory: bool = False) -> None:
-    """channel.basic_publish(exchange, routing_key, body, WireProperties(properties),
-    mandatory): the same frames, written here in one piece on a WireConnection's open
-    channel (pika builds three frame objects per message, the gateway's busiest send)."""
-    publish_all(channel, ((exchange, routing_key, body, properties, mandatory),))
-
-
 def publish_all(channel: Any, messages: Iterable[Message]) -> None:
-    """`publish` of each message in order, their frames written in one piece: the channel
-    checked once, each exchange name encoded once (a release of many messages)."""
+    """channel.basic_publish(exchange, routing_key, body, WireProperties(properties),
+    mandatory) of each message in order: the same frames, written here in one piece on a
+    WireConnection's open channel (pika builds three frame objects per message), the channel
+    checked once and each exchange name encoded once (a release of many messages)."""
     connection = channel.connection
     if not isinstance(connection, WireConnection) or connection.is_closed:
         for exchange, routing_key, body, properties, mandatory in messages:
