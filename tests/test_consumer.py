@@ -53,6 +53,34 @@ def test_a_held_message_goes_to_pick_up_at_its_time_and_is_acknowledged_after_it
     assert conn.consuming().acks == [(1, True)]
 
 
+def test_a_carriers_messages_due_together_go_out_in_its_order_and_it_is_acked_after_the_last():
+    """Released in one event (one answer from the ledger for them all): those due now as the
+    carrier is read, then those held, one cancelled among them, all due at the same tick."""
+    handler = Distributor(CHAIN, 50, cancelled=lambda e, where: where == "release" and e.body == b"m3")
+    conn, metrics = FakeConnection(), Metrics()
+    pipe = Pipe(conn, NAMES.distributor, handler, 10, metrics, NAMES, clock=conn.clock,
+                still_wanted=handler.still_wanted)
+    pipe.open()
+    conn.settle()
+    now = conn.clock()
+    due = [now, now, now + 300, now + 300, now + 300, now + 300]
+    entries = [carrier.Entry(f"k{i}".encode(), Properties.build(message_id=f"m{i}"), f"m{i}".encode(), d)
+               for i, d in enumerate(due)]
+    conn.consuming().deliver(carrier.pack(entries), carrier.properties(entries))
+    assert [p.body for p in conn.published] == [b"m0", b"m1"] and held_gauge(metrics, NAMES.distributor) == 4
+    conn.advance(300)
+    assert [(p.routing_key, p.body) for p in conn.published] == [(b"k0", b"m0"), (b"k1", b"m1"), (b"k2", b"m2"),
+                                                                  (b"k4", b"m4"), (b"k5", b"m5")]
+    assert held_gauge(metrics, NAMES.distributor) == 0
+    for pub in conn.published[:-1]:
+        conn.publishing().confirm(pub.seq)
+    conn.advance(5)
+    assert conn.consuming().acks == []  # (the last is not confirmed yet)
+    conn.publishing().confirm(conn.published[-1].seq)
+    conn.advance(5)
+    assert conn.consuming().acks == [(1, True)]
+
+
 def test_a_message_nobody_is_bound_for_comes_back_and_is_parked_instead():
     conn, pipe, _ = started(NAMES.distributor, Distributor(CHAIN, 50))
     conn.consuming().deliver(b"lost?", in_gateway_format(conn, 0))

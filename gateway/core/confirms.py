@@ -82,6 +82,11 @@ class Window(Generic[P]):
         self._waiting.append(pub)
         return Outcome(send=self._pump())
 
+    def add_all(self, pubs: List[Publication[P]]) -> Outcome[P]:
+        """`add` for each, in order, in one answer."""
+        self._waiting.extend(pubs)
+        return Outcome(send=self._pump())
+
     def returned(self, seq: int) -> None:
         pub = self._inflight.get(seq)
         if pub is not None:

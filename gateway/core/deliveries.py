@@ -31,7 +31,7 @@ channels, one that consumes and acknowledges and one that publishes with confirm
 """
 
 from dataclasses import dataclass
-from typing import Dict, Generic, Iterable, List, Mapping, Optional, Set, Tuple, TypeVar
+from typing import Dict, Generic, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, TypeVar
 
 from gateway.core.carrier import Holds
 from gateway.core.confirms import Outcome, P, Publication, Window
@@ -228,6 +228,18 @@ class Deliveries(Generic[P, H]):
         for tag in (tags if finishing is None else finishing):
             self._deliveries[tag].finished = True
         return self._window.add(Publication(tuple(tags), payload, parking=parking, side=side))
+
+    def publish_each(self, items: Sequence[Tuple[int, P, bool, bool]]) -> Outcome[P]:
+        """`publish` for each (tag, payload, finishing, parking), in order, in one answer: the
+        releases of one event, each one message of one delivery (a carrier's, often the same)."""
+        pubs = []
+        for tag, payload, finishing, parking in items:
+            d = self._deliveries[tag]
+            d.pending += 1
+            if finishing:
+                d.finished = True
+            pubs.append(Publication((tag,), payload, parking=parking))
+        return self._window.add_all(pubs)
 
     def retry(self, pub: Publication[P]) -> Outcome[P]:
         """Send a refused publication again (its deliveries still wait for it)."""

@@ -187,7 +187,12 @@ class Flow:
             self._ack_soon(now, out)
         else:
             self._unsent[tag] = len(actions)
+        sends: List[Tuple[int, Forward]] = []  # due now: published together, in order, before anything else
         for action in actions:
+            if sends and (not isinstance(action, Forward) or action.fence or action.not_before_ms is not None
+                          and action.not_before_ms > now):
+                self._send_each(sends, now, out)
+                sends = []
             if isinstance(action, Drop):
                 self._drop(tag, action.entry, now, out)
                 continue
@@ -202,7 +207,9 @@ class Flow:
             elif action.not_before_ms is not None and action.not_before_ms > now:
                 self.ledger.hold(tag, action.not_before_ms - self._step, action)
             else:
-                self._send([tag], action, [(tag, action.entry)], now, out)
+                sends.append((tag, action))
+        if sends:
+            self._send_each(sends, now, out)
         if fence or (self._prefetch and (len(self._delivered) >= self._prefetch
                                          or len(self._batcher) >= self._prefetch * WINDOW_SHARE)):
             # A fence waits for every delivery before it: what waits for company goes now.
@@ -334,14 +341,17 @@ class Flow:
                                         "4.3 keeps it for consumer_disconnected_timeout after losing a node)")
         if self.ledger.next_due() is None:
             return
+        sends: List[Tuple[int, Forward]] = []
         for tag, action in self.ledger.due(now - self._step):
             assert action.not_before_ms is not None  # (what is held has a time)
             if action.not_before_ms > now:
                 self.ledger.hold(tag, action.not_before_ms - self._step, action)
             elif self._still_wanted is None or self._still_wanted(action):
-                self._send([tag], action, [(tag, action.entry)], now, out)
-            else:
+                sends.append((tag, action))
+            else:  # (before the sends: a delivery finishes with its last message counted, either way)
                 self._drop(tag, action.entry, now, out)
+        if sends:
+            self._send_each(sends, now, out)
 
     def _release_stranded(self, forward: Forward, now: int, out: Effects) -> bool:
         """Publish a message a lost channel held, from memory (stranded.Stranded): no delivery
@@ -406,6 +416,36 @@ class Flow:
                 self._recorder.waits(forward.way is Way.MEDITATION, members, now)
             elif forward.way in LEAVES:
                 self.ledger.owe(self._recorder.left(members, now))
+
+    def _send_each(self, sends: List[Tuple[int, Forward]], now: int, out: Effects) -> None:
+        """`_send` for each (tag, forward) alone, in order: one message of that delivery each
+        (the releases of an event), with one answer from the ledger for them all."""
+        if len(sends) == 1:
+            tag, forward = sends[0]
+            self._send([tag], forward, [(tag, forward.entry)], now, out)
+            return
+        unsent, late, recorder = self._unsent, self._observer.late, self._recorder
+        items = []
+        leaving: List[Member] = []
+        for tag, forward in sends:
+            if forward.not_before_ms is not None:
+                late(max(0, now - forward.not_before_ms))
+            left = unsent.get(tag, 0) - 1
+            if left <= 0:
+                unsent.pop(tag, None)
+            else:
+                unsent[tag] = left
+            members = [(tag, forward.entry)]
+            items.append((tag, Payload(forward, members), left <= 0, forward.way is Way.PARKED))
+            if recorder is not None:
+                if forward.way in STAYS:
+                    recorder.waits(forward.way is Way.MEDITATION, members, now)
+                elif forward.way in LEAVES:
+                    leaving += members
+        self._apply(self.ledger.publish_each(items), now, out)
+        if leaving:
+            assert recorder is not None
+            self.ledger.owe(recorder.left(leaving, now))
 
     def _record(self, now: int, out: Effects) -> None:
         """Publish what the recorder holds (index_records.Recorder), after the messages it speaks
