@@ -34,7 +34,8 @@ of three everything flows. This matches the dead-letter worker failover bugs fix
 3.10.8 (rabbitmq-server PR #7677, "Improve rabbit_fifo_dlx_worker resiliency"). Nothing is
 destroyed: the test checks that every missing message is still held by the chain's queues,
 and reports an expected failure (xfail, with the figures) on 3.10 only, for the stopped
-leader; on 4.x nothing is excused.
+leader (in the long run only: DELAY_GATEWAY_TEST_BROKERS=3.10,4.3,4.0); on 4.x nothing is
+excused.
 """
 
 import dataclasses
@@ -46,7 +47,7 @@ import pytest
 
 from topology import ChainSettings
 
-from ..conftest import checked_runtime
+from ..conftest import brokers_wanted, checked_runtime
 from ..support import GatewayProcess, declared, now_ms, unique_prefix, wait_until
 from .load import Sink, count, mixed_delays, publish, where_are_they
 from .netns import Lan
@@ -79,13 +80,15 @@ FAULTS = ["stop", "kill9", "partition"]
 
 def wanted(params) -> bool:
     """The cases that run (tests/conftest.py deselects the others, and the brokers the run
-    leaves out): on 3.10 the stopped leader only (its expected failure); on 4.3 every fault;
-    on 4.0 every fault with Mnesia, and the abrupt ones with Khepri (kill -9 and a partition:
-    a clean stop hands leadership over, and 4.3 covers it on Khepri)."""
+    leaves out): on 4.3 every fault; on 4.0 every fault with Mnesia, and the abrupt ones with
+    Khepri (kill -9 and a partition: a clean stop hands leadership over, and 4.3 covers it on
+    Khepri); on 3.10 the stopped leader only (its expected failure), in the long run that
+    includes 4.0 (80 s of a 3-node cluster for a known broker bug: the default run stays
+    under 20 minutes)."""
     label, store = params["cluster"]
     fault = params["fault"]
     if label == "rmq3.10":
-        return fault == "stop"
+        return fault == "stop" and "rmq4.0" in brokers_wanted()
     return not (label == "rmq4.0" and store == "khepri" and fault == "stop")
 
 
