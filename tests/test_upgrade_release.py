@@ -634,7 +634,11 @@ def test_the_last_release_hands_over_to_this_version_under_load(broker, release,
     assert not early, [(b, sent[b].not_before_ms - min(a.at_ms for a in arrivals[b])) for b in early[:5]]
     assert not through, f"{len(through)} cancelled but delivered: {through[:5]}"
     assert not far_delivered, far_delivered
-    assert duplicates == 0, [(b, len(got)) for b, got in arrivals.items() if len(got) > 1][:5]
+    # (seen once in a run with five workers, 37 on 3.10; not reproduced alone: the warnings say
+    # whether a version gave up waiting for its confirms at SIGTERM, stop_grace_expired)
+    assert duplicates == 0, ([(b, len(got)) for b, got in arrivals.items() if len(got) > 1][:5], [
+        (name, e) for name, g in (("old", old), ("new", new)) if g is not None
+        for e in g.lines if e.get("level") == "warning"][-10:])
     assert not changed, [(b, sent[b].props, [a.props for a in arrivals[b]]) for b in changed[:3]]
     assert far_counts[-1]["total"] == len(far), f"`pending count --key far.#` never said {len(far)}: {far_counts[-1]}"
     assert not wrong_attempts, {b: attempts.get(b) for b in wrong_attempts[:5]}
