@@ -189,8 +189,12 @@ class Flow:
             self._unsent[tag] = len(actions)
         sends: List[Tuple[int, Forward]] = []  # due now: published together, in order, before anything else
         for action in actions:
-            if sends and (not isinstance(action, Forward) or action.fence or action.not_before_ms is not None
-                          and action.not_before_ms > now):
+            if isinstance(action, Forward) and not action.fence and (action.not_before_ms is None
+                                                                     or action.not_before_ms <= now):
+                self._observer.forwarded(action)
+                sends.append((tag, action))
+                continue
+            if sends:
                 self._send_each(sends, now, out)
                 sends = []
             if isinstance(action, Drop):
@@ -204,10 +208,9 @@ class Flow:
                     self._flush_batch(batch, now, out)
             elif action.fence:
                 self._fenced.append((tag, action))
-            elif action.not_before_ms is not None and action.not_before_ms > now:
+            else:  # due later: held until then
+                assert action.not_before_ms is not None
                 self.ledger.hold(tag, action.not_before_ms - self._step, action)
-            else:
-                sends.append((tag, action))
         if sends:
             self._send_each(sends, now, out)
         if fence or (self._prefetch and (len(self._delivered) >= self._prefetch
@@ -399,15 +402,8 @@ class Flow:
         """Publish `forward` for the messages of these deliveries (one tag per message)."""
         if forward.not_before_ms is not None:
             self._observer.late(max(0, now - forward.not_before_ms))
-        finishing = []
         counted = ((tags[0], 1),) if len(tags) == 1 else Counter(tags).items()  # (one: a release, the busiest)
-        for tag, n in counted:
-            left = self._unsent.get(tag, 0) - n
-            if left <= 0:
-                self._unsent.pop(tag, None)
-                finishing.append(tag)
-            else:
-                self._unsent[tag] = left
+        finishing = [tag for tag, n in counted if self._sent_of(tag, n)]
         answer = self.ledger.publish(tuple(tags) if len(tags) == 1 else tuple(dict.fromkeys(tags)),
                                      Payload(forward, members), finishing, parking=forward.way is Way.PARKED)
         self._apply(answer, now, out)
@@ -417,6 +413,15 @@ class Flow:
             elif forward.way in LEAVES:
                 self.ledger.owe(self._recorder.left(members, now))
 
+    def _sent_of(self, tag: int, n: int) -> bool:
+        """`n` more of the delivery's messages are in a publication: whether that was its last."""
+        left = self._unsent.get(tag, 0) - n
+        if left <= 0:
+            self._unsent.pop(tag, None)
+            return True
+        self._unsent[tag] = left
+        return False
+
     def _send_each(self, sends: List[Tuple[int, Forward]], now: int, out: Effects) -> None:
         """`_send` for each (tag, forward) alone, in order: one message of that delivery each
         (the releases of an event), with one answer from the ledger for them all."""
@@ -424,19 +429,14 @@ class Flow:
             tag, forward = sends[0]
             self._send([tag], forward, [(tag, forward.entry)], now, out)
             return
-        unsent, late, recorder = self._unsent, self._observer.late, self._recorder
+        late, recorder = self._observer.late, self._recorder
         items = []
         leaving: List[Member] = []
         for tag, forward in sends:
             if forward.not_before_ms is not None:
                 late(max(0, now - forward.not_before_ms))
-            left = unsent.get(tag, 0) - 1
-            if left <= 0:
-                unsent.pop(tag, None)
-            else:
-                unsent[tag] = left
             members = [(tag, forward.entry)]
-            items.append((tag, Payload(forward, members), left <= 0, forward.way is Way.PARKED))
+            items.append((tag, Payload(forward, members), self._sent_of(tag, 1), forward.way is Way.PARKED))
             if recorder is not None:
                 if forward.way in STAYS:
                     recorder.waits(forward.way is Way.MEDITATION, members, now)
