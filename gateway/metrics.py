@@ -80,6 +80,7 @@ class Metrics:
     lateness: Bound[Histogram]
     held: Bound[Gauge]
     held_deliveries: Bound[Gauge]
+    overdue: Bound[Gauge]
     batch_publishes: Bound[Counter]
     batched_messages: Bound[Counter]
     connections: Bound[Counter]
@@ -130,6 +131,10 @@ class Metrics:
             "held_deliveries",
             "delay_gateway_held_deliveries", "Deliveries (messages, or carriers of them) with a message held until "
             "its due time, by consumer: each keeps a place of the prefetch", ["vhost", "queue"])
+        families.gauge(
+            "overdue",
+            "delay_gateway_overdue_messages", "Messages that reached the distributor overdue and wait for the "
+            "catch-up's pace (--catch-up-rate), by consumer (0 without one)", ["vhost", "queue"])
         families.counter(
             "batch_publishes",
             "delay_gateway_batch_publishes", "Publishes into the chain, meditation or the distributor "

@@ -201,6 +201,10 @@ OPTIONS: Tuple[Option, ...] = (
            "within one unit at your peak, plus --hold-messages per check-in consumer",
            "run",
            "distributorPrefetch", metavar="N"),
+    Option("catch_up_rate", 0, number(0),
+           "release messages that reach the distributor overdue (after an outage) at most this many a second per "
+           "distributor consumer, most overdue first, while the rest go out on time; 0: all at once",
+           "run", "catchUpRate", metavar="MSG/S"),
     Option("hold_within_ms", 10_000, integer(0, 60_000),
            "a message due within this long goes from check-in straight to the distributor, which holds it until due, "
            "instead of down the chain (0: only what is due within the lead and one unit)", "lead", "holdWithinMs",
@@ -369,6 +373,7 @@ class Settings:
     distributor_prefetch: int = default("distributor_prefetch")
     hold_within_ms: int = default("hold_within_ms")
     hold_messages: int = default("hold_messages")
+    catch_up_rate: float = default("catch_up_rate")
     lead_ms: int = default("lead_ms")
     carrier_messages: int = default("carrier_messages")
     carrier_wait_ms: int = default("carrier_wait_ms")

@@ -227,6 +227,14 @@ class Holds(Generic[K, V]):
             out.append((key, item))
         return out
 
+    def first(self, count: int) -> List[Tuple[K, V]]:
+        """Up to `count` of the earliest, whatever their time."""
+        out: List[Tuple[K, V]] = []
+        while self._heap and len(out) < count:
+            _, _, key, item = heapq.heappop(self._heap)
+            out.append((key, item))
+        return out
+
     def discard(self, key: K) -> None:
         """Forget everything held under this key (rare: a delivery given up)."""
         kept = [h for h in self._heap if h[2] != key]

@@ -59,6 +59,7 @@ class Deliveries(Generic[P, H]):
         self._done: Set[int] = set()  # outstanding and done: to acknowledge
         self._fences = 0  # outstanding fences
         self._holds: Holds[int, H] = Holds()  # a delivery's message, due at its time
+        self._behind: Holds[int, H] = Holds()  # overdue ones waiting for the catch-up's pace (catch_up.py)
         self._holding = 0  # deliveries with a message held: each keeps a place of the prefetch
         self._window: Window[P] = Window()
 
@@ -71,8 +72,13 @@ class Deliveries(Generic[P, H]):
 
     @property
     def held(self) -> int:
-        """Messages held until their time."""
-        return len(self._holds)
+        """Messages held until their time, overdue ones waiting for the catch-up's pace too."""
+        return len(self._holds) + len(self._behind)
+
+    @property
+    def behind(self) -> int:
+        """Overdue messages waiting for the catch-up's pace."""
+        return len(self._behind)
 
     @property
     def holding(self) -> int:
@@ -82,8 +88,13 @@ class Deliveries(Generic[P, H]):
 
     def next_due(self) -> Optional[int]:
         """When the first held message is due, if any (on the clock the holds were given in:
-        flow.Flow holds on a steady clock)."""
+        flow.Flow holds on a steady clock); overdue ones waiting for the pace not counted."""
         return self._holds.next_due()
+
+    def first_due(self) -> Optional[int]:
+        """When the first held message is due, overdue ones waiting for the pace counted."""
+        due, behind = self._holds.next_due(), self._behind.next_due()
+        return behind if due is None or (behind is not None and behind < due) else due
 
     @property
     def fences(self) -> int:
@@ -134,13 +145,24 @@ class Deliveries(Generic[P, H]):
         self._holding += d.holds == 1
         self._holds.add(due_ms, tag, message)
 
+    def hold_behind(self, tag: int, due_ms: int, message: H) -> None:
+        """One of its messages is overdue and waits for the catch-up's pace (`take_behind`)."""
+        d = self._deliveries[tag]
+        d.holds += 1
+        self._holding += d.holds == 1
+        self._behind.add(due_ms, tag, message)
+
+    def take_behind(self, count: int) -> List[Tuple[int, H]]:
+        """Up to `count` of the overdue messages, most overdue first, no longer held."""
+        return self._released(self._behind.first(count))
+
     def due(self, now_ms: int) -> List[Tuple[int, H]]:
         """The held messages whose time has come, in due order, no longer held."""
         return self._released(self._holds.due(now_ms))
 
     def drain_holds(self) -> List[Tuple[int, H]]:
-        """Every held message, in due order, no longer held (stopping)."""
-        return self._released(self._holds.drain())
+        """Every held message, overdue ones first, then in due order, no longer held (stopping)."""
+        return self._released(self._behind.drain() + self._holds.drain())
 
     def _released(self, held: List[Tuple[int, H]]) -> List[Tuple[int, H]]:
         for tag, _ in held:
@@ -178,6 +200,7 @@ class Deliveries(Generic[P, H]):
         self._fences -= d.fence
         if d.holds:
             self._holds.discard(tag)
+            self._behind.discard(tag)
             self._holding -= 1
         self._done.discard(tag)
 
@@ -301,6 +324,7 @@ class Deliveries(Generic[P, H]):
         and none of their held messages will be released."""
         self._deliveries.clear()
         self._holds.drain()
+        self._behind.drain()
         self._holding = 0
         self._done.clear()
         self._fences = 0

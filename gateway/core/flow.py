@@ -36,6 +36,7 @@ from gateway.core.inputs import Delivery
 from gateway.core.routes import LEAVES, STAYS, Way
 from gateway.core.effects import Effects, Handler, Member, Observer, Payload, Sent
 from gateway.core.carrier import Batch, Batcher, Entry
+from gateway.core.catch_up import CatchUp
 from gateway.core.deliveries import Deliveries, Outcome
 from gateway.core.stranded import Stranded
 from gateway.core.wire import Properties
@@ -71,8 +72,10 @@ class Flow:
     def __init__(self, queue: str, names: Names, handler: Handler, observer: Observer,
                  batcher: Optional[Batcher] = None, still_wanted: Optional[Callable[[Forward], bool]] = None,
                  prefetch: int = 0, recorder: Optional[index_records.Recorder] = None,
-                 stranded: Optional[Stranded] = None) -> None:
+                 stranded: Optional[Stranded] = None, catch_up: Optional[CatchUp] = None) -> None:
         self._names, self._handler, self._observer = names, handler, observer
+        # overdue releases paced (catch_up.py; None: released as they come, the default)
+        self._catch_up = catch_up
         # what the process held when a channel of this queue was lost (None: it holds nothing)
         self._stranded = stranded
         self._recorder = recorder  # the index of what waits (None: not kept)
@@ -127,9 +130,15 @@ class Flow:
         """How long the oldest publish not yet confirmed has waited (0: none)."""
         return self.ledger.waiting_for_confirm_ms(now)
 
-    def held_due(self) -> Optional[int]:
-        """When the first held message is due (epoch ms, by the wall clock), if any."""
-        due = self.ledger.next_due()
+    @property
+    def behind(self) -> int:
+        """Overdue messages waiting for the catch-up's pace (the overdue gauge)."""
+        return self.ledger.behind
+
+    def held_due(self, behind: bool = True) -> Optional[int]:
+        """When the first held message is due (epoch ms, by the wall clock), if any (`behind`:
+        counting the overdue ones that wait for the catch-up's pace)."""
+        due = self.ledger.first_due() if behind else self.ledger.next_due()
         stranded = self._stranded.next_due(self._step) if self._stranded else None
         if stranded is not None and (due is None or stranded < due):
             due = stranded
@@ -142,7 +151,10 @@ class Flow:
 
     def next_wake(self) -> Optional[int]:
         """When the next `tick` is due (epoch ms), if any."""
-        at = self.held_due()
+        at = self.held_due(behind=False)
+        if self.ledger.behind and self._catch_up is not None:
+            paced = self._catch_up.next_at()
+            at = paced if at is None or paced < at else at
         recorded = self._recorder.next_deadline() if self._recorder is not None else None
         for t in (self._batcher.next_deadline(), self._flush_at, min((at for at, _ in self._retries), default=None),
                   recorded):
@@ -163,6 +175,7 @@ class Flow:
         self._release_due(now, out)  # a stream of deliveries must not keep due messages waiting
         for tag, d in deliveries:
             self._take(tag, d, now, out)
+        self._release_behind(now, out)
         self._record(now, out)
         return out
 
@@ -192,7 +205,11 @@ class Flow:
             if isinstance(action, Forward) and not action.fence and (action.not_before_ms is None
                                                                      or action.not_before_ms <= now):
                 self._observer.forwarded(action)
-                sends.append((tag, action))
+                if self._catch_up is not None and action.not_before_ms is not None \
+                        and self._catch_up.overdue(action.not_before_ms, now):
+                    self.ledger.hold_behind(tag, action.not_before_ms - self._step, action)
+                else:
+                    sends.append((tag, action))
                 continue
             if sends:
                 self._send_each(sends, now, out)
@@ -342,16 +359,31 @@ class Flow:
                 self._observer.note("warning", "released_from_memory", messages=released,
                                     why="the broker has not handed back what a lost connection held (RabbitMQ "
                                         "4.3 keeps it for consumer_disconnected_timeout after losing a node)")
-        if self.ledger.next_due() is None:
-            return
         sends: List[Tuple[int, Forward]] = []
-        for tag, action in self.ledger.due(now - self._step):
-            assert action.not_before_ms is not None  # (what is held has a time)
-            if action.not_before_ms > now:
-                self.ledger.hold(tag, action.not_before_ms - self._step, action)
-            elif self._still_wanted is None or self._still_wanted(action):
+        if self.ledger.next_due() is not None:
+            for tag, action in self.ledger.due(now - self._step):
+                assert action.not_before_ms is not None  # (what is held has a time)
+                if action.not_before_ms > now:
+                    self.ledger.hold(tag, action.not_before_ms - self._step, action)
+                elif self._still_wanted is None or self._still_wanted(action):
+                    sends.append((tag, action))
+                else:  # (before the sends: a delivery finishes with its last message counted, either way)
+                    self._drop(tag, action.entry, now, out)
+        if sends:
+            self._send_each(sends, now, out)
+        self._release_behind(now, out)
+
+    def _release_behind(self, now: int, out: Effects) -> None:
+        """Publish as many overdue messages as the catch-up's pace allows, most overdue first."""
+        if not self.ledger.behind or self._catch_up is None:
+            return
+        taken = self.ledger.take_behind(self._catch_up.allowance(now))
+        self._catch_up.spent(len(taken))
+        sends: List[Tuple[int, Forward]] = []
+        for tag, action in taken:  # (a cancelled one costs its place in the pace too: it was read)
+            if self._still_wanted is None or self._still_wanted(action):
                 sends.append((tag, action))
-            else:  # (before the sends: a delivery finishes with its last message counted, either way)
+            else:
                 self._drop(tag, action.entry, now, out)
         if sends:
             self._send_each(sends, now, out)

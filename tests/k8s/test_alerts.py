@@ -26,8 +26,8 @@ from .rules import PLAIN, plain_text, rule_groups
 ENABLED = {"metrics": {"prometheusRule": {"enabled": True}}}
 NS, JOB = "messaging", "delay-gateway-metrics"
 ALERTS = ["DelayGatewayCheckInNotReady", "DelayGatewayDistributorNotReady", "DelayGatewayCheckInBacklog",
-          "DelayGatewayLateDeliveries", "DelayGatewayMessagesParked", "DelayGatewayRetriesGaveUp",
-          "DelayGatewayCancellationsNotFollowed", "DelayGatewayConnectionsFlapping"]
+          "DelayGatewayCatchUpBehind", "DelayGatewayLateDeliveries", "DelayGatewayMessagesParked",
+          "DelayGatewayRetriesGaveUp", "DelayGatewayCancellationsNotFollowed", "DelayGatewayConnectionsFlapping"]
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess:
@@ -173,6 +173,7 @@ def test_the_plain_files_own_sed_line_makes_each_runbook_url_a_link(tmp_path):
 # -- promtool ---------------------------------------------------------------------------------
 OTHER_VALUES = {"metrics": {"prometheusRule": {"alerts": {
     "notReady": {"for": "1m", "forgetAfter": "2h", "severity": "page"}, "checkInBacklog": {"messages": 50, "for": "2m"},
+    "catchUpBehind": {"messages": 100000, "for": "5m"},
     "lateness": {"seconds": 5, "for": "30s"}, "parked": {"messages": 10, "window": "1h"},
     "retriesGaveUp": {"messages": 3, "window": "5m"}, "cancellationsNotFollowed": {"for": "90s"},
     "connectionsFlapping": {"connections": 30, "window": "1h"}}}}}
@@ -229,6 +230,13 @@ def backlog(value: str, queue: str = "delay.check-in", threshold: int = 1000, fo
                  "the check-in gateways read more slowly than publishers publish.")
 
 
+def behind(value: str, threshold: int = 10000, for_: str = "10m", vhost: Optional[str] = None) -> dict:
+    return fired({"namespace": NS, "job": JOB, **({"vhost": vhost} if vhost else {})},
+                 f"In {NS} ({JOB}{where(vhost, False)}) {value} overdue messages wait for the distributors' "
+                 f"--catch-up-rate, more than {threshold}, and their number has grown for {for_}: overdue messages "
+                 "reach the distributors faster than the catch-up releases them.")
+
+
 def late(value: str) -> dict:
     return fired({"namespace": NS, "job": JOB},
                  f"In {NS} ({JOB}) 1 message in 100 left for pick-up more than {value} after its due time over the "
@@ -259,6 +267,7 @@ def flapping(pod: str, count: int) -> dict:
 
 
 READY, QUEUE = "delay_gateway_ready", "delay_gateway_queue_messages"
+OVERDUE = "delay_gateway_overdue_messages"
 PARKED, RETRIES = "delay_gateway_parked_total", "delay_gateway_retries_total"
 FOLLOWING, CONNECTIONS = "delay_gateway_cancellations_following", "delay_gateway_connections_total"
 LATENESS = "delay_gateway_lateness_seconds_bucket"
@@ -324,6 +333,21 @@ SCENARIOS: Dict[str, List[dict]] = {
          "series": [series(QUEUE, "0+500x40", queue="delay.distributor", pod="ci-1"),
                     series(QUEUE, "0+500x40", queue="delay.parked", pod="ci-1")],
          "at": {"30m": []}},
+    ],
+    "DelayGatewayCatchUpBehind": [
+        {"about": "two distributors' backlogs growing by 500 a minute each, past 10,000 together at t=10m; "
+                  "then released",
+         "series": [series(OVERDUE, "0+500x30 0x15", queue="delay.distributor", pod="d-1"),
+                    series(OVERDUE, "0+500x30 0x15", queue="delay.distributor", pod="d-2")],
+         "at": {"15m": [], "21m": [behind("21k")], "30m": [behind("30k")], "40m": []}},
+        {"about": "a large backlog the catch-up works down, and a growing one still small",
+         "series": [series(OVERDUE, "50000-1000x40", queue="delay.distributor", pod="d-1", vhost="a"),
+                    series(OVERDUE, "0+100x40", queue="delay.distributor", pod="d-1", vhost="b")],
+         "at": {"20m": [], "40m": []}},
+        {"about": "per virtual host: one growing past the limit",
+         "series": [series(OVERDUE, "0+1000x30", queue="delay.distributor", pod="d-1", vhost="a"),
+                    series(OVERDUE, "0x30", queue="delay.distributor", pod="d-1", vhost="b")],
+         "at": {"21m": [behind("21k", vhost="a")]}},
     ],
     "DelayGatewayLateDeliveries": [
         {"about": "every message 1 to 2.5 s late for 20 min, then on time again",
@@ -436,6 +460,8 @@ def test_the_thresholds_and_durations_come_from_the_values(tmp_path):
         # 50 messages and 2m: 0, 100, 200, ... passes 50 at t=1m, fires at t=3m
         "DelayGatewayCheckInBacklog": [{**SCENARIOS["DelayGatewayCheckInBacklog"][0], "at": {
             "2m": [], "3m": [backlog("300", threshold=50, for_="2m")]}}],
+        # 100,000 messages: 30,000 is not enough
+        "DelayGatewayCatchUpBehind": [{**SCENARIOS["DelayGatewayCatchUpBehind"][0], "at": {"30m": []}}],
         # 5 s: messages 2.5 s late are not late enough
         "DelayGatewayLateDeliveries": [{**SCENARIOS["DelayGatewayLateDeliveries"][0], "at": {"15m": []}}],
         # more than 10 parks, more than 30 connections, within 1h
@@ -472,6 +498,7 @@ def test_the_schema_accepts_the_rule_values():
     ({"alerts": {"notReady": {"forgetAfter": "a day"}}}, "forgetAfter"),
     ({"alerts": {"checkInBacklog": {"messages": -1}}}, "messages"),
     ({"alerts": {"checkInBacklog": {"messages": "1000"}}}, "messages"),
+    ({"alerts": {"catchUpBehind": {"messages": -5}}}, "messages"),
     ({"alerts": {"lateness": {"seconds": 0}}}, "seconds"),
     ({"alerts": {"lateness": {"seconds": "1s"}}}, "seconds"),
     ({"alerts": {"parked": {"window": "15"}}}, "window"),

@@ -28,6 +28,7 @@ from gateway.core.actions import Forward, Publish
 from gateway.core.inputs import Delivery
 from gateway.core.routes import Way
 from gateway.core.carrier import Batcher
+from gateway.core.catch_up import CatchUp
 from gateway.core.effects import Effects, Handler
 from gateway.core.flow import Flow
 from gateway.core.index_records import Recorder
@@ -104,7 +105,8 @@ class Pipe:
                  on_fatal: Optional[Callable[[Exception], None]] = None,
                  batcher: Optional[Batcher] = None, still_wanted: Optional[Callable[[Forward], bool]] = None,
                  on_caught_up: Optional[Callable[[], None]] = None, recorder: Optional[Recorder] = None,
-                 timeout_ms: Optional[int] = CONSUMER_TIMEOUT_MS, stranded: Optional[Stranded] = None) -> None:
+                 timeout_ms: Optional[int] = CONSUMER_TIMEOUT_MS, stranded: Optional[Stranded] = None,
+                 catch_up: Optional[CatchUp] = None) -> None:
         self._connection, self.queue, self._prefetch, self._clock = connection, queue, prefetch, clock
         # (x-consumer-timeout: longer than anything this consumer holds; None: not asked for, on
         # a classic queue, which RabbitMQ 4.3 refuses it on and times out no consumer of)
@@ -121,8 +123,10 @@ class Pipe:
         # A debug event costs structlog's processors even when the level filters it out later.
         self._debug = logging.getLogger("gateway").isEnabledFor(logging.DEBUG)
         self._telemetry = Telemetry(queue, metrics, self._log)
-        self.flow = Flow(queue, names, handler, self._telemetry, batcher, still_wanted, prefetch, recorder, stranded)
+        self.flow = Flow(queue, names, handler, self._telemetry, batcher, still_wanted, prefetch, recorder, stranded,
+                         catch_up)
         metrics.held.labels(queue).set_function(lambda: self.flow.held)
+        metrics.overdue.labels(queue).set_function(lambda: self.flow.behind)
         metrics.held_deliveries.labels(queue).set_function(lambda: self.flow.ledger.holding)
         self._consume: Optional[Channel] = None
         self._publish: Optional[Channel] = None

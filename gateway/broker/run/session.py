@@ -24,6 +24,7 @@ from gateway.broker.run.retrying import counting_retries
 from gateway.clock import wall_ms
 from gateway.core.cancels import Sequencer
 from gateway.core.carrier import Batcher
+from gateway.core.catch_up import CatchUp
 from gateway.core.deliveries import Deliveries
 from gateway.core.handlers import CheckIn, Distributor, Parking, Retry, Returning, crowded_at, max_hold_ms
 from gateway.core.index_records import Consumers, Recorder
@@ -84,7 +85,7 @@ class Session:
         s, chain, names = self.settings, self.settings.chain, self.settings.chain.names
 
         def pipe(queue: str, handler, prefetch: int, batched: bool = False, on_caught_up=None,
-                 stranded: Optional[Stranded] = None) -> None:
+                 stranded: Optional[Stranded] = None, catch_up: Optional[CatchUp] = None) -> None:
             batcher = Batcher(s.carrier_messages, s.carrier_bytes, s.carrier_wait_ms) if batched else None
             still_wanted = handler.still_wanted if isinstance(handler, Distributor) and self.judge is not None \
                 else None
@@ -94,7 +95,8 @@ class Session:
             timeout_ms = None if queue in self.exits else max(CONSUMER_TIMEOUT_MS, 2 * max_hold_ms(chain, s.lead_ms))
             self.pipes.append(Pipe(connection, queue, handler, prefetch, self.metrics, names, timeout_ms=timeout_ms,
                                    on_fatal=self._on_fatal, batcher=batcher, still_wanted=still_wanted,
-                                   on_caught_up=on_caught_up, recorder=recorder, stranded=stranded))
+                                   on_caught_up=on_caught_up, recorder=recorder, stranded=stranded,
+                                   catch_up=catch_up))
 
         returning = [names.returning] + [q for q in self.exits if q.startswith(names.returning + ".")]
         distributors = [names.distributor] + [q for q in self.exits if q.startswith(names.distributor + ".")]
@@ -122,7 +124,8 @@ class Session:
             room = crowded_at(s.distributor_prefetch)
             for queue in distributors:
                 distributor = Distributor(chain, s.lead_ms, s.stamp_due_at, self.judge)
-                pipe(queue, distributor, s.distributor_prefetch, stranded=self.stranded.setdefault(queue, Stranded()))
+                pipe(queue, distributor, s.distributor_prefetch, stranded=self.stranded.setdefault(queue, Stranded()),
+                     catch_up=CatchUp(s.catch_up_rate) if s.catch_up_rate > 0 else None)
                 if room is not None:
                     distributor.crowded = crowding(self.pipes[-1].flow.ledger, room)
             pipe(names.parking, Parking(names), s.prefetch)
