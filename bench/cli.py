@@ -132,6 +132,11 @@ def parser(environ) -> argparse.ArgumentParser:
                    help="soak: how long each interpreter's gateway is fed before the other's (default 300)")
     p.add_argument("--holding-sizes", type=_rates, default=[1024, 10240],
                    help="holding: the body sizes, bytes, comma-separated (default 1024,10240)")
+    p.add_argument("--outage-seconds", type=_positive(float), default=60.0,
+                   help="catch-up: how long the distributors are down while --messages (20,000) fall due "
+                        "(default 60)")
+    p.add_argument("--catch-up-rate", type=_positive(float), default=2000.0,
+                   help="catch-up: the gateway's --catch-up-rate, measured beside a release at once (default 2000)")
     p.add_argument("--check-every", type=_positive(float), default=300.0,
                    help="waiting: time `pending count` and `pending list` this often during the flow (default 300)")
     return p
@@ -243,7 +248,8 @@ def main(argv: Optional[Sequence[str]] = None, environ=None) -> int:
                          "ceiling_rates": args.ceiling_rates, "ceiling_seconds": args.ceiling_seconds,
                          "idle_window": args.idle_window, "holding_sizes": args.holding_sizes,
                          "footprint_prefixes": args.footprint_prefixes, "vhosts_count": args.vhosts_count,
-                         "profile": args.profile})
+                         "profile": args.profile, "outage_seconds": args.outage_seconds,
+                         "catch_up_rate": args.catch_up_rate})
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": machine(), "rabbitmq": broker.version(), "url": where,
             "command": "python -m bench " + shlex.join(sys.argv[1:] if argv is None else argv),

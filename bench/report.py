@@ -189,6 +189,7 @@ def markdown(results: Dict[str, List[dict]], meta: dict) -> str:
     lines += footprint_lines(results.get("footprint", []))
     lines += soak_lines(results.get("soak", []))
     lines += vhosts_lines(results.get("vhosts", []))
+    lines += catch_up_lines(results.get("catch-up", []))
     if results.get("hops"):
         lines += ["| broker alone | hops | messages | msg/s through all hops | hops/s | queue writes/s |",
                   "|---|---|---|---|---|---|"]
@@ -260,6 +261,23 @@ def vhosts_lines(runs: List[dict]) -> List[str]:
                            f"{_g(links, 'connections')}, {_g(links, 'channels')}", r["publish_rate"], _g(r, "p50_ms"),
                            _g(r, "p99_ms"), _g(r, "max_ms"), r["lost"], r["early"],
                            f"{_g(loaded, 'rss_mib')}, {loaded['cpu_pct']}"]))
+    return lines + [""]
+
+
+def catch_up_lines(runs: List[dict]) -> List[str]:
+    """After an outage: the overdue backlog released at once or paced, and the on-time flow."""
+    if not runs:
+        return []
+    lines = ["| catch-up: round | --catch-up-rate | outage s | overdue | caught up after s | peak msg/s | "
+             "overdue p50 / p99 / max ms | on time p50 / p99 / max ms | lost | early | duplicates |",
+             "|" + "---|" * 11]
+    for r in runs:
+        o, t = r["overdue"], r["on_time"]
+        lines.append(_row([r["round"], f"{r['rate']:g}" if r["rate"] else "0 (at once)", r["outage_s"],
+                           o["published"], _g(r, "catch_up_s"), r["peak_per_s"],
+                           f"{_g(o, 'p50_ms')} / {_g(o, 'p99_ms')} / {_g(o, 'max_ms')}",
+                           f"{_g(t, 'p50_ms')} / {_g(t, 'p99_ms')} / {_g(t, 'max_ms')}",
+                           o["lost"] + t["lost"], o["early"] + t["early"], o["duplicates"] + t["duplicates"]]))
     return lines + [""]
 
 

@@ -4,6 +4,7 @@ Each scenario takes the run's `Context` and returns a list of JSON-able dicts, o
 """
 
 from .baselines import floor, hops, naive
+from .catch_up import catch_up
 from .ceilings import ceiling, steady
 from .footprint import footprint
 from .memory import holding, pending
@@ -17,7 +18,8 @@ from .vhosts import vhosts
 SCENARIOS = {"paced": paced, "burst": burst, "at-once": at_once, "pending": pending, "steady": steady,
              "roles": roles, "ceiling": ceiling, "hops": hops, "idle": idle, "trickle": trickle, "naive": naive,
              "floor": floor, "waiting": waiting, "holding": holding,
-             "footprint": footprint, "vhosts": vhosts, "soak": soak}
+             "footprint": footprint, "vhosts": vhosts, "soak": soak, "catch-up": catch_up}
 # Names for several at once.
 GROUPS = {"issue": ["paced", "burst", "at-once", "floor", "ceiling", "idle", "trickle"],
-          "all": [s for s in SCENARIOS if s not in ("pending", "waiting", "holding", "footprint", "vhosts", "soak")]}
+          "all": [s for s in SCENARIOS if s not in ("pending", "waiting", "holding", "footprint", "vhosts", "soak",
+                                                    "catch-up")]}
