@@ -9,6 +9,8 @@ from gateway.broker.run.consumer import Pipe
 from gateway.core import carrier
 from gateway.core.catch_up import OVERDUE_AFTER_MS, CatchUp
 from gateway.core.envelope import Inside
+from gateway.core.flow import Flow
+from gateway.core.inputs import Delivery
 from gateway.core.handlers import Distributor
 from gateway.core.wire import Properties
 from gateway.metrics import Metrics
@@ -123,3 +125,31 @@ def test_without_a_rate_overdue_messages_go_at_once():
     conn.settle()
     conn.consuming().deliver(*carried([conn.clock() - 60_000] * 50))
     assert len(conn.published) == 50 and overdue_gauge(metrics) == 0
+
+
+class _Quiet:
+    def forwarded(self, forward) -> None: ...
+
+    def landed(self, forward) -> None: ...
+
+    def batched(self, outcome, messages) -> None: ...
+
+    def late(self, ms) -> None: ...
+
+    def note(self, level, event, **fields) -> None: ...
+
+
+def test_a_wall_clock_stepped_back_does_not_stop_the_catch_up():
+    """The pace counts on the steady clock: the wall clock stepped back an hour in the middle
+    of a catch-up, the overdue messages still go at the rate as real time passes."""
+    now = 1_700_000_000_000
+    flow = Flow(NAMES.distributor, NAMES, Distributor(CHAIN, 50), _Quiet(), catch_up=CatchUp(10))
+    flow.publishing_opened(now)
+    body, props = carried([now - 60_000 + i for i in range(10)])
+    out = flow.delivered(1, Delivery(NAMES.distributor, b"", props, body), now, steady=now)
+    assert len(out.publish) == 1 and flow.behind == 9 and flow.next_wake() == now + 100
+    hour = 3_600_000
+    for k in range(1, 10):  # each 100 ms of real time, the wall clock an hour behind
+        out = flow.tick(now + 100 * k - hour, steady=now + 100 * k)
+        assert len(out.publish) == 1 and flow.behind == 9 - k, k
+        assert flow.behind == 0 or flow.next_wake() == now + 100 * (k + 1) - hour  # (by the wall clock)

@@ -25,7 +25,7 @@ class CatchUp:
         self.rate = rate
         self._burst = max(1.0, rate / 10)
         self._tokens = self._burst
-        self._at: Optional[int] = None  # when the tokens were last counted (epoch ms)
+        self._at: Optional[int] = None  # when the tokens were last counted (ms, a steady clock)
 
     @staticmethod
     def overdue(due_ms: int, now: int) -> bool:
@@ -43,7 +43,8 @@ class CatchUp:
         self._tokens -= released
 
     def next_at(self) -> int:
-        """When the next release is allowed (epoch ms): a tick is due then if any wait."""
+        """When the next release is allowed (on the clock of `allowance`): a tick is due then
+        if any wait."""
         at = self._at if self._at is not None else 0
         missing = 1 - self._tokens
         return at if missing <= 0 else at + max(1, int(missing * 1000 / self.rate + 0.999))

@@ -153,7 +153,7 @@ class Flow:
         """When the next `tick` is due (epoch ms), if any."""
         at = self.held_due(behind=False)
         if self.ledger.behind and self._catch_up is not None:
-            paced = self._catch_up.next_at()
+            paced = self._catch_up.next_at() + self._step
             at = paced if at is None or paced < at else at
         recorded = self._recorder.next_deadline() if self._recorder is not None else None
         for t in (self._batcher.next_deadline(), self._flush_at, min((at for at, _ in self._retries), default=None),
@@ -377,7 +377,8 @@ class Flow:
         """Publish as many overdue messages as the catch-up's pace allows, most overdue first."""
         if not self.ledger.behind or self._catch_up is None:
             return
-        taken = self.ledger.take_behind(self._catch_up.allowance(now))
+        # (paced on the steady clock: a wall clock stepped back must not stop the catch-up)
+        taken = self.ledger.take_behind(self._catch_up.allowance(now - self._step))
         self._catch_up.spent(len(taken))
         sends: List[Tuple[int, Forward]] = []
         for tag, action in taken:  # (a cancelled one costs its place in the pace too: it was read)
