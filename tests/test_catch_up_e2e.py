@@ -1,10 +1,10 @@
 """The catch-up after an outage (`--catch-up-rate`) against real brokers, at its worst
 moment: the distributor is down while a thousand messages fall due (some cancelled
-meanwhile); one started with a catch-up rate releases them at most that fast, most overdue
-first, while messages published during the catch-up go out on time; it is SIGKILLed, or its
-connection cut, halfway through the backlog, and a new one (or the same one, reconnected)
-finishes it. Nothing is early or lost, no cancelled message arrives, and the backlog took at
-least as long as the rate allows."""
+meanwhile); one started with a catch-up rate releases them at most that fast while messages
+published during the catch-up go out on time; it is SIGKILLed, or its connection cut,
+halfway through the backlog, and a new one (or the same one, reconnected) finishes it.
+Nothing is early or lost, no cancelled message arrives, and the backlog took at least as
+long as the rate allows. (The order, most overdue first: tests/test_catch_up.py.)"""
 
 import pika
 import pytest
