@@ -6,9 +6,9 @@ process alone takes `--messages` (20,000) messages published evenly over
 `--outage-seconds` (60), each due 1-3 s after its publish, so that all fall due during the
 outage and wait in the distributor queue. Then a distributor process starts with that rate
 while a publisher sends on-time messages (100 msg/s, due in 2-5 s) for as long as the
-catch-up should last. A separate receiver takes everything from a quorum queue bound to
-pick-up: the overdue messages' lateness and the rate they came at (their peak second), and
-the on-time messages' lateness beside them."""
+catch-up should last and 5 s more. A separate receiver takes everything from a quorum queue
+bound to pick-up: the overdue messages' lateness and the rate they came at (their peak
+second), and the on-time messages' lateness beside them."""
 
 import random
 import threading
@@ -47,8 +47,9 @@ def _run(ctx: Context, round_no: int, overdue: int, outage_s: float, rate: float
     topology = build(chain)
     with blocking(ctx.url) as c:
         declare(c.channel(), topology)
-    # the on-time flow lasts as long as the catch-up should, and five seconds more
-    on_time = int(ON_TIME_RATE * ((overdue / rate if rate else 0.0) + 5))
+    # the on-time flow lasts as long as the catch-up should, and five seconds more (at most the
+    # outage's length: a tiny run stays short)
+    on_time = int(ON_TIME_RATE * ((overdue / rate if rate else 0.0) + min(5.0, outage_s)))
     gateways: List[GatewayProcess] = []
     try:
         declare_receiver_queue(ctx.url, sink, ctx.receiver_queue_type, chain.names.pick_up)

@@ -140,6 +140,7 @@ LONGEST_FIRST = {name: rank for rank, name in enumerate([
     "k8s/test_upgrade.py",  # 73
     "k8s/test_image.py",  # 70
     "faults/test_consumer_timeout.py",  # 57
+    "test_catch_up_e2e.py",  # 55 (2026-11-29)
     "test_broker_alert.py",  # 50 (added since)
     "spark/test_units.py",  # 52
     "test_broker_versions.py",  # 51
