@@ -17,6 +17,7 @@ from gateway.metrics import Metrics
 from topology import ChainSettings
 
 from .fake_broker import FakeConnection
+from .test_shorter_path import _Quiet
 
 CHAIN = ChainSettings(prefix="cu", max_level=4, resolution_ms=1000)
 NAMES = CHAIN.names
@@ -61,9 +62,9 @@ def overdue_gauge(metrics: Metrics) -> float:
                                                                                  "queue": NAMES.distributor})
 
 
-def carried(dues, prefix="m"):
-    entries = [carrier.Entry(b"k", Properties.build(message_id=f"{prefix}{i}"), f"{prefix}{i}".encode(), d)
-               for i, d in enumerate(dues)]
+def carried(dues, prefix="m", accepted_us=None):
+    entries = [carrier.Entry(b"k", Properties.build(message_id=f"{prefix}{i}"), f"{prefix}{i}".encode(), d,
+                             accepted_us) for i, d in enumerate(dues)]
     return carrier.pack(entries), carrier.properties(entries)
 
 
@@ -92,6 +93,22 @@ def test_overdue_messages_go_at_the_pace_most_overdue_first_while_one_due_later_
         conn.publishing().confirm(pub.seq)
     conn.advance(5)
     assert sorted(tag for tag, _ in conn.consuming().acks)[-1] == 3 and conn.consuming().nacks == []
+
+
+def test_a_publishers_time_in_the_past_neither_jumps_the_catch_up_nor_waits_for_it():
+    """Hostile: x-deliver-at a day ago, taken in by check-in just now, is not a backlog: it
+    goes at once, ahead of nothing it could starve, and piles up nowhere; a genuine backlog
+    (due, then taken in, long ago) keeps its pace and its order."""
+    conn, pipe, metrics = distributor(rate=10)
+    now = conn.clock()
+    conn.consuming().deliver(*carried([now - 60_000 + i for i in range(5)], "m", (now - 61_000) * 1000))
+    assert [p.body for p in conn.published] == [b"m0"] and overdue_gauge(metrics) == 4
+    forged = [now - 86_400_000] * 50  # due a day ago, accepted 100 ms ago
+    conn.consuming().deliver(*carried(forged, "past", (now - 100) * 1000))
+    assert [p.body for p in conn.published] == [b"m0"] + [b"past%d" % i for i in range(50)]
+    assert overdue_gauge(metrics) == 4  # (the backlog as it was: none of the fifty joined it)
+    conn.advance(100)
+    assert conn.published[-1].body == b"m1"
 
 
 def test_a_cancel_wins_over_an_overdue_message_waiting_for_the_pace():
@@ -125,18 +142,6 @@ def test_without_a_rate_overdue_messages_go_at_once():
     conn.settle()
     conn.consuming().deliver(*carried([conn.clock() - 60_000] * 50))
     assert len(conn.published) == 50 and overdue_gauge(metrics) == 0
-
-
-class _Quiet:
-    def forwarded(self, forward) -> None: ...
-
-    def landed(self, forward) -> None: ...
-
-    def batched(self, outcome, messages) -> None: ...
-
-    def late(self, ms) -> None: ...
-
-    def note(self, level, event, **fields) -> None: ...
 
 
 def test_a_wall_clock_stepped_back_does_not_stop_the_catch_up():

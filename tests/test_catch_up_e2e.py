@@ -3,8 +3,9 @@ moment: the distributor is down while a thousand messages fall due (some cancell
 meanwhile); one started with a catch-up rate releases them at most that fast while messages
 published during the catch-up go out on time; it is SIGKILLed, or its connection cut,
 halfway through the backlog, and a new one (or the same one, reconnected) finishes it.
-Nothing is early or lost, no cancelled message arrives, and the backlog took at least as
-long as the rate allows. (The order, most overdue first: tests/test_catch_up.py.)"""
+Messages a publisher sends already past their time (`x-deliver-at` a day ago) do not join
+the backlog. Nothing is early or lost, no cancelled message arrives, and the backlog took at
+least as long as the rate allows. (The order, most overdue first: tests/test_catch_up.py.)"""
 
 import pika
 import pytest
@@ -18,14 +19,16 @@ CANCELLED = {f"late-{n}" for n in range(0, OVERDUE, 50)}
 BURST = RATE / 10  # (catch_up.CatchUp: a tenth of a second's worth at once, again after a reconnect)
 
 
-def publish(chain, prefix: str, count: int, delay_ms: int, sent_at: dict) -> None:
+def publish(chain, prefix: str, count: int, delay_ms: int, sent_at: dict, past: bool = False) -> None:
+    """`past`: x-deliver-at `delay_ms` before now instead (a publisher's time long gone)."""
     with connect() as c:
         ch = c.channel()
         ch.confirm_delivery()
         for n in range(count):
             sent_at[f"{prefix}-{n}"] = now_ms()
+            headers = {"x-deliver-at": now_ms() - delay_ms} if past else {"x-delay": delay_ms}
             ch.basic_publish(chain.names.check_in, f"{prefix}.{n % 3}", b"x", pika.BasicProperties(
-                message_id=f"{prefix}-{n}", delivery_mode=2, headers={"x-delay": delay_ms}), mandatory=True)
+                message_id=f"{prefix}-{n}", delivery_mode=2, headers=headers), mandatory=True)
 
 
 @pytest.mark.parametrize("fault", ["kill", "cut"])
@@ -56,6 +59,8 @@ def test_a_paced_catch_up_through_a_kill_or_a_cut(make_chain, fault, request):
             return victim.metric("delay_gateway_overdue_messages", queue=chain.names.distributor)
         wait_until(lambda: overdue() > 0, 30, 0.01, "the distributor pacing what is overdue")
         publish(chain, "on-time", ON_TIME, 2000, sent_at)  # due during the catch-up
+        # hostile: due a day ago by the publisher's word, it is no backlog and does not wait for the pace
+        publish(chain, "past", ON_TIME, 86_400_000, sent_at, past=True)
         # the worst moment: half the backlog released, the rest held unacknowledged in memory
         wait_until(lambda: len(receiver.take()) >= OVERDUE // 2, 60, 0.01, "half the backlog at pick-up")
         waiting = overdue()
@@ -78,7 +83,8 @@ def test_a_paced_catch_up_through_a_kill_or_a_cut(make_chain, fault, request):
         first = {}
         for m in got:
             first.setdefault(m.properties.message_id, m.at_ms)
-        early = [i for i, at in first.items() if at < sent_at[i] + (1000 if i.startswith("late") else 2000)]
+        delay = {"late": 1000, "on-time": 2000, "past": -86_400_000}
+        early = [i for i, at in first.items() if at < sent_at[i] + delay[i.rsplit("-", 1)[0]]]
         assert not early, early
         late = sorted(at for i, at in first.items() if i.startswith("late"))
         # at most RATE a second (and a tenth of a second's worth at each connection's start):
@@ -86,7 +92,7 @@ def test_a_paced_catch_up_through_a_kill_or_a_cut(make_chain, fault, request):
         allowed = (len(late) - 2 * BURST) / RATE * 1000
         assert late[-1] - start >= allowed, (late[-1] - start, allowed)
         # what fell due during the catch-up did not wait behind the backlog
-        on_time = [at for i, at in first.items() if i.startswith("on-time")]
+        on_time = [at for i, at in first.items() if i.startswith(("on-time", "past"))]
         assert max(on_time) < late[-1], (max(on_time) - start, late[-1] - start)
         report_figures("catch-up after an outage", f"{fault} broker={request.node.callspec.params['broker']} "
                                                    f"overdue={len(late)} took_ms={late[-1] - start} "

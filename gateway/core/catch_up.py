@@ -4,9 +4,13 @@ When a distributor comes back after an outage, everything that fell due meanwhil
 it at once. With a catch-up rate set (`--catch-up-rate`), a message that reaches the
 distributor more than OVERDUE_AFTER_MS after its due time waits in its memory, most overdue
 first, and is released at most `rate` a second, while messages that reach it in time are
-released at their time as always. Nothing else changes: a waiting overdue message is held
-like any other (its delivery unacknowledged until its publish is confirmed, a cancel still
-wins at its release, a crash hands it back to be read again).
+released at their time as always. Overdue counts from the later of its due time and when
+the gateway took it in: a message its publisher sent already past its time (`x-deliver-at`
+in the past) is not a backlog, so no publisher can jump the catch-up's queue, slow it, or
+pile messages up in the distributor's memory by sending such times. Nothing else changes:
+a waiting overdue message is held like any other (its delivery unacknowledged until its
+publish is confirmed, a cancel still wins at its release, a crash hands it back to be read
+again).
 """
 
 from typing import Optional
@@ -28,8 +32,14 @@ class CatchUp:
         self._at: Optional[int] = None  # when the tokens were last counted (ms, a steady clock)
 
     @staticmethod
-    def overdue(due_ms: int, now: int) -> bool:
-        return now - due_ms > OVERDUE_AFTER_MS
+    def since(due_ms: int, accepted_us: Optional[int]) -> int:
+        """When a message fell due inside the gateway (epoch ms): its due time, or when the
+        gateway took it in if that was later (None, or a negative time from a move: unknown)."""
+        return due_ms if accepted_us is None or accepted_us // 1000 <= due_ms else accepted_us // 1000
+
+    @staticmethod
+    def overdue(since_ms: int, now: int) -> bool:
+        return now - since_ms > OVERDUE_AFTER_MS
 
     def allowance(self, now: int) -> int:
         """How many overdue messages may be released now (then say how many were: `spent`)."""

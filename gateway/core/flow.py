@@ -205,11 +205,12 @@ class Flow:
             if isinstance(action, Forward) and not action.fence and (action.not_before_ms is None
                                                                      or action.not_before_ms <= now):
                 self._observer.forwarded(action)
-                if self._catch_up is not None and action.not_before_ms is not None \
-                        and self._catch_up.overdue(action.not_before_ms, now):
-                    self.ledger.hold_behind(tag, action.not_before_ms - self._step, action)
-                else:
-                    sends.append((tag, action))
+                if self._catch_up is not None and action.not_before_ms is not None and action.entry is not None:
+                    since = self._catch_up.since(action.not_before_ms, action.entry.accepted_us)
+                    if self._catch_up.overdue(since, now):
+                        self.ledger.hold_behind(tag, since - self._step, action)
+                        continue
+                sends.append((tag, action))
                 continue
             if sends:
                 self._send_each(sends, now, out)
