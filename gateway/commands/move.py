@@ -47,7 +47,7 @@ from gateway.clock import wall_ms
 from gateway.core import cancels, envelope, index_records, writers
 from gateway.core.carrier import Entry
 from gateway.core.wire import Properties
-from topology.index_bands import band, band_key, bands
+from topology.index_bands import bands
 from gateway.settings import Settings, Tls, argument, integer
 from gateway.urls import user_of
 from gateway.times import exact_duration
@@ -132,18 +132,11 @@ def outgoing(entries: Sequence[Entry], distributor: str) -> Iterator[Outgoing]:
 
 def index_entries(entries: Sequence[Entry], exchange: str, bands: int, now_ms: int,
                   user: Optional[str] = None) -> Iterator[Outgoing]:
-    """Their entries in the index of what waits, a record per band of the chain's `bands`
-    (gateway/core/index_records.py): each waits until due (a wait longer than the top band's span
-    is kept there until the message's first lap gives it an entry of its own)."""
-    by_band: Dict[str, List[bytes]] = {}
-    for e in entries:
-        b = min(band(max(0, e.due_ms - now_ms)), bands - 1)
-        by_band.setdefault(band_key(b), []).append(index_records.entry_record(e, e.due_ms))
-    for key, records in by_band.items():
+    """Their entries in the index of what waits (index_records.by_band), signed by the user
+    the move logs in as (readers trust the gateway user's: writers.py)."""
+    for key, record in index_records.by_band(entries, bands, now_ms).items():
         props = Properties.build(delivery_mode=2)
-        # (signed by the user the move logs in as: readers trust the gateway user's: writers.py)
-        yield exchange, key, props if user is None else writers.signed(props, user), \
-            index_records.pack_entries(records)
+        yield exchange, key, props if user is None else writers.signed(props, user), record
 
 
 # -- command line ---------------------------------------------------------------------------

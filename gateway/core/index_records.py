@@ -107,6 +107,17 @@ def done_key(e: Entry) -> Optional[bytes]:
     return None if e.accepted_us is None else KEY.pack(e.accepted_us, checksum(e))
 
 
+def by_band(entries: Iterable[Entry], bands: int, now_ms: int) -> Dict[str, bytes]:
+    """Entries (each with a read time) written where nobody sent them on to wait (a move): a
+    record per band of a chain of `bands`, each waiting until due (a wait longer than the top
+    band's span is kept there until the message's first lap gives it an entry of its own)."""
+    records: Dict[str, List[bytes]] = {}
+    for e in entries:
+        records.setdefault(band_key(min(band(max(0, e.due_ms - now_ms)), bands - 1)), []).append(
+            entry_record(e, e.due_ms))
+    return {key: pack_entries(found) for key, found in records.items()}
+
+
 def pack_done(keys: Sequence[bytes]) -> bytes:
     return DONE_KEYS + _COUNT.pack(len(keys)) + b"".join(keys)
 
