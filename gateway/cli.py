@@ -195,6 +195,9 @@ COMMANDS = {
                                 "times kept (docs/migrating-from-the-plugin.md)", BROKER + ("chain",),
                                 "gateway.commands.move:main", "gateway.commands.move:add_arguments",
                                 BROKER_AND_PREFIX),
+    "move": Command("move every message that waits to another cluster's gateway, due times and cancels kept "
+                    "(docs/upgrading.md: a new cluster)", BROKER + ("chain", "lead", "cancel"),
+                    "gateway.commands.move_to:main", "gateway.commands.move_to:add_arguments"),
     "demo": Command("start the gateway, publish a few delayed messages and watch them arrive",
                     BROKER + ("chain",), "gateway.commands.demo:main", "gateway.commands.demo:add_arguments"),
     # The Spark commands' modules import PySpark (an optional extra) only when a job runs.

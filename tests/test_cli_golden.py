@@ -100,6 +100,8 @@ OFFLINE: List[Tuple[str, List[str], Dict[str, str]]] = [
     ("pending-no-action", ["pending"], {}),
     ("move-bad-rabbitmqctl", ["move-from-plugin", "--rabbitmqctl", "'unclosed"], {}),
     ("move-bad-batch", ["move-from-plugin", "--batch", "0"], {}),
+    ("move-to-missing", ["move"], {}),
+    ("move-to-itself", ["move", "--url", "amqp://rabbit.old/%2F", "--to", "amqp://rabbit.old:5672/%2F"], {}),
     ("demo-bad-delays", ["demo", "--delays", "1,x"], {}),
     ("selftest-bad-url", ["selftest", "--url", "amqp://a,http://b"], {}),
 ]

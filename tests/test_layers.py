@@ -162,7 +162,9 @@ def test_every_command_takes_the_settings_and_what_its_parser_gives(name, verb):
     if verb:
         sub = subparsers(sub)[verb]
     positionals = [a for a in sub._actions if not a.option_strings and not isinstance(a, argparse._SubParsersAction)]
-    args = p.parse_args(words + ["1"] * len(positionals))  # (a value each: what it means is not the point)
+    required = [[a.option_strings[0], "1"] for a in sub._actions if a.option_strings and a.required]
+    # (a value each: what it means is not the point)
+    args = p.parse_args(words + ["1"] * len(positionals) + [w for pair in required for w in pair])
     run = load(COMMANDS[name].run)
     inspect.signature(run).bind(settings_from(args), **own_arguments(args))
     options = getattr(sys.modules[run.__module__], "Options", None)  # (a verb's own arguments, typed)

@@ -57,7 +57,8 @@ def test_a_command_of_one_vhost_takes_it_from_vhost_or_the_environment():
 
 
 @pytest.mark.parametrize("argv", [["publish", "--delay", "5"], ["cancel", "m1"], ["status"], ["parked", "list"],
-                                  ["pending", "count"], ["move-from-plugin", "--dry-run"]])
+                                  ["pending", "count"], ["move-from-plugin", "--dry-run"],
+                                  ["move", "--to", "amqp://new/%2F", "--dry-run"]])
 def test_several_vhosts_for_a_command_of_one_is_one_line_naming_the_fix(argv, capsys):
     assert main(argv, environ={"DELAY_GATEWAY_VHOSTS": "a,b"}) == 2
     err = capsys.readouterr().err
