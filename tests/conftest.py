@@ -125,6 +125,7 @@ LONGEST_FIRST = {name: rank for rank, name in enumerate([
     "faults/test_refusals.py",  # 189
     "faults/test_move_from_plugin.py",  # 188
     "spark/test_schedule.py",  # 165
+    "test_move_e2e.py",  # 150 (2026-11-29: three tests of about 50 s)
     "test_live_change.py",  # 150
     "test_vhosts.py",  # 141
     "test_upgrade_release.py",  # 138

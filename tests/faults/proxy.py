@@ -21,6 +21,10 @@ class Proxy:
         self.pairs: List[socket.socket] = []
         self.accepted = 0
         self.trip: Optional[Tuple[int, int]] = None  # (connection number from 1, bytes it sends): then cut
+        self.holding = False  # what clients send is dropped, not forwarded (`hold`)
+        self.dropped = 0  # bytes dropped while holding
+        self.hold_on: Optional[Tuple[bytes, int]] = None  # (bytes, occurrence): then hold (`hold_at`)
+        self._tail = b""
         self.lock = threading.Lock()
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -28,6 +32,27 @@ class Proxy:
         """Cut every connection once connection number `connection` (1 = the first accepted)
         has sent `sent_bytes` towards the broker: the same moment on a busy machine too."""
         self.trip = (connection, sent_bytes)
+
+    def hold(self) -> None:
+        """From now on, what clients send never reaches the broker (counted in `dropped`):
+        a process then stopped (SIGKILL) never had its last words heard, whatever they were."""
+        self.holding = True
+
+    def hold_at(self, pattern: bytes, occurrence: int = 1) -> None:
+        """`hold` once clients send `pattern` for the occurrence-th time, from the piece that
+        holds it (a frame of a publish to one exchange, say: it never reaches the broker)."""
+        self.hold_on = (pattern, occurrence)
+
+    def _watch(self, data: bytes) -> None:
+        if self.hold_on is None:
+            return
+        pattern, left = self.hold_on
+        seen = (self._tail + data).count(pattern) - self._tail.count(pattern)
+        self._tail = (self._tail + data)[-len(pattern):]
+        if seen >= left:
+            self.hold_on, self.holding = None, True
+        elif seen:
+            self.hold_on = (pattern, left - seen)
 
     def _accept(self) -> None:
         while True:
@@ -50,6 +75,11 @@ class Proxy:
                 data = a.recv(65536)
                 if not data:
                     break
+                if number:
+                    self._watch(data)
+                if number and self.holding:
+                    self.dropped += len(data)
+                    continue
                 if number and self.trip and self.trip[0] == number and sent + len(data) >= self.trip[1]:
                     b.sendall(data[:max(0, self.trip[1] - sent)])
                     self.trip = None
