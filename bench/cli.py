@@ -137,6 +137,10 @@ def parser(environ) -> argparse.ArgumentParser:
                         "(default 60)")
     p.add_argument("--catch-up-rate", type=_positive(float), default=2000.0,
                    help="catch-up: the gateway's --catch-up-rate, measured beside a release at once (default 2000)")
+    p.add_argument("--to-url", help="move: the new cluster's URL (the old one is --url)")
+    p.add_argument("--wait-seconds", type=_positive(float), default=600.0,
+                   help="move: when the far messages start falling due, from the first publish (default 600): "
+                        "after the move ends")
     p.add_argument("--check-every", type=_positive(float), default=300.0,
                    help="waiting: time `pending count` and `pending list` this often during the flow (default 300)")
     return p
@@ -249,7 +253,8 @@ def main(argv: Optional[Sequence[str]] = None, environ=None) -> int:
                          "idle_window": args.idle_window, "holding_sizes": args.holding_sizes,
                          "footprint_prefixes": args.footprint_prefixes, "vhosts_count": args.vhosts_count,
                          "profile": args.profile, "outage_seconds": args.outage_seconds,
-                         "catch_up_rate": args.catch_up_rate})
+                         "catch_up_rate": args.catch_up_rate, "to_url": args.to_url,
+                         "wait_seconds": args.wait_seconds})
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": machine(), "rabbitmq": broker.version(), "url": where,
             "command": "python -m bench " + shlex.join(sys.argv[1:] if argv is None else argv),

@@ -8,6 +8,7 @@ from .catch_up import catch_up
 from .ceilings import ceiling, steady
 from .footprint import footprint
 from .memory import holding, pending
+from .move import move
 from .quiet import idle, trickle
 from .roles import roles
 from .side_by_side import at_once, burst, paced
@@ -18,8 +19,9 @@ from .vhosts import vhosts
 SCENARIOS = {"paced": paced, "burst": burst, "at-once": at_once, "pending": pending, "steady": steady,
              "roles": roles, "ceiling": ceiling, "hops": hops, "idle": idle, "trickle": trickle, "naive": naive,
              "floor": floor, "waiting": waiting, "holding": holding,
-             "footprint": footprint, "vhosts": vhosts, "soak": soak, "catch-up": catch_up}
+             "footprint": footprint, "vhosts": vhosts, "soak": soak, "catch-up": catch_up,
+             "move": move}
 # Names for several at once.
 GROUPS = {"issue": ["paced", "burst", "at-once", "floor", "ceiling", "idle", "trickle"],
           "all": [s for s in SCENARIOS if s not in ("pending", "waiting", "holding", "footprint", "vhosts", "soak",
-                                                    "catch-up")]}
+                                                    "catch-up", "move")]}
