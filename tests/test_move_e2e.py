@@ -26,13 +26,13 @@ CANCELLED = {f"m-{n}" for n in range(0, 400, 40)}
 DELAYS = (5_000, 8_000, 12_000, 21_000)  # levels, and past the chain's 15.5 s: meditation
 
 
-def publish(url, chain, ids, delay_of, sent_at, exchange=None) -> None:
+def publish(url, chain, ids, delay_of, sent_at, key="k") -> None:
     with connect(url) as c:
         ch = c.channel()
         ch.confirm_delivery()
         for message_id in ids:
             sent_at[message_id] = now_ms()
-            ch.basic_publish(exchange or chain.names.check_in, f"k.{message_id}", message_id.encode(),
+            ch.basic_publish(chain.names.check_in, f"{key}.{message_id}", message_id.encode(),
                              pika.BasicProperties(message_id=message_id, delivery_mode=2,
                                                   headers={"x-delay": delay_of(message_id)}), mandatory=True)
 
@@ -43,6 +43,14 @@ def cancel(url, chain, ids) -> None:
         ch.confirm_delivery()
         for message_id in sorted(ids):
             ch.basic_publish(chain.names.cancel, "", b"", pika.BasicProperties(message_id=message_id, delivery_mode=2))
+
+
+def cancel_group(url, chain, pattern) -> None:
+    with connect(url) as c:
+        ch = c.channel()
+        ch.confirm_delivery()
+        ch.basic_publish(chain.names.rules, "", b"", pika.BasicProperties(delivery_mode=2, headers={
+            "x-cancel-key": pattern, "x-cancel-rule": "before-the-move"}))
 
 
 def check_in_ready(url, chain) -> int:
@@ -90,10 +98,15 @@ def move_through_a_kill(old_url, old, new_url, new, chain_for_gateway, label) ->
     new_gateway = None
     try:
         publish(old_url, old, ids, delay.get, sent_at)
+        grouped = [f"g-{n}" for n in range(5)]  # cancelled by a rule
+        for message_id in grouped:
+            delay[message_id] = 12_000
+        publish(old_url, old, grouped, delay.get, sent_at, key="group")
         cancel(old_url, old, CANCELLED)
-        wait_until(lambda: gateway.metric("delay_gateway_cancels_total") >= len(CANCELLED)
+        cancel_group(old_url, old, "group.#")
+        wait_until(lambda: gateway.metric("delay_gateway_cancels_total") >= len(CANCELLED) + 1
                    and gateway.metric("delay_gateway_messages_total", queue=old.names.check_in) >= len(ids)
-                   + len(CANCELLED), 60, 0.05, "every message and cancel read at the old check-in")
+                   + len(grouped) + len(CANCELLED) + 1, 60, 0.05, "every message and cancel read at the old check-in")
         gateway.terminate()
         # unread at the old check-in: messages, and a cancel behind them
         late = [f"c-{n}" for n in range(10)]
@@ -118,7 +131,7 @@ def move_through_a_kill(old_url, old, new_url, new, chain_for_gateway, label) ->
         outcome = Move(old_url, old, new_url, new).finish()
         took = now_ms() - start
         assert not outcome["left"], outcome
-        assert outcome["cancels_carried"] >= len(CANCELLED), outcome
+        assert outcome["cancels_carried"] >= len(CANCELLED) and outcome["rules_carried"] == 1, outcome
         # the list is right on both: nothing waits in the old cluster; what moved from its
         # chain waits in the new one's index, the batch moved twice twice (what moved unread
         # from check-in is indexed by the gateway that reads it there)
@@ -126,7 +139,7 @@ def move_through_a_kill(old_url, old, new_url, new, chain_for_gateway, label) ->
         listed = pending_total(new_url, new)
         assert listed >= len(ids) - len(CANCELLED), listed
         new_gateway = GatewayProcess(chain_for_gateway, url=new_url).wait_ready()
-        cancelled = CANCELLED | {"c-3"}
+        cancelled = CANCELLED | {"c-3"} | set(grouped)
         wanted = set(sent_at) - cancelled
         wait_until(lambda: wanted <= {m.properties.message_id for m in receiver.take()}, 120, 0.01,
                    "every message not cancelled at the new pick-up")

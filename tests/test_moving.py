@@ -149,3 +149,11 @@ def test_damaged_in_the_gateways_queues_is_parked_on_the_new_cluster():
 def test_every_queue_that_holds_messages_is_read_soonest_first():
     assert set(ORDER) == set(SOURCES)
     assert ORDER["distributor"] < ORDER["delay"] < ORDER["meditation"] < ORDER["parked"]
+
+
+def test_parked_messages_move_as_they_are_parked():
+    parked = handlers.park(OLD.names, user("p1"), b"key.p", b"body", "unroutable: no queue bound")
+    moved = Mover(OLD.names, NEW, LEAD, 1000, 1 << 20).take(
+        [(Source.PARKED, Delivery(OLD.names.parked, b"key.p", parked.props, parked.body))], NOW)
+    assert moved.publishes == [(NEW.names.parked, b"key.p", parked.props, b"body")]
+    assert moved.as_sent == 1 and not moved.entries

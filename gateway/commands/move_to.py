@@ -36,7 +36,7 @@ from topology.index_bands import bands
 from topology.registry import ChainKey
 
 from gateway.broker.plumbing import lazy_properties
-from gateway.broker.plumbing.amqp import BrokerError, classify, connect
+from gateway.broker.plumbing.amqp import BrokerError, connect
 from gateway.broker.run.cancelling import Judge
 from gateway.broker.tools import cancellations
 from gateway.broker.tools.confirmed import Confirmed
@@ -112,9 +112,9 @@ def main(settings: Settings, **own: Any) -> int:
     target = replace(source, prefix=args.to_prefix or source.prefix)
     to_url = with_vhost(args.to, args.to_vhost) if args.to_vhost is not None else args.to
     urls = settings.one_vhost_urls
-    if vhost_of(to_url) == vhost_of(urls[0]) and target.prefix == source.prefix and same_host(to_url, urls[0]):
-        raise UsageError("--to names the cluster, virtual host and prefix the messages are moved from: give the new "
-                         "cluster's URL (or another --to-prefix or --to-vhost)")
+    same = vhost_of(to_url) == vhost_of(urls[0]) and target.prefix == source.prefix
+    if same and same_host(to_url, urls[0]):
+        raise UsageError(ONTO_ITSELF)
     try:
         old, _ = connect(urls, NAME, settings.tls)
         new, _ = connect([to_url], NAME, settings.tls)
@@ -122,6 +122,8 @@ def main(settings: Settings, **own: Any) -> int:
         print(f"{NAME}: {exc}", file=sys.stderr)
         return exc.exit_code
     try:
+        if same and cluster_of(old) == cluster_of(new):  # (another name for the same broker)
+            raise UsageError(ONTO_ITSELF)
         places = where_messages_wait(old, source, args.parked)
         if args.dry_run:
             return show_count(old, places, args.json)
@@ -133,7 +135,7 @@ def main(settings: Settings, **own: Any) -> int:
             return EXIT_REFUSED
         outcome = Move(old, new, source, target, settings, args, user_of(urls[0]), user_of(to_url)).run(places)
     except (AMQPError, PublishError) as exc:
-        why = str(exc) if isinstance(exc, PublishError) else classify(exc, redact(to_url)).message
+        why = str(exc) if isinstance(exc, PublishError) else f"lost a connection ({exc!r})"
         print(f"{NAME}: {why}; what the new cluster did not confirm stays in the old one: run again (a batch it "
               "took just before is then moved twice: duplicates)", file=sys.stderr)
         return EXIT_NO_BROKER
@@ -146,6 +148,17 @@ def main(settings: Settings, **own: Any) -> int:
                 c.close()
     show(outcome, to_url, target, args.json)
     return 0
+
+
+ONTO_ITSELF = ("--to names the cluster, virtual host and prefix the messages are moved from: give the new "
+               "cluster's URL (or another --to-prefix or --to-vhost)")
+
+
+def cluster_of(connection: Any) -> Optional[str]:
+    """The broker's cluster name, as it introduced itself."""
+    found = getattr(connection._impl, "server_properties", None) or {}
+    name = found.get("cluster_name")
+    return name.decode("utf-8", "replace") if isinstance(name, bytes) else name
 
 
 def same_host(a: str, b: str) -> bool:
@@ -207,7 +220,8 @@ class Move:
     def __init__(self, old: Any, new: Any, source: ChainSettings, target: ChainSettings, settings: Settings,
                  args: Options, old_user: str, new_user: str) -> None:
         self.old, self.new, self.source, self.target, self.args = old, new, source, target, args
-        self.old_user, self.new_user = old_user, new_user
+        self.old_user, self.new_user = old_user, new_user  # (what each connection signs with)
+        self.trusted = settings.trusted_user  # whose records on the old cluster count
         self.window_ms = settings.cancel_window_ms
         self.judge = Judge(cancels.Store(self.window_ms), rules.Rules(self.window_ms), Metrics(), {})
         self.mover = Mover(source.names, target, settings.lead_ms, settings.carrier_messages, settings.carrier_bytes,
@@ -234,7 +248,7 @@ class Move:
         """The old cluster's cancels by id (of the window) and live rules, with their own
         times, appended to the new cluster's cancellations stream (those not carried yet), and
         held to judge what moves."""
-        recorded = cancellations.read(self.old, self.source.names, self.window_ms, self.old_user)
+        recorded = cancellations.read(self.old, self.source.names, self.window_ms, self.trusted)
         now = wall_ms()
         self.judge.store, self.judge.rules = recorded.store(self.window_ms, now), recorded.rules
         publishes: List[Tuple[Properties, bytes]] = []
