@@ -93,6 +93,13 @@ class Metrics:
     queue_messages: Bound[Gauge]
     ready: Bound[Gauge]
     vhost_refused: Bound[Gauge]
+    waiting: Bound[Gauge]
+    waiting_bytes: Bound[Gauge]
+    next_due: Bound[Gauge]
+    oldest_overdue: Bound[Gauge]
+    waiting_read: Bound[Gauge]
+    waiting_read_cpu: Bound[Gauge]
+    waiting_exact: Bound[Gauge]
 
     def __init__(self, registry: Optional[CollectorRegistry] = None, vhost: str = "/",
                  families: Optional[Families] = None) -> None:
@@ -184,4 +191,32 @@ class Metrics:
             "delay_gateway_vhost_refused", "1 while the broker refuses this process the virtual host (a login, a "
             "permission or the topology missing there: the log says which, event vhost_refused); it tries again "
             "and serves the others meanwhile", ["vhost"])
+        families.gauge(
+            "waiting",
+            "delay_gateway_waiting_messages", "Messages that wait, by when they fall due (the ranges of `pending "
+            "count`: overdue, within 1 minute, ...), from the index of what waits (`--due-gauges-every`)",
+            ["vhost", "due"])
+        families.gauge(
+            "waiting_bytes",
+            "delay_gateway_waiting_bytes", "Their bodies' bytes, by the same ranges", ["vhost", "due"])
+        families.gauge(
+            "next_due",
+            "delay_gateway_next_due_timestamp_seconds", "When the next message that waits falls due (epoch seconds; "
+            "0 while nothing waits that is not overdue, or before the first reading)", ["vhost"])
+        families.gauge(
+            "oldest_overdue",
+            "delay_gateway_oldest_overdue_seconds", "How long the most overdue message that still waits has been "
+            "due (0: none overdue)", ["vhost"])
+        families.gauge(
+            "waiting_read",
+            "delay_gateway_waiting_read_timestamp_seconds", "When the due-time gauges were last read from the index "
+            "(epoch seconds; 0: not yet)", ["vhost"])
+        families.gauge(
+            "waiting_read_cpu",
+            "delay_gateway_waiting_read_cpu_seconds", "The CPU time the last reading of the index for the due-time "
+            "gauges took (the next waits 99 times as long, or --due-gauges-every)", ["vhost"])
+        families.gauge(
+            "waiting_exact",
+            "delay_gateway_waiting_exact", "1 when that reading was exact (nothing could wait unlisted: `pending "
+            "count`'s notes), else 0", ["vhost"])
         return families

@@ -205,6 +205,11 @@ OPTIONS: Tuple[Option, ...] = (
            "release messages that reach the distributor overdue (after an outage) at most this many a second per "
            "distributor consumer, most overdue first, while the rest go out on time; 0: all at once",
            "run", "catchUpRate", metavar="MSG/S"),
+    Option("due_gauges_every", 60.0, number(0),
+           "read the index of what waits this often, at most, for the due-time gauges (messages and bytes by when "
+           "they fall due, the next due time, the oldest overdue); each reading waits 99 times as long as the last "
+           "took, so they cost at most 1 % of a core however much waits; 0: off",
+           "run", "dueGaugesEvery", metavar="SECONDS"),
     Option("hold_within_ms", 10_000, integer(0, 60_000),
            "a message due within this long goes from check-in straight to the distributor, which holds it until due, "
            "instead of down the chain (0: only what is due within the lead and one unit)", "lead", "holdWithinMs",
@@ -374,6 +379,7 @@ class Settings:
     hold_within_ms: int = default("hold_within_ms")
     hold_messages: int = default("hold_messages")
     catch_up_rate: float = default("catch_up_rate")
+    due_gauges_every: float = default("due_gauges_every")
     lead_ms: int = default("lead_ms")
     carrier_messages: int = default("carrier_messages")
     carrier_wait_ms: int = default("carrier_wait_ms")

@@ -15,7 +15,7 @@ ENV = {"DELAY_GATEWAY_URL": "amqp://a/,amqp://b/", "DELAY_GATEWAY_PREFIX": "px",
        "DELAY_GATEWAY_ROLE": "distributor", "DELAY_GATEWAY_PREFETCH": "5",
        "DELAY_GATEWAY_DISTRIBUTOR_PREFETCH": "6", "DELAY_GATEWAY_LEAD_MS": "70",
        "DELAY_GATEWAY_HOLD_WITHIN_MS": "3000", "DELAY_GATEWAY_HOLD_MESSAGES": "30",
-       "DELAY_GATEWAY_CATCH_UP_RATE": "250.5",
+       "DELAY_GATEWAY_CATCH_UP_RATE": "250.5", "DELAY_GATEWAY_DUE_GAUGES_EVERY": "30.5",
        "DELAY_GATEWAY_STAMP_DUE_AT": "true", "DELAY_GATEWAY_DECLARE": "false",
        "DELAY_GATEWAY_METRICS_PORT": "9999", "DELAY_GATEWAY_CONNECT_TIMEOUT": "12.5",
        "DELAY_GATEWAY_LOG_LEVEL": "warning", "DELAY_GATEWAY_LOG_FORMAT": "json",
@@ -43,7 +43,7 @@ def test_every_setting_reads_its_environment_variable_and_a_flag_beats_it():
     assert (s.stamp_due_at, s.declare, s.metrics_port, s.connect_timeout) == (True, False, 9999, 12.5)
     assert (s.log_level, s.log_format, s.retire, s.retire_after) == ("warning", "json", False, 30.0)
     assert s.pending_index is False
-    assert (s.hold_within_ms, s.hold_messages, s.catch_up_rate) == (3000, 30, 250.5)
+    assert (s.hold_within_ms, s.hold_messages, s.catch_up_rate, s.due_gauges_every) == (3000, 30, 250.5, 30.5)
     assert (s.carrier_messages, s.carrier_wait_ms, s.carrier_bytes, s.confirm_timeout) == (50, 7, 65536, 9.0)
     assert s.cancel_retention == 3600.0
     assert (s.retry_base_ms, s.retry_factor, s.retry_cap_ms, s.retry_attempts, s.retry_jitter, s.retry_queues) == \

@@ -94,27 +94,35 @@ def cancelled_by(store: cancels.Store, held: Rules, now_ms: int) -> Optional[Can
 
 @dataclass
 class Counts:
-    """How many are due within each range (exclusive: due by then, not by the one before)."""
+    """How many are due within each range (exclusive: due by then, not by the one before), and
+    their bodies' bytes."""
 
     ranges: List[Tuple[str, Optional[int]]]  # (label, up to ms from now; None: later)
     counts: List[int] = field(default_factory=list)
+    bytes: List[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.counts = [0] * len(self.ranges)
+        self.bytes = [0] * len(self.ranges)
         self._bounds = np.array([upto for _, upto in self.ranges if upto is not None], dtype=np.int64)
 
-    def add(self, due_in_ms: int) -> None:
+    def add(self, due_in_ms: int, size: int = 0) -> None:
         for i, (_, upto) in enumerate(self.ranges):
             if upto is None or due_in_ms <= upto:
                 self.counts[i] += 1
+                self.bytes[i] += size
                 return
 
-    def add_all(self, due_in_ms: "np.ndarray") -> None:
+    def add_all(self, due_in_ms: "np.ndarray", sizes: Optional["np.ndarray"] = None) -> None:
         if not len(due_in_ms):
             return
-        found = np.bincount(np.searchsorted(self._bounds, due_in_ms, side="left"), minlength=len(self.ranges))
+        at = np.searchsorted(self._bounds, due_in_ms, side="left")
+        found = np.bincount(at, minlength=len(self.ranges))
+        weighed = np.bincount(at, weights=sizes, minlength=len(self.ranges)) if sizes is not None else None
         for i in range(len(self.ranges)):
             self.counts[i] += int(found[i])
+            if weighed is not None:
+                self.bytes[i] += int(weighed[i])
 
 
 RANGES: Tuple[Tuple[str, Optional[int]], ...] = (
@@ -235,6 +243,8 @@ class View:
         self._seq = 0
         self.total = 0
         self.latest_due_ms: Optional[int] = None  # of those counted
+        self.earliest_due_ms: Optional[int] = None  # of those counted (overdue or not)
+        self.next_due_ms: Optional[int] = None  # of those counted not overdue
         self.counts = Counts(list(ranges))
         self.read = 0  # entries read
         self.keys = 0  # done keys read
@@ -306,7 +316,7 @@ class View:
             waits &= ~counted
             chosen = np.nonzero(counted)[0]
             if len(chosen):
-                self._count_all(due[chosen])
+                self._count_all(due[chosen], fixed["size"][chosen].astype(np.int64))
         for i in np.nonzero(waits)[0].tolist():
             self._consider_entry(r, i, bool(suspects[i]))
 
@@ -325,11 +335,16 @@ class View:
             found &= named
         return found
 
-    def _count_all(self, due: "np.ndarray") -> None:
+    def _count_all(self, due: "np.ndarray", sizes: "np.ndarray") -> None:
         self.total += len(due)
-        self.counts.add_all(due - self.now_ms)
-        latest = int(due.max())
+        self.counts.add_all(due - self.now_ms, sizes)
+        latest, earliest = int(due.max()), int(due.min())
         self.latest_due_ms = latest if self.latest_due_ms is None else max(latest, self.latest_due_ms)
+        self.earliest_due_ms = earliest if self.earliest_due_ms is None else min(earliest, self.earliest_due_ms)
+        ahead = due[due > self.now_ms]
+        if len(ahead):
+            soonest = int(ahead.min())
+            self.next_due_ms = soonest if self.next_due_ms is None else min(soonest, self.next_due_ms)
 
     def _consider_entry(self, r: _Record, i: int, suspect: bool) -> None:
         """One entry, read only as far as its selection and the listing need."""
@@ -343,7 +358,7 @@ class View:
         if suspect or self.each is not None or self.keep is not None:
             self._take(r.listed(i), suspect)
         else:
-            self._counted(c["due"][i])
+            self._counted(int(c["due"][i]), int(c["size"][i]))
 
     def _superseded(self, keys: "np.ndarray", current: "np.ndarray") -> None:
         """Current entries that are the next entries of laps in transit: those laps no longer count."""
@@ -364,17 +379,21 @@ class View:
                                lambda: m.handle.encode("ascii")):
             self._take(m, True)
 
-    def _counted(self, due_ms: int) -> None:
+    def _counted(self, due_ms: int, size: int) -> None:
         self.total += 1
-        self.counts.add(due_ms - self.now_ms)
+        self.counts.add(due_ms - self.now_ms, size)
         if self.latest_due_ms is None or due_ms > self.latest_due_ms:
             self.latest_due_ms = due_ms
+        if self.earliest_due_ms is None or due_ms < self.earliest_due_ms:
+            self.earliest_due_ms = due_ms
+        if due_ms > self.now_ms and (self.next_due_ms is None or due_ms < self.next_due_ms):
+            self.next_due_ms = due_ms
 
     def _take(self, m: Listed, judge: bool) -> None:
         """A selected message: unless cancelled (asked when `judge`), counted and kept."""
         if judge and self.cancelled is not None and self.cancelled(m):
             return
-        self._counted(m.due_ms)
+        self._counted(m.due_ms, m.size)
         if self.each is not None:
             self.each(m)
             return

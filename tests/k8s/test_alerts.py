@@ -26,7 +26,7 @@ from .rules import PLAIN, plain_text, rule_groups
 ENABLED = {"metrics": {"prometheusRule": {"enabled": True}}}
 NS, JOB = "messaging", "delay-gateway-metrics"
 ALERTS = ["DelayGatewayCheckInNotReady", "DelayGatewayDistributorNotReady", "DelayGatewayCheckInBacklog",
-          "DelayGatewayCatchUpBehind", "DelayGatewayLateDeliveries", "DelayGatewayMessagesParked",
+          "DelayGatewayCatchUpBehind", "DelayGatewayOverdueWaiting", "DelayGatewayLateDeliveries", "DelayGatewayMessagesParked",
           "DelayGatewayRetriesGaveUp", "DelayGatewayCancellationsNotFollowed", "DelayGatewayConnectionsFlapping"]
 
 
@@ -173,7 +173,7 @@ def test_the_plain_files_own_sed_line_makes_each_runbook_url_a_link(tmp_path):
 # -- promtool ---------------------------------------------------------------------------------
 OTHER_VALUES = {"metrics": {"prometheusRule": {"alerts": {
     "notReady": {"for": "1m", "forgetAfter": "2h", "severity": "page"}, "checkInBacklog": {"messages": 50, "for": "2m"},
-    "catchUpBehind": {"messages": 100000, "for": "5m"},
+    "catchUpBehind": {"messages": 100000, "for": "5m"}, "overdueWaiting": {"seconds": 3600, "for": "5m"},
     "lateness": {"seconds": 5, "for": "30s"}, "parked": {"messages": 10, "window": "1h"},
     "retriesGaveUp": {"messages": 3, "window": "5m"}, "cancellationsNotFollowed": {"for": "90s"},
     "connectionsFlapping": {"connections": 30, "window": "1h"}}}}}
@@ -237,6 +237,13 @@ def behind(value: str, threshold: int = 10000, for_: str = "10m", vhost: Optiona
                  "reach the distributors faster than the catch-up releases them.")
 
 
+def overdue_waiting(value: str, threshold: str = "300", for_: str = "10m", vhost: Optional[str] = None) -> dict:
+    return fired({"namespace": NS, "job": JOB, **({"vhost": vhost} if vhost else {})},
+                 f"In {NS} ({JOB}{where(vhost, False)}) the most overdue message the index of what waits lists has "
+                 f"been due for {value}, more than {threshold} s, for {for_}: no distributor releases it (none runs, "
+                 "or they cannot publish), or it waits in check-in unread.")
+
+
 def late(value: str) -> dict:
     return fired({"namespace": NS, "job": JOB},
                  f"In {NS} ({JOB}) 1 message in 100 left for pick-up more than {value} after its due time over the "
@@ -268,6 +275,7 @@ def flapping(pod: str, count: int) -> dict:
 
 READY, QUEUE = "delay_gateway_ready", "delay_gateway_queue_messages"
 OVERDUE = "delay_gateway_overdue_messages"
+OLDEST = "delay_gateway_oldest_overdue_seconds"
 PARKED, RETRIES = "delay_gateway_parked_total", "delay_gateway_retries_total"
 FOLLOWING, CONNECTIONS = "delay_gateway_cancellations_following", "delay_gateway_connections_total"
 LATENESS = "delay_gateway_lateness_seconds_bucket"
@@ -348,6 +356,18 @@ SCENARIOS: Dict[str, List[dict]] = {
          "series": [series(OVERDUE, "0+1000x30", queue="delay.distributor", pod="d-1", vhost="a"),
                     series(OVERDUE, "0x30", queue="delay.distributor", pod="d-1", vhost="b")],
          "at": {"21m": [behind("21k", vhost="a")]}},
+    ],
+    "DelayGatewayOverdueWaiting": [
+        {"about": "two gateways read the same index: the oldest overdue ages a minute a minute from t=0, then "
+                  "is released at t=30m",
+         "series": [series(OLDEST, "0+60x30 0x15", pod="g-1"), series(OLDEST, "0+60x30 0x15", pod="g-2")],
+         "at": {"14m": [], "16m": [overdue_waiting("16m 0s")], "29m": [overdue_waiting("29m 0s")], "40m": []}},
+        {"about": "overdue for a few minutes only, again and again (a distributor restarted now and then)",
+         "series": [series(OLDEST, "0+60x4 0 0+60x4 0 0+60x4 0 0+60x4", pod="g-1")],
+         "at": {"10m": [], "20m": []}},
+        {"about": "per virtual host",
+         "series": [series(OLDEST, "0+60x30", pod="g-1", vhost="a"), series(OLDEST, "0x30", pod="g-1", vhost="b")],
+         "at": {"20m": [overdue_waiting("20m 0s", vhost="a")]}},
     ],
     "DelayGatewayLateDeliveries": [
         {"about": "every message 1 to 2.5 s late for 20 min, then on time again",
@@ -462,6 +482,8 @@ def test_the_thresholds_and_durations_come_from_the_values(tmp_path):
             "2m": [], "3m": [backlog("300", threshold=50, for_="2m")]}}],
         # 100,000 messages: 30,000 is not enough
         "DelayGatewayCatchUpBehind": [{**SCENARIOS["DelayGatewayCatchUpBehind"][0], "at": {"30m": []}}],
+        # an hour: 29 minutes overdue is not enough
+        "DelayGatewayOverdueWaiting": [{**SCENARIOS["DelayGatewayOverdueWaiting"][0], "at": {"29m": []}}],
         # 5 s: messages 2.5 s late are not late enough
         "DelayGatewayLateDeliveries": [{**SCENARIOS["DelayGatewayLateDeliveries"][0], "at": {"15m": []}}],
         # more than 10 parks, more than 30 connections, within 1h

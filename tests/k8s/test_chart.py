@@ -183,7 +183,7 @@ def test_settings_are_the_gateways_options_and_its_parser_reads_them(tmp_path):
     gateway's own parser, give back the values."""
     values = {"prefix": "px", "maxLevel": 7, "resolutionMs": 250, "queueType": "classic", "zeroBits": "exchange",
               "leadMs": 120, "prefetch": 5, "distributorPrefetch": 600, "holdWithinMs": 3000, "holdMessages": 30,
-              "catchUpRate": 250.5,
+              "catchUpRate": 250.5, "dueGaugesEvery": 30.5,
               "stampDueAt": True,
               "metricsPort": 9100, "logLevel": "debug", "logFormat": "console", "retire": False,
               "retireAfterSeconds": 30, "pendingIndex": False,

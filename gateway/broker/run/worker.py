@@ -121,10 +121,11 @@ def main(settings: Settings) -> int:
 def one(settings: Settings, stop: threading.Event, metrics: Metrics, health: Health,
         refusals: Optional["Refusals"] = None) -> int:
     """The consumers of one virtual host (the URLs'), with their upkeep and cancellations."""
-    from gateway.broker.run import upkeep
+    from gateway.broker.run import due_gauges, upkeep
     beats = Beats(settings.chain.names, settings.role, settings.pending_index)
     # counted as a user of the chain; retires unused chains; counts queues; beats
     upkeep.start(settings, stop, metrics, beats)
+    due_gauges.start(settings, stop, metrics)
     return run(settings, stop, metrics, health, cancelling.start(settings, metrics, stop), beats, refusals)
 
 

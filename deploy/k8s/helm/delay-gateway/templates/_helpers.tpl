@@ -76,6 +76,7 @@ DELAY_GATEWAY_DISTRIBUTOR_PREFETCH: {{ int64 .Values.distributorPrefetch | quote
 DELAY_GATEWAY_HOLD_WITHIN_MS: {{ int64 .Values.holdWithinMs | quote }}
 DELAY_GATEWAY_HOLD_MESSAGES: {{ int64 .Values.holdMessages | quote }}
 DELAY_GATEWAY_CATCH_UP_RATE: {{ .Values.catchUpRate | toString | quote }}
+DELAY_GATEWAY_DUE_GAUGES_EVERY: {{ .Values.dueGaugesEvery | toString | quote }}
 DELAY_GATEWAY_LEAD_MS: {{ int64 .Values.leadMs | quote }}
 DELAY_GATEWAY_CARRIER_MESSAGES: {{ int64 .Values.carrierMessages | quote }}
 DELAY_GATEWAY_CARRIER_WAIT_MS: {{ int64 .Values.carrierWaitMs | quote }}
