@@ -141,6 +141,8 @@ def parser(environ) -> argparse.ArgumentParser:
     p.add_argument("--wait-seconds", type=_positive(float), default=600.0,
                    help="move: when the far messages start falling due, from the first publish (default 600): "
                         "after the move ends")
+    p.add_argument("--spread-seconds", type=_positive(float), default=900.0,
+                   help="move: over how long the far messages fall due (default 900)")
     p.add_argument("--check-every", type=_positive(float), default=300.0,
                    help="waiting: time `pending count` and `pending list` this often during the flow (default 300)")
     return p
@@ -254,7 +256,7 @@ def main(argv: Optional[Sequence[str]] = None, environ=None) -> int:
                          "footprint_prefixes": args.footprint_prefixes, "vhosts_count": args.vhosts_count,
                          "profile": args.profile, "outage_seconds": args.outage_seconds,
                          "catch_up_rate": args.catch_up_rate, "to_url": args.to_url,
-                         "wait_seconds": args.wait_seconds})
+                         "wait_seconds": args.wait_seconds, "spread_seconds": args.spread_seconds})
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": machine(), "rabbitmq": broker.version(), "url": where,
             "command": "python -m bench " + shlex.join(sys.argv[1:] if argv is None else argv),

@@ -3,10 +3,11 @@ as a blue-green upgrade does (the old cluster `--url`, the new one `--to-url`: 3
 4.3.6 in BENCHMARKS.md).
 
 A gateway on the old cluster takes `--messages` (1,000,000) published as fast as it reads
-them, each due at a time spread evenly over five minutes that start `--wait-seconds` (600)
-after the first publish, and a few (one in a hundred) due within a minute of their publish:
-those fall due during the move. The old gateway keeps running while `move` takes everything
-from the old cluster's queues to the new one's; then a gateway starts on the new cluster.
+them, each due at a time spread evenly over `--spread-seconds` (900) that start
+`--wait-seconds` (600) after the first publish, and one in a hundred due within a minute of
+their publish (within --wait-seconds): those fall due during the move. The old gateway keeps
+running while `move` takes everything from the old cluster's queues to the new one's; then a
+gateway starts on the new cluster.
 Receivers bound to pick-up on both clusters take everything (what the old gateway holds in
 memory when the move reaches its queue is delivered there, once): lateness is measured on the
 publisher's clock over the first arrival of each message, from both; duplicates and losses
@@ -31,7 +32,6 @@ from .context import Context
 from .stats import lateness_stats
 from .systems import DELIVER_AT, headers_for
 
-SPREAD_MS = 300_000
 SOON = 100  # one in this many is due within a minute: during the move
 
 
@@ -45,6 +45,7 @@ def move(ctx: Context) -> List[dict]:
 def _run(ctx: Context, round_no: int, to_url: str) -> dict:
     n = ctx.n(1_000_000)
     wait_ms = float(ctx.extra.get("wait_seconds") or 600.0) * 1000
+    spread_ms = float(ctx.extra.get("spread_seconds") or 900.0) * 1000
     chain = ctx.chain("move", ctx.queue_types[0], ctx.zero_bits[0])
     sink = f"{chain.prefix}.receiver"
     topology = build(chain)
@@ -61,7 +62,8 @@ def _run(ctx: Context, round_no: int, to_url: str) -> dict:
         start = now_ms()
 
         def one(i: int):
-            due = start + (rnd.uniform(5_000, 60_000) if i % SOON == 0 else wait_ms + rnd.uniform(0, SPREAD_MS))
+            soon = i % SOON == 0
+            due = start + (rnd.uniform(5_000, min(60_000.0, wait_ms)) if soon else wait_ms + rnd.uniform(0, spread_ms))
             headers, due = headers_for(DELIVER_AT, now_ms(), max(0, int(due - now_ms())))
             return (chain.names.check_in, f"bench.{i % 10}", pika.BasicProperties(delivery_mode=2, headers=headers),
                     body(i, due, ctx.size), due)
@@ -87,10 +89,11 @@ def _run(ctx: Context, round_no: int, to_url: str) -> dict:
         if now_ms() > start + wait_ms:
             ctx.log("    (the move ended after the first of the far messages fell due: raise --wait-seconds)")
         gateways.append(GatewayProcess(chain, *ctx.gateway_args, url=to_url, die_with_parent=True).wait_ready(60))
-        last_due = start + wait_ms + SPREAD_MS
-        # everything, and ten seconds past the last due time for duplicates; or two minutes past it
+        last_due = start + wait_ms + spread_ms
+        # everything, and ten seconds past the last due time for duplicates; or ten minutes past it
+        # (what comes later still is lost to the figures)
         while not (sum(r.count.value for r in receivers) >= n and now_ms() > last_due + 10_000) \
-                and now_ms() < last_due + 120_000:
+                and now_ms() < last_due + 600_000:
             time.sleep(2)
         data = [r.stop() for r in receivers]
     finally:

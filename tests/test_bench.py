@@ -22,7 +22,7 @@ from bench.delayed import Load, schedule, writes_model
 from bench.systems import DELAY, DELIVER_AT, Target, headers_for, whole_seconds
 from topology import ChainSettings
 
-from .support import ROOT, broker_url
+from .support import ROOT, broker_url, main_broker_url
 
 # The benchmark's own output and bookkeeping, not the broker's behaviour; about 40 s. On the
 # private 4.3 node: it must have no delayed-message plugin (and 4.3 cannot run it), and its
@@ -152,6 +152,18 @@ def test_catch_up_releases_an_outages_backlog_at_once_then_paced(broker, tmp_pat
     # (a busy machine only slows the catch-up; its arrivals may bunch a little: 110 a second released at most)
     assert paced["peak_per_s"] <= 150 and paced["catch_up_s"] >= 1.9, paced
     assert "| catch-up: round |" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_move_takes_what_waits_to_another_broker(broker, tmp_path):
+    """move at a tiny size (about 50 s): 300 published to this node's gateway, moved to the
+    suite's 3.10 broker, delivered there (three due during the move, by either side)."""
+    proc = bench(tmp_path, "move", "--to-url", main_broker_url(), "--messages", "300", "--wait-seconds", "25",
+                 "--spread-seconds", "5")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [r] = json.loads((tmp_path / "out" / "results.json").read_text())["results"]["move"]
+    late = r["lateness"]
+    assert (late["lost"], late["early"], late["duplicates"]) == (0, 0, 0), r
+    assert r["delivered_old"] + r["delivered_new"] == 300 and r["moved"] >= 297 and r["passes"] >= 1, r
 
 
 def test_footprint_counts_what_a_prefix_declares_and_leaves_nothing(broker, broker_ctl, tmp_path):

@@ -26,8 +26,9 @@ from .rules import PLAIN, plain_text, rule_groups
 ENABLED = {"metrics": {"prometheusRule": {"enabled": True}}}
 NS, JOB = "messaging", "delay-gateway-metrics"
 ALERTS = ["DelayGatewayCheckInNotReady", "DelayGatewayDistributorNotReady", "DelayGatewayCheckInBacklog",
-          "DelayGatewayCatchUpBehind", "DelayGatewayOverdueWaiting", "DelayGatewayLateDeliveries", "DelayGatewayMessagesParked",
-          "DelayGatewayRetriesGaveUp", "DelayGatewayCancellationsNotFollowed", "DelayGatewayConnectionsFlapping"]
+          "DelayGatewayCatchUpBehind", "DelayGatewayOverdueWaiting", "DelayGatewayLateDeliveries",
+          "DelayGatewayMessagesParked", "DelayGatewayRetriesGaveUp", "DelayGatewayCancellationsNotFollowed",
+          "DelayGatewayConnectionsFlapping"]
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess:
