@@ -1,6 +1,7 @@
 """`delay-gateway move --to` against real brokers, at its worst moments: messages wait in an
 old topology's levels, meditation, check-in (no gateway reading it) and its cancels; the move
-is SIGKILLed once it has moved its first batches, and run again to the end; a gateway on the
+is SIGKILLed (or loses its connection to the old cluster) just after the new cluster confirmed
+a batch the old one never hears removed, and is run again to the end; a gateway on the
 new topology delivers everything: nothing lost, nothing early, nothing cancelled, duplicates
 only from the batch the kill interrupted. Between two prefixes of each suite broker (what
 `--to-prefix` is for), and from RabbitMQ 3.10 to 4.3 (the blue-green upgrade)."""
@@ -87,7 +88,7 @@ class Move:
         return json.loads(out)
 
 
-def move_through_a_kill(old_url, old, new_url, new, chain_for_gateway, label) -> None:
+def move_through_a_fault(old_url, old, new_url, new, chain_for_gateway, label, fault="kill") -> None:
     receiver = Receiver(new, url=new_url)
     old_receiver = Receiver(old, url=old_url)
     sent_at, delay = {}, {}
@@ -125,8 +126,15 @@ def move_through_a_kill(old_url, old, new_url, new, chain_for_gateway, label) ->
         wait_until(lambda: proxy.dropped > 0 or victim.proc.poll() is not None, 120, 0.005,
                    "the move's third batch confirmed by the new cluster")
         assert victim.proc.poll() is None, "".join(victim.err)
-        victim.proc.send_signal(signal.SIGKILL)
-        victim.proc.wait()
+        if fault == "kill":
+            victim.proc.send_signal(signal.SIGKILL)
+            victim.proc.wait()
+        else:  # its connection to the old cluster lost: it stops by itself, in one line, and says to run again
+            assert proxy.cut() >= 1
+            assert victim.proc.wait(60) == 1
+            wait_until(lambda: any("run again" in line for line in victim.err), 10, 0.01, "its last line")
+            last = victim.err[-1]
+            assert last.startswith("delay-gateway move: ") and "run again" in last, last
         proxy.close()
         outcome = Move(old_url, old, new_url, new).finish()
         took = now_ms() - start
@@ -165,11 +173,12 @@ def move_through_a_kill(old_url, old, new_url, new, chain_for_gateway, label) ->
         old_receiver.close()
 
 
-def test_move_to_another_prefix_through_a_kill(make_chain, broker, request):
+@pytest.mark.parametrize("fault", ["kill", "cut"])
+def test_move_to_another_prefix_through_a_kill_or_a_cut(make_chain, broker, fault, request):
     old = make_chain(max_level=5, resolution_ms=500)
     new = make_chain(max_level=5, resolution_ms=500)
     url = broker_url()
-    move_through_a_kill(url, old, url, new, new, f"broker={request.node.callspec.params['broker']}")
+    move_through_a_fault(url, old, url, new, new, f"{fault} broker={request.node.callspec.params['broker']}", fault)
 
 
 @pytest.mark.brokers("rmq3.10", reason="the upgrade users make: from the old cluster on 3.10 to a new one on 4.3")
@@ -178,4 +187,4 @@ def test_move_from_rabbitmq_3_10_to_4_3(make_chain, broker, private_broker):
     old = make_chain(max_level=5, resolution_ms=500)
     with chains(target) as make_new:
         new = make_new(max_level=5, resolution_ms=500, prefix=old.prefix)
-        move_through_a_kill(broker_url(), old, target, new, new, "3.10->4.3")
+        move_through_a_fault(broker_url(), old, target, new, new, "kill 3.10->4.3")
